@@ -1,0 +1,124 @@
+// rocmforge_raw portable kernel layer: one source for nvcc/NVRTC (NVIDIA) and clang/hipcc/hiprtc
+// (AMD, wave64 and wave32). The AMD side uses amdgcn builtins only, so it builds with
+// -nogpulib -nogpuinc (no ROCm device libraries or HIP headers needed).
+#pragma once
+
+#if defined(__CUDACC__) || defined(__CUDACC_RTC__)
+#define RF_NVIDIA 1
+#define RF_KERNEL(threads) extern "C" __global__ void __launch_bounds__(threads)
+#define RF_DEVICE __device__ __forceinline__
+#define RF_SHARED __shared__
+#define RF_WARP 32
+RF_DEVICE unsigned rf_tid() { return threadIdx.x; }
+RF_DEVICE unsigned rf_bid_x() { return blockIdx.x; }
+RF_DEVICE unsigned rf_bid_y() { return blockIdx.y; }
+RF_DEVICE unsigned rf_bid_z() { return blockIdx.z; }
+RF_DEVICE void rf_sync() { __syncthreads(); }
+RF_DEVICE float rf_shfl_xor(float v, int mask) { return __shfl_xor_sync(0xffffffffu, v, mask); }
+RF_DEVICE float rf_exp2(float x) { float y; asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x)); return y; }
+RF_DEVICE float rf_half_to_float(unsigned short h) {
+  float f; asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h)); return f;
+}
+RF_DEVICE unsigned short rf_float_to_half(float f) {
+  unsigned short h; asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f)); return h;
+}
+typedef unsigned long long rf_u64;
+typedef long long rf_i64;
+
+#elif defined(__HIP__) || defined(__HIPCC_RTC__) || defined(__AMDGCN__)
+#define RF_AMD 1
+#define RF_KERNEL(threads) \
+  extern "C" __attribute__((global, amdgpu_flat_work_group_size(1, threads))) void
+#define RF_DEVICE __attribute__((device)) inline __attribute__((always_inline))
+#define RF_SHARED __attribute__((shared))
+#if defined(__AMDGCN_WAVEFRONT_SIZE__)
+#define RF_WARP __AMDGCN_WAVEFRONT_SIZE__
+#elif defined(__AMDGCN_WAVEFRONT_SIZE)
+#define RF_WARP __AMDGCN_WAVEFRONT_SIZE
+#else
+#define RF_WARP 64
+#endif
+RF_DEVICE unsigned rf_tid() { return __builtin_amdgcn_workitem_id_x(); }
+RF_DEVICE unsigned rf_bid_x() { return __builtin_amdgcn_workgroup_id_x(); }
+RF_DEVICE unsigned rf_bid_y() { return __builtin_amdgcn_workgroup_id_y(); }
+RF_DEVICE unsigned rf_bid_z() { return __builtin_amdgcn_workgroup_id_z(); }
+RF_DEVICE void rf_sync() {
+  __builtin_amdgcn_fence(__ATOMIC_RELEASE, "workgroup");
+  __builtin_amdgcn_s_barrier();
+  __builtin_amdgcn_fence(__ATOMIC_ACQUIRE, "workgroup");
+}
+RF_DEVICE float rf_shfl_xor(float v, int mask) {
+  int lane = (int)(rf_tid() % RF_WARP);
+  int bits = __builtin_amdgcn_ds_bpermute((lane ^ mask) << 2, __builtin_bit_cast(int, v));
+  return __builtin_bit_cast(float, bits);
+}
+RF_DEVICE float rf_exp2(float x) { return __builtin_exp2f(x); }
+RF_DEVICE float rf_half_to_float(unsigned short h) {
+  return (float)__builtin_bit_cast(_Float16, h);
+}
+RF_DEVICE unsigned short rf_float_to_half(float f) {
+  return __builtin_bit_cast(unsigned short, (_Float16)f);
+}
+typedef unsigned long long rf_u64;
+typedef long long rf_i64;
+
+#else
+#error "compat.h: compile with nvcc/NVRTC (NVIDIA) or clang/hipcc/hiprtc in HIP mode (AMD)"
+#endif
+
+#define RF_INF __builtin_inff()
+
+RF_DEVICE float rf_fmax(float a, float b) { return a > b ? a : b; }
+RF_DEVICE float rf_bf16_to_float(unsigned short h) {
+  return __builtin_bit_cast(float, ((unsigned)h) << 16);
+}
+RF_DEVICE unsigned short rf_float_to_bf16(float f) {  // round to nearest even, NaN kept quiet
+  unsigned u = __builtin_bit_cast(unsigned, f);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return (unsigned short)((u >> 16) | 0x40u);
+  return (unsigned short)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+// 16 bytes, the width of one vector load/store.
+struct alignas(16) rf_vec16 { unsigned x, y, z, w; };
+
+// Element types: `storage` is what the cache holds; PER_VEC elements fit in one rf_vec16.
+struct rf_f32 {
+  typedef float storage;
+  static constexpr int PER_VEC = 4;
+  RF_DEVICE static void unpack(const rf_vec16& v, float* out) {
+    out[0] = __builtin_bit_cast(float, v.x); out[1] = __builtin_bit_cast(float, v.y);
+    out[2] = __builtin_bit_cast(float, v.z); out[3] = __builtin_bit_cast(float, v.w);
+  }
+  RF_DEVICE static storage from_float(float f) { return f; }
+  RF_DEVICE static float to_float(storage s) { return s; }
+};
+
+template <float (*CONVERT)(unsigned short), unsigned short (*BACK)(float)>
+struct rf_16bit {
+  typedef unsigned short storage;
+  static constexpr int PER_VEC = 8;
+  RF_DEVICE static void unpack(const rf_vec16& v, float* out) {
+    const unsigned words[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      out[2 * i] = CONVERT((unsigned short)(words[i] & 0xffffu));
+      out[2 * i + 1] = CONVERT((unsigned short)(words[i] >> 16));
+    }
+  }
+  RF_DEVICE static storage from_float(float f) { return BACK(f); }
+  RF_DEVICE static float to_float(storage s) { return CONVERT(s); }
+};
+typedef rf_16bit<rf_half_to_float, rf_float_to_half> rf_f16;
+typedef rf_16bit<rf_bf16_to_float, rf_float_to_bf16> rf_bf16;
+
+// Sum or max over one warp/wavefront; every lane gets the result.
+RF_DEVICE float rf_warp_sum(float v) {
+#pragma unroll
+  for (int m = RF_WARP / 2; m > 0; m >>= 1) v += rf_shfl_xor(v, m);
+  return v;
+}
+RF_DEVICE float rf_warp_max(float v) {
+#pragma unroll
+  for (int m = RF_WARP / 2; m > 0; m >>= 1) v = rf_fmax(v, rf_shfl_xor(v, m));
+  return v;
+}

@@ -1,0 +1,241 @@
+// Paged-attention decode: one query token per sequence over an HND paged K/V cache.
+//
+// Layout (DESIGN.md): k_cache/v_cache [num_blocks, num_kv_heads, block_size, head_dim] of E;
+// q/out [num_seqs, num_q_heads, head_dim]; block_tables int32 [num_seqs, max_blocks];
+// seq_lens int32 [num_seqs]. Query head h reads kv head h / (num_q_heads / num_kv_heads).
+//
+// One CTA handles (kv head, group of up to G query heads sharing it, sequence, partition):
+// every K/V element of the partition is read once for the whole group. Each tile of TILE
+// tokens is scored one token per thread (q broadcast from shared memory), softmaxed online in
+// float32 (base-2 exponent, q pre-scaled by scale*log2(e)), then V is accumulated with each
+// thread owning one 16-byte column vector of a row. With one partition the CTA writes `out`;
+// with several, it writes unnormalised partial outputs plus (max, sum) and
+// rf_pa_reduce_* combines them.
+#include "compat.h"
+
+#define RF_PA_THREADS 128
+#define RF_PA_TILE RF_PA_THREADS
+#define RF_PA_WARPS (RF_PA_THREADS / RF_WARP)
+#define RF_PA_MAX_PARTITIONS 512
+#define RF_LOG2E 1.4426950408889634f
+
+template <class E, int D, int G>
+RF_DEVICE void paged_attention(
+    typename E::storage* __restrict__ out, float* __restrict__ part_out,
+    float* __restrict__ part_ml, const typename E::storage* __restrict__ q,
+    const typename E::storage* __restrict__ k_cache,
+    const typename E::storage* __restrict__ v_cache, const int* __restrict__ block_tables,
+    const int* __restrict__ seq_lens, float scale, int num_q_heads, int num_kv_heads,
+    int max_blocks, int block_shift, int partition_tokens, int num_partitions) {
+  constexpr int PV = E::PER_VEC;          // elements per 16-byte vector
+  constexpr int VPR = D / PV;              // vectors per row
+  constexpr int ROWS = RF_PA_THREADS / VPR;  // rows handled at once in the V phase
+  constexpr int KB = VPR < 8 ? VPR : 8;    // K vectors loaded per batch (loads in flight)
+  static_assert(VPR <= RF_PA_THREADS, "head_dim too large for the thread block");
+
+  RF_SHARED float q_s[G][D];
+  RF_SHARED float p_s[G][RF_PA_TILE];
+  RF_SHARED rf_i64 row_s[RF_PA_TILE];
+  RF_SHARED float red_s[G][RF_PA_WARPS];
+  RF_SHARED float out_s[G][D];
+
+  const int tid = (int)rf_tid(), lane = tid % RF_WARP, warp = tid / RF_WARP;
+  const int seq = (int)rf_bid_y(), part = (int)rf_bid_z();
+  const int ratio = num_q_heads / num_kv_heads, chunks = (ratio + G - 1) / G;
+  const int kvh = (int)rf_bid_x() / chunks, q0 = kvh * ratio + ((int)rf_bid_x() % chunks) * G;
+  const int nh = ratio - (q0 - kvh * ratio) < G ? ratio - (q0 - kvh * ratio) : G;
+  const int len = seq_lens[seq], start = part * partition_tokens;
+  const int end = len < start + partition_tokens ? len : start + partition_tokens;
+  const int block_size = 1 << block_shift;
+  const float qscale = scale * RF_LOG2E;
+
+  for (int i = tid; i < G * D; i += RF_PA_THREADS) {
+    const int g = i / D, d = i % D;
+    q_s[g][d] = g < nh ? E::to_float(q[((rf_i64)seq * num_q_heads + q0 + g) * D + d]) * qscale
+                       : 0.f;
+    out_s[g][d] = 0.f;
+  }
+  rf_sync();
+
+  const int vcol = tid % VPR, vrow = tid / VPR;
+  float acc[G][PV], m_run[G], l_part[G];
+#pragma unroll
+  for (int g = 0; g < G; ++g) {
+    m_run[g] = -RF_INF;
+    l_part[g] = 0.f;
+#pragma unroll
+    for (int e = 0; e < PV; ++e) acc[g][e] = 0.f;
+  }
+  const int* table = block_tables + (rf_i64)seq * max_blocks;
+
+  for (int t0 = start; t0 < end; t0 += RF_PA_TILE) {
+    // scores: thread tid scores token t0 + tid against the G query heads
+    const int tok = t0 + tid;
+    float s[G];
+    if (tok < end) {
+      const rf_i64 blk = table[tok >> block_shift];
+      const rf_i64 row = ((blk * num_kv_heads + kvh) * block_size + (tok & (block_size - 1))) * D;
+      row_s[tid] = row;
+      const rf_vec16* krow = reinterpret_cast<const rf_vec16*>(k_cache + row);
+#pragma unroll
+      for (int g = 0; g < G; ++g) s[g] = 0.f;
+#pragma unroll
+      for (int c0 = 0; c0 < VPR; c0 += KB) {
+        rf_vec16 kv[KB];
+#pragma unroll
+        for (int c = 0; c < KB; ++c) kv[c] = krow[c0 + c];
+#pragma unroll
+        for (int c = 0; c < KB; ++c) {
+          float k[PV];
+          E::unpack(kv[c], k);
+#pragma unroll
+          for (int g = 0; g < G; ++g)
+#pragma unroll
+            for (int e = 0; e < PV; ++e) s[g] += q_s[g][(c0 + c) * PV + e] * k[e];
+        }
+      }
+    } else {
+#pragma unroll
+      for (int g = 0; g < G; ++g) s[g] = -RF_INF;
+    }
+#pragma unroll
+    for (int g = 0; g < G; ++g) {
+      const float mx = rf_warp_max(s[g]);
+      if (lane == 0) red_s[g][warp] = mx;
+    }
+    rf_sync();
+    // online softmax: every thread derives the same new running max
+#pragma unroll
+    for (int g = 0; g < G; ++g) {
+      float m_new = m_run[g];
+#pragma unroll
+      for (int w = 0; w < RF_PA_WARPS; ++w) m_new = rf_fmax(m_new, red_s[g][w]);
+      const float alpha = m_run[g] == -RF_INF ? 0.f : rf_exp2(m_run[g] - m_new);
+      const float p = tok < end ? rf_exp2(s[g] - m_new) : 0.f;
+      p_s[g][tid] = p;
+      l_part[g] = l_part[g] * alpha + p;
+      m_run[g] = m_new;
+#pragma unroll
+      for (int e = 0; e < PV; ++e) acc[g][e] *= alpha;
+    }
+    rf_sync();
+    // values: thread owns vector vcol of rows vrow, vrow + ROWS, ...
+    const int rows = end - t0 < RF_PA_TILE ? end - t0 : RF_PA_TILE;
+#pragma unroll 4
+    for (int r = vrow; r < rows; r += ROWS) {
+      const rf_vec16 vv = reinterpret_cast<const rf_vec16*>(v_cache + row_s[r])[vcol];
+      float v[PV];
+      E::unpack(vv, v);
+#pragma unroll
+      for (int g = 0; g < G; ++g) {
+        const float p = p_s[g][r];
+#pragma unroll
+        for (int e = 0; e < PV; ++e) acc[g][e] += p * v[e];
+      }
+    }
+    rf_sync();
+  }
+
+  // combine: row groups inside a warp by shuffles, then warps one after another in smem
+#pragma unroll
+  for (int g = 0; g < G; ++g) {
+#pragma unroll
+    for (int m = VPR; m < RF_WARP; m <<= 1)
+#pragma unroll
+      for (int e = 0; e < PV; ++e) acc[g][e] += rf_shfl_xor(acc[g][e], m);
+    const float l = rf_warp_sum(l_part[g]);
+    if (lane == 0) red_s[g][warp] = l;
+  }
+  for (int w = 0; w < RF_PA_WARPS; ++w) {
+    if (warp == w && (VPR >= RF_WARP || lane < VPR)) {
+#pragma unroll
+      for (int g = 0; g < G; ++g)
+#pragma unroll
+        for (int e = 0; e < PV; ++e) out_s[g][vcol * PV + e] += acc[g][e];
+    }
+    rf_sync();
+  }
+  for (int i = tid; i < nh * D; i += RF_PA_THREADS) {
+    const int g = i / D, d = i % D;
+    float l = 0.f;
+#pragma unroll
+    for (int w = 0; w < RF_PA_WARPS; ++w) l += red_s[g][w];
+    const rf_i64 head = (rf_i64)seq * num_q_heads + q0 + g;
+    if (num_partitions == 1) {
+      out[head * D + d] = E::from_float(l > 0.f ? out_s[g][d] / l : 0.f);
+    } else {
+      const rf_i64 slot = head * num_partitions + part;
+      part_out[slot * D + d] = out_s[g][d];
+      if (d == 0) {
+        part_ml[slot * 2] = m_run[g];
+        part_ml[slot * 2 + 1] = l;
+      }
+    }
+  }
+}
+
+// Combines the partitions of one (sequence, query head): out = sum_p w_p o_p / sum_p w_p l_p
+// with w_p = 2^(m_p - max_p m_p). Grid (num_q_heads, num_seqs), RF_PA_THREADS threads.
+template <class E, int D>
+RF_DEVICE void paged_attention_reduce(typename E::storage* __restrict__ out,
+                                      const float* __restrict__ part_out,
+                                      const float* __restrict__ part_ml, int num_q_heads,
+                                      int num_partitions) {
+  RF_SHARED float w_s[RF_PA_MAX_PARTITIONS];
+  RF_SHARED float total_s;
+  const int tid = (int)rf_tid();
+  const rf_i64 head = (rf_i64)rf_bid_y() * num_q_heads + rf_bid_x();
+  const float* ml = part_ml + head * num_partitions * 2;
+  if (tid == 0) {
+    float m = -RF_INF, total = 0.f;
+    for (int p = 0; p < num_partitions; ++p) m = rf_fmax(m, ml[2 * p]);
+    for (int p = 0; p < num_partitions; ++p) {
+      const float w = ml[2 * p + 1] > 0.f ? rf_exp2(ml[2 * p] - m) : 0.f;
+      w_s[p] = w;
+      total += w * ml[2 * p + 1];
+    }
+    total_s = total;
+  }
+  rf_sync();
+  const float inv = total_s > 0.f ? 1.f / total_s : 0.f;
+  const float* po = part_out + head * num_partitions * D;
+  for (int d = tid; d < D; d += RF_PA_THREADS) {
+    float o = 0.f;
+    for (int p = 0; p < num_partitions; ++p) o += w_s[p] * po[(rf_i64)p * D + d];
+    out[head * D + d] = E::from_float(o * inv);
+  }
+}
+
+#define RF_PA_KERNEL(NAME, E, D, G)                                                            \
+  RF_KERNEL(RF_PA_THREADS) rf_paged_attention_##NAME##_d##D##_g##G(                           \
+      E::storage* out, float* part_out, float* part_ml, const E::storage* q,                   \
+      const E::storage* k_cache, const E::storage* v_cache, const int* block_tables,           \
+      const int* seq_lens, float scale, int num_q_heads, int num_kv_heads, int max_blocks,     \
+      int block_shift, int partition_tokens, int num_partitions) {                             \
+    paged_attention<E, D, G>(out, part_out, part_ml, q, k_cache, v_cache, block_tables,       \
+                             seq_lens, scale, num_q_heads, num_kv_heads, max_blocks,           \
+                             block_shift, partition_tokens, num_partitions);                   \
+  }
+
+#define RF_PA_REDUCE(NAME, E, D)                                                               \
+  RF_KERNEL(RF_PA_THREADS) rf_paged_attention_reduce_##NAME##_d##D(                           \
+      E::storage* out, const float* part_out, const float* part_ml, int num_q_heads,           \
+      int num_partitions) {                                                                    \
+    paged_attention_reduce<E, D>(out, part_out, part_ml, num_q_heads, num_partitions);        \
+  }
+
+#define RF_PA_HEAD_DIM(NAME, E, D)                                                             \
+  RF_PA_KERNEL(NAME, E, D, 1)                                                                  \
+  RF_PA_KERNEL(NAME, E, D, 2)                                                                  \
+  RF_PA_KERNEL(NAME, E, D, 4)                                                                  \
+  RF_PA_KERNEL(NAME, E, D, 8)                                                                  \
+  RF_PA_REDUCE(NAME, E, D)
+
+#define RF_PA_DTYPE(NAME, E)                                                                   \
+  RF_PA_HEAD_DIM(NAME, E, 64)                                                                  \
+  RF_PA_HEAD_DIM(NAME, E, 128)                                                                 \
+  RF_PA_HEAD_DIM(NAME, E, 256)
+
+RF_PA_DTYPE(f16, rf_f16)
+RF_PA_DTYPE(bf16, rf_bf16)
+RF_PA_DTYPE(f32, rf_f32)

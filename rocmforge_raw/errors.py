@@ -1,0 +1,50 @@
+"""Exceptions raised by rocmforge_raw. Every message names the numbers involved."""
+
+from __future__ import annotations
+
+
+class RocmforgeError(Exception):
+    """Base class of every error this package raises on purpose."""
+
+
+class BackendUnavailableError(RocmforgeError):
+    """A backend was asked for that cannot be used here (no library, no device, unknown name)."""
+
+
+class DeviceError(RocmforgeError):
+    """A runtime binding call returned a failure status.
+
+    Carries the API name (``hipMalloc``), the numeric status, its symbolic name and its
+    description as the runtime gives them.
+    """
+
+    def __init__(self, api: str, status: int, status_name: str, message: str) -> None:
+        self.api = api
+        self.status = int(status)
+        self.status_name = status_name
+        self.message = message
+        super().__init__(f"{api} failed: {status_name} ({self.status}): {message}")
+
+
+class OutOfMemoryError(DeviceError, MemoryError):
+    """An allocation could not be met. Sizes are in bytes."""
+
+    def __init__(
+        self, api: str, requested: int, free: int, total: int, status: int = 2,
+        status_name: str = "out of memory",
+    ) -> None:
+        self.requested = requested
+        self.free = free
+        self.total = total
+        DeviceError.__init__(
+            self, api, status, status_name,
+            f"requested {requested} bytes with {free} of {total} bytes free",
+        )
+
+
+class BufferClosedError(RocmforgeError, ValueError):
+    """A buffer or view was used after its memory was released."""
+
+
+class KernelNotAvailableError(RocmforgeError):
+    """No code object fits the device and none could be compiled at run time."""

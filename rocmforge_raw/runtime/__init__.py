@@ -1,0 +1,114 @@
+"""Backend selection: ``hip`` if an AMD GPU answers, else ``cuda`` if an NVIDIA GPU answers,
+else ``host``. ``RF_BACKEND=hip|cuda|host`` forces one. Backends are created once, on first use.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable
+
+from ..errors import BackendUnavailableError
+from .base import Backend, DeviceProperties
+
+__all__ = [
+    "BACKEND_NAMES", "Backend", "DeviceProperties", "available_backends", "default_backend",
+    "devices", "get_backend",
+]
+
+
+def _hip() -> Backend:
+    from .hip import HipBackend
+
+    return HipBackend()
+
+
+def _cuda() -> Backend:
+    from .cuda import CudaBackend
+
+    return CudaBackend()
+
+
+def _host() -> Backend:
+    from .host import HostBackend
+
+    return HostBackend()
+
+
+_FACTORIES: dict[str, Callable[[], Backend]] = {"hip": _hip, "cuda": _cuda, "host": _host}
+#: In order of preference.
+BACKEND_NAMES = tuple(_FACTORIES)
+
+_lock = threading.RLock()
+_backends: dict[str, Backend] = {}
+_failures: dict[str, BackendUnavailableError] = {}
+_default: Backend | None = None
+
+
+def get_backend(name: str | Backend | None = None) -> Backend:
+    """The backend called ``name`` (created on first use), or the default one for ``None``."""
+    if isinstance(name, Backend):
+        return name
+    if name is None:
+        return default_backend()
+    if name not in _FACTORIES:
+        raise BackendUnavailableError(
+            f"unknown backend {name!r}: choose one of {', '.join(BACKEND_NAMES)}"
+        )
+    with _lock:
+        if name in _backends:
+            return _backends[name]
+        if name in _failures:
+            raise _failures[name]
+        try:
+            backend = _FACTORIES[name]()
+        except BackendUnavailableError as exc:
+            _failures[name] = exc
+            raise
+        except Exception as exc:  # a binding that fails to load is "unavailable", with why
+            _failures[name] = BackendUnavailableError(f"{name} backend failed to start: {exc}")
+            raise _failures[name] from exc
+        _backends[name] = backend
+        return backend
+
+
+def default_backend() -> Backend:
+    """``RF_BACKEND`` if set, else the first of hip, cuda, host that answers."""
+    global _default
+    with _lock:
+        if _default is None:
+            forced = os.environ.get("RF_BACKEND", "").strip().lower()
+            if forced:
+                _default = get_backend(forced)
+            else:
+                _default = next(b for b in map(_try, BACKEND_NAMES) if b is not None)
+        return _default
+
+
+def _try(name: str) -> Backend | None:
+    try:
+        return get_backend(name)
+    except BackendUnavailableError:
+        return None
+
+
+def available_backends() -> dict[str, str]:
+    """Each backend name mapped to ``"ok"`` or the reason it is unavailable."""
+    status = {}
+    for name in BACKEND_NAMES:
+        try:
+            get_backend(name)
+            status[name] = "ok"
+        except BackendUnavailableError as exc:
+            status[name] = str(exc)
+    return status
+
+
+def devices() -> list[DeviceProperties]:
+    """Properties of every device of every backend that answers, GPUs first."""
+    found = []
+    for name in BACKEND_NAMES:
+        backend = _try(name)
+        if backend is not None:
+            found.extend(backend.properties(i) for i in range(backend.device_count()))
+    return found

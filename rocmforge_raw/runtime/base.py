@@ -1,0 +1,133 @@
+"""The backend interface: the few calls every runtime (HIP, CUDA, host) provides.
+
+Everything above ``runtime/`` talks to devices only through this interface. Device pointers are
+plain ``int`` addresses, sizes are bytes, and stream/event/module/function handles are opaque
+objects owned by the backend that created them. A stream argument of ``None`` means the default
+(null) stream. Backends do no argument validation beyond what the binding does: callers
+(``HipBuffer``, ``module``) check sizes and bounds first.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+
+@dataclass(frozen=True)
+class DeviceProperties:
+    """What a device is: ``arch`` is ``gfx942``/``sm_90``/``host``; memory in bytes."""
+
+    backend: str
+    index: int
+    name: str
+    arch: str
+    total_bytes: int
+    multiprocessors: int
+    warp_size: int
+
+
+class Backend(ABC):
+    """One runtime. Implementations are short: each method is one or two binding calls."""
+
+    name: ClassVar[str]
+    #: DLPack device type (kDLCPU=1, kDLCUDA=2, kDLROCM=10).
+    dlpack_device_type: ClassVar[int]
+
+    # devices
+    @abstractmethod
+    def device_count(self) -> int: ...
+    @abstractmethod
+    def properties(self, device: int) -> DeviceProperties: ...
+    @abstractmethod
+    def set_device(self, device: int) -> None: ...
+    @abstractmethod
+    def get_device(self) -> int: ...
+    @abstractmethod
+    def mem_info(self, device: int) -> tuple[int, int]:
+        """(free bytes, total bytes) of ``device``."""
+    @abstractmethod
+    def synchronize(self, device: int) -> None: ...
+
+    # memory
+    @abstractmethod
+    def malloc(self, nbytes: int, device: int) -> int:
+        """Allocate ``nbytes`` > 0 on ``device``; raises ``OutOfMemoryError`` when it cannot."""
+    @abstractmethod
+    def free(self, ptr: int, device: int) -> None: ...
+    @abstractmethod
+    def memcpy_htod(self, dst: int, src_host: int, nbytes: int, stream: Any = None) -> None: ...
+    @abstractmethod
+    def memcpy_dtoh(self, dst_host: int, src: int, nbytes: int, stream: Any = None) -> None: ...
+    @abstractmethod
+    def memcpy_dtod(self, dst: int, src: int, nbytes: int, stream: Any = None) -> None: ...
+    @abstractmethod
+    def memset(self, ptr: int, value: int, nbytes: int, stream: Any = None) -> None: ...
+
+    # streams and events
+    @abstractmethod
+    def stream_create(self, device: int) -> Any: ...
+    @abstractmethod
+    def stream_destroy(self, stream: Any, device: int) -> None: ...
+    @abstractmethod
+    def stream_synchronize(self, stream: Any) -> None: ...
+    @abstractmethod
+    def event_create(self, device: int) -> Any: ...
+    @abstractmethod
+    def event_destroy(self, event: Any, device: int) -> None: ...
+    @abstractmethod
+    def event_record(self, event: Any, stream: Any = None) -> None: ...
+    @abstractmethod
+    def event_synchronize(self, event: Any) -> None: ...
+    @abstractmethod
+    def event_elapsed_ms(self, start: Any, end: Any) -> float: ...
+
+    # code objects
+    @abstractmethod
+    def module_load(self, image: bytes, device: int) -> Any: ...
+    @abstractmethod
+    def module_unload(self, module: Any, device: int) -> None: ...
+    @abstractmethod
+    def module_function(self, module: Any, name: str) -> Any: ...
+    @abstractmethod
+    def launch(
+        self, function: Any, grid: tuple[int, int, int], block: tuple[int, int, int],
+        shared_bytes: int, stream: Any, params_addr: int,
+    ) -> None:
+        """Launch with ``params_addr`` the address of a ``void*[]`` of argument addresses."""
+
+    def compile_source(self, source: str, name: str, arch: str, options: list[str]) -> bytes:
+        """Compile kernel source at run time (hiprtc/NVRTC) to a loadable image."""
+        raise NotImplementedError(f"the {self.name} backend cannot compile kernels at run time")
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.name}>"
+
+
+def unwrap(api: str, result: Any, success: Any, describe: Any) -> Any:
+    """Turn a binding's ``(status, *values)`` result into its values, or raise ``DeviceError``.
+
+    ``describe(status)`` returns ``(status_name, message)``. Returns ``None`` for no values, the
+    value itself for one, and a tuple for several. This is the one ``check()`` of each backend.
+    """
+    if not isinstance(result, tuple):
+        result = (result,)
+    status = result[0]
+    if status != success:
+        status_name, message = describe(status)
+        from ..errors import DeviceError
+
+        raise DeviceError(api, int(status), status_name, message)
+    values = result[1:]
+    if not values:
+        return None
+    return values[0] if len(values) == 1 else values
+
+
+def as_text(value: Any) -> str:
+    """A binding's C string (bytes, str or None) as ``str``."""
+    if isinstance(value, tuple):
+        value = value[-1]
+    if isinstance(value, bytes):
+        return value.split(b"\0", 1)[0].decode(errors="replace")
+    return "" if value is None else str(value)

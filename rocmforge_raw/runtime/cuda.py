@@ -1,0 +1,217 @@
+"""CUDA backend: NVIDIA GPUs through cuda-python's driver bindings (``cuda.bindings.driver``).
+
+Uses each device's primary context and makes it current in every thread that calls in
+(contexts are per thread). Mirrors ``hip.py`` call for call.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+from ..errors import BackendUnavailableError, DeviceError, OutOfMemoryError
+from .base import Backend, DeviceProperties, as_text, unwrap
+
+try:
+    from cuda.bindings import driver as cu
+except ImportError as exc:  # pragma: no cover - depends on the environment
+    raise BackendUnavailableError(f"cuda-python is not installed: {exc}") from exc
+
+_SUCCESS = cu.CUresult.CUDA_SUCCESS
+_OOM = cu.CUresult.CUDA_ERROR_OUT_OF_MEMORY
+_MAX_STATIC_SHARED = 48 * 1024
+
+
+def _describe(status: Any) -> tuple[str, str]:
+    _, name = cu.cuGetErrorName(status)
+    _, text = cu.cuGetErrorString(status)
+    return as_text(name), as_text(text)
+
+
+def check(api: str, result: Any) -> Any:
+    return unwrap(api, result, _SUCCESS, _describe)
+
+
+class CudaBackend(Backend):
+    name = "cuda"
+    dlpack_device_type = 2  # kDLCUDA
+
+    def __init__(self) -> None:
+        try:
+            check("cuInit", cu.cuInit(0))
+        except Exception as exc:
+            raise BackendUnavailableError(f"no CUDA device answers: {exc}") from exc
+        self._count = check("cuDeviceGetCount", cu.cuDeviceGetCount())
+        if self._count == 0:
+            raise BackendUnavailableError("the CUDA driver reports no device")
+        self._contexts: dict[int, Any] = {}
+        self._lock = threading.Lock()
+        self._local = threading.local()
+        self._shared_raised: set[int] = set()
+
+    def _context(self, device: int) -> Any:
+        with self._lock:
+            if device not in self._contexts:
+                if not 0 <= device < self._count:
+                    raise BackendUnavailableError(
+                        f"CUDA device {device} does not exist: {self._count} device(s) present"
+                    )
+                handle = check("cuDeviceGet", cu.cuDeviceGet(device))
+                self._contexts[device] = check(
+                    "cuDevicePrimaryCtxRetain", cu.cuDevicePrimaryCtxRetain(handle)
+                )
+            return self._contexts[device]
+
+    def _activate(self, device: int) -> None:
+        if getattr(self._local, "device", None) != device:
+            check("cuCtxSetCurrent", cu.cuCtxSetCurrent(self._context(device)))
+            self._local.device = device
+
+    def device_count(self) -> int:
+        return self._count
+
+    def properties(self, device: int) -> DeviceProperties:
+        self._context(device)
+        handle = check("cuDeviceGet", cu.cuDeviceGet(device))
+        attr = cu.CUdevice_attribute
+
+        def get(a: Any) -> int:
+            return check("cuDeviceGetAttribute", cu.cuDeviceGetAttribute(a, handle))
+
+        major = get(attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)
+        minor = get(attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)
+        return DeviceProperties(
+            backend=self.name, index=device,
+            name=as_text(check("cuDeviceGetName", cu.cuDeviceGetName(256, handle))),
+            arch=f"sm_{major}{minor}",
+            total_bytes=check("cuDeviceTotalMem", cu.cuDeviceTotalMem(handle)),
+            multiprocessors=get(attr.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT),
+            warp_size=get(attr.CU_DEVICE_ATTRIBUTE_WARP_SIZE),
+        )
+
+    def set_device(self, device: int) -> None:
+        self._activate(device)
+
+    def get_device(self) -> int:
+        return getattr(self._local, "device", 0)
+
+    def mem_info(self, device: int) -> tuple[int, int]:
+        self._activate(device)
+        free, total = check("cuMemGetInfo", cu.cuMemGetInfo())
+        return int(free), int(total)
+
+    def synchronize(self, device: int) -> None:
+        self._activate(device)
+        check("cuCtxSynchronize", cu.cuCtxSynchronize())
+
+    def malloc(self, nbytes: int, device: int) -> int:
+        self._activate(device)
+        status, ptr = cu.cuMemAlloc(nbytes)
+        if status == _OOM:
+            free, total = self.mem_info(device)
+            raise OutOfMemoryError("cuMemAlloc", nbytes, free, total, int(status),
+                                   _describe(status)[0])
+        return int(check("cuMemAlloc", (status, ptr)))
+
+    def free(self, ptr: int, device: int) -> None:
+        self._activate(device)
+        check("cuMemFree", cu.cuMemFree(ptr))
+
+    def memcpy_htod(self, dst: int, src_host: int, nbytes: int, stream: Any = None) -> None:
+        if stream is None:
+            check("cuMemcpyHtoD", cu.cuMemcpyHtoD(dst, src_host, nbytes))
+        else:
+            check("cuMemcpyHtoDAsync", cu.cuMemcpyHtoDAsync(dst, src_host, nbytes, stream))
+
+    def memcpy_dtoh(self, dst_host: int, src: int, nbytes: int, stream: Any = None) -> None:
+        if stream is None:
+            check("cuMemcpyDtoH", cu.cuMemcpyDtoH(dst_host, src, nbytes))
+        else:
+            check("cuMemcpyDtoHAsync", cu.cuMemcpyDtoHAsync(dst_host, src, nbytes, stream))
+
+    def memcpy_dtod(self, dst: int, src: int, nbytes: int, stream: Any = None) -> None:
+        if stream is None:
+            check("cuMemcpyDtoD", cu.cuMemcpyDtoD(dst, src, nbytes))
+        else:
+            check("cuMemcpyDtoDAsync", cu.cuMemcpyDtoDAsync(dst, src, nbytes, stream))
+
+    def memset(self, ptr: int, value: int, nbytes: int, stream: Any = None) -> None:
+        if stream is None:
+            check("cuMemsetD8", cu.cuMemsetD8(ptr, value, nbytes))
+        else:
+            check("cuMemsetD8Async", cu.cuMemsetD8Async(ptr, value, nbytes, stream))
+
+    def stream_create(self, device: int) -> Any:
+        self._activate(device)
+        return check("cuStreamCreate", cu.cuStreamCreate(0))
+
+    def stream_destroy(self, stream: Any, device: int) -> None:
+        self._activate(device)
+        check("cuStreamDestroy", cu.cuStreamDestroy(stream))
+
+    def stream_synchronize(self, stream: Any) -> None:
+        check("cuStreamSynchronize", cu.cuStreamSynchronize(stream))
+
+    def event_create(self, device: int) -> Any:
+        self._activate(device)
+        return check("cuEventCreate", cu.cuEventCreate(0))
+
+    def event_destroy(self, event: Any, device: int) -> None:
+        self._activate(device)
+        check("cuEventDestroy", cu.cuEventDestroy(event))
+
+    def event_record(self, event: Any, stream: Any = None) -> None:
+        check("cuEventRecord", cu.cuEventRecord(event, 0 if stream is None else stream))
+
+    def event_synchronize(self, event: Any) -> None:
+        check("cuEventSynchronize", cu.cuEventSynchronize(event))
+
+    def event_elapsed_ms(self, start: Any, end: Any) -> float:
+        elapsed = getattr(cu, "cuEventElapsedTime_v2", None) or cu.cuEventElapsedTime
+        return float(check("cuEventElapsedTime", elapsed(start, end)))
+
+    def module_load(self, image: bytes, device: int) -> Any:
+        self._activate(device)
+        return check("cuModuleLoadData", cu.cuModuleLoadData(image))
+
+    def module_unload(self, module: Any, device: int) -> None:
+        self._activate(device)
+        check("cuModuleUnload", cu.cuModuleUnload(module))
+
+    def module_function(self, module: Any, name: str) -> Any:
+        return check("cuModuleGetFunction", cu.cuModuleGetFunction(module, name.encode()))
+
+    def launch(self, function, grid, block, shared_bytes, stream, params_addr) -> None:
+        if shared_bytes > _MAX_STATIC_SHARED and int(function) not in self._shared_raised:
+            attr = cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+            check("cuFuncSetAttribute", cu.cuFuncSetAttribute(function, attr, shared_bytes))
+            self._shared_raised.add(int(function))
+        check("cuLaunchKernel", cu.cuLaunchKernel(
+            function, *grid, *block, shared_bytes, 0 if stream is None else stream,
+            params_addr, 0,
+        ))
+
+    def compile_source(self, source: str, name: str, arch: str, options: list[str]) -> bytes:
+        from cuda.bindings import nvrtc
+
+        def nv(api: str, result: Any) -> Any:
+            return unwrap(api, result, nvrtc.nvrtcResult.NVRTC_SUCCESS,
+                          lambda s: (as_text(nvrtc.nvrtcGetErrorString(s)), ""))
+
+        prog = nv("nvrtcCreateProgram",
+                  nvrtc.nvrtcCreateProgram(source.encode(), name.encode(), 0, [], []))
+        try:
+            opts = [f"--gpu-architecture={arch}", *options]
+            status = nvrtc.nvrtcCompileProgram(prog, len(opts), [o.encode() for o in opts])[0]
+            if status != nvrtc.nvrtcResult.NVRTC_SUCCESS:
+                size = nv("nvrtcGetProgramLogSize", nvrtc.nvrtcGetProgramLogSize(prog))
+                log = b" " * size
+                nv("nvrtcGetProgramLog", nvrtc.nvrtcGetProgramLog(prog, log))
+                raise DeviceError("nvrtcCompileProgram", int(status), f"{name} for {arch}",
+                                  as_text(log))
+            size = nv("nvrtcGetCUBINSize", nvrtc.nvrtcGetCUBINSize(prog))
+            cubin = b" " * size
+            nv("nvrtcGetCUBIN", nvrtc.nvrtcGetCUBIN(prog, cubin))
+            return cubin
+        finally:
+            nvrtc.nvrtcDestroyProgram(prog)

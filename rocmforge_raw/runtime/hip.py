@@ -1,0 +1,188 @@
+"""HIP backend: AMD GPUs through hip-python (``from hip import hip``). The primary target.
+
+HIP's current device is per thread; every call that depends on it first makes the owning
+device current in the calling thread. Mirrors ``cuda.py`` call for call.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+from ..errors import BackendUnavailableError, DeviceError, OutOfMemoryError
+from .base import Backend, DeviceProperties, as_text, unwrap
+
+try:
+    from hip import hip, hiprtc
+except ImportError as exc:  # pragma: no cover - depends on the environment
+    raise BackendUnavailableError(f"hip-python is not installed: {exc}") from exc
+
+_SUCCESS = hip.hipError_t.hipSuccess
+_OOM = hip.hipError_t.hipErrorOutOfMemory
+_KIND = hip.hipMemcpyKind
+
+
+def _describe(status: Any) -> tuple[str, str]:
+    return as_text(hip.hipGetErrorName(status)), as_text(hip.hipGetErrorString(status))
+
+
+def check(api: str, result: Any) -> Any:
+    return unwrap(api, result, _SUCCESS, _describe)
+
+
+class HipBackend(Backend):
+    name = "hip"
+    dlpack_device_type = 10  # kDLROCM
+
+    def __init__(self) -> None:
+        try:
+            self._count = check("hipGetDeviceCount", hip.hipGetDeviceCount())
+        except Exception as exc:  # no libamdhip64, or hipErrorNoDevice
+            raise BackendUnavailableError(f"no HIP device answers: {exc}") from exc
+        if self._count == 0:
+            raise BackendUnavailableError("the HIP runtime reports no device")
+        self._local = threading.local()
+
+    def _activate(self, device: int) -> None:
+        if getattr(self._local, "device", None) != device:
+            if not 0 <= device < self._count:
+                raise BackendUnavailableError(
+                    f"HIP device {device} does not exist: {self._count} device(s) present"
+                )
+            check("hipSetDevice", hip.hipSetDevice(device))
+            self._local.device = device
+
+    def device_count(self) -> int:
+        return self._count
+
+    def properties(self, device: int) -> DeviceProperties:
+        self._activate(device)
+        attr = hip.hipDeviceAttribute_t
+
+        def get(a: Any) -> int:
+            return check("hipDeviceGetAttribute", hip.hipDeviceGetAttribute(a, device))
+
+        props = check("hipGetDeviceProperties", hip.hipGetDeviceProperties(device))
+        return DeviceProperties(
+            backend=self.name, index=device, name=as_text(props.name),
+            arch=as_text(props.gcnArchName).split(":", 1)[0],
+            total_bytes=check("hipDeviceTotalMem", hip.hipDeviceTotalMem(device)),
+            multiprocessors=get(attr.hipDeviceAttributeMultiprocessorCount),
+            warp_size=get(attr.hipDeviceAttributeWarpSize),
+        )
+
+    def set_device(self, device: int) -> None:
+        self._activate(device)
+
+    def get_device(self) -> int:
+        return getattr(self._local, "device", 0)
+
+    def mem_info(self, device: int) -> tuple[int, int]:
+        self._activate(device)
+        free, total = check("hipMemGetInfo", hip.hipMemGetInfo())
+        return int(free), int(total)
+
+    def synchronize(self, device: int) -> None:
+        self._activate(device)
+        check("hipDeviceSynchronize", hip.hipDeviceSynchronize())
+
+    def malloc(self, nbytes: int, device: int) -> int:
+        self._activate(device)
+        status, ptr = hip.hipMalloc(nbytes)
+        if status == _OOM:
+            free, total = self.mem_info(device)
+            raise OutOfMemoryError("hipMalloc", nbytes, free, total, int(status),
+                                   _describe(status)[0])
+        return int(check("hipMalloc", (status, ptr)))
+
+    def free(self, ptr: int, device: int) -> None:
+        self._activate(device)
+        check("hipFree", hip.hipFree(ptr))
+
+    def _copy(self, dst: int, src: int, nbytes: int, kind: Any, stream: Any) -> None:
+        if stream is None:
+            check("hipMemcpy", hip.hipMemcpy(dst, src, nbytes, kind))
+        else:
+            check("hipMemcpyAsync", hip.hipMemcpyAsync(dst, src, nbytes, kind, stream))
+
+    def memcpy_htod(self, dst: int, src_host: int, nbytes: int, stream: Any = None) -> None:
+        self._copy(dst, src_host, nbytes, _KIND.hipMemcpyHostToDevice, stream)
+
+    def memcpy_dtoh(self, dst_host: int, src: int, nbytes: int, stream: Any = None) -> None:
+        self._copy(dst_host, src, nbytes, _KIND.hipMemcpyDeviceToHost, stream)
+
+    def memcpy_dtod(self, dst: int, src: int, nbytes: int, stream: Any = None) -> None:
+        self._copy(dst, src, nbytes, _KIND.hipMemcpyDeviceToDevice, stream)
+
+    def memset(self, ptr: int, value: int, nbytes: int, stream: Any = None) -> None:
+        if stream is None:
+            check("hipMemset", hip.hipMemset(ptr, value, nbytes))
+        else:
+            check("hipMemsetAsync", hip.hipMemsetAsync(ptr, value, nbytes, stream))
+
+    def stream_create(self, device: int) -> Any:
+        self._activate(device)
+        return check("hipStreamCreate", hip.hipStreamCreate())
+
+    def stream_destroy(self, stream: Any, device: int) -> None:
+        self._activate(device)
+        check("hipStreamDestroy", hip.hipStreamDestroy(stream))
+
+    def stream_synchronize(self, stream: Any) -> None:
+        check("hipStreamSynchronize", hip.hipStreamSynchronize(stream))
+
+    def event_create(self, device: int) -> Any:
+        self._activate(device)
+        return check("hipEventCreate", hip.hipEventCreate())
+
+    def event_destroy(self, event: Any, device: int) -> None:
+        self._activate(device)
+        check("hipEventDestroy", hip.hipEventDestroy(event))
+
+    def event_record(self, event: Any, stream: Any = None) -> None:
+        check("hipEventRecord", hip.hipEventRecord(event, stream))
+
+    def event_synchronize(self, event: Any) -> None:
+        check("hipEventSynchronize", hip.hipEventSynchronize(event))
+
+    def event_elapsed_ms(self, start: Any, end: Any) -> float:
+        return float(check("hipEventElapsedTime", hip.hipEventElapsedTime(start, end)))
+
+    def module_load(self, image: bytes, device: int) -> Any:
+        self._activate(device)
+        return check("hipModuleLoadData", hip.hipModuleLoadData(image))
+
+    def module_unload(self, module: Any, device: int) -> None:
+        self._activate(device)
+        check("hipModuleUnload", hip.hipModuleUnload(module))
+
+    def module_function(self, module: Any, name: str) -> Any:
+        return check("hipModuleGetFunction", hip.hipModuleGetFunction(module, name.encode()))
+
+    def launch(self, function, grid, block, shared_bytes, stream, params_addr) -> None:
+        check("hipModuleLaunchKernel", hip.hipModuleLaunchKernel(
+            function, *grid, *block, shared_bytes, stream, params_addr, None,
+        ))
+
+    def compile_source(self, source: str, name: str, arch: str, options: list[str]) -> bytes:
+        def rtc(api: str, result: Any) -> Any:
+            return unwrap(api, result, hiprtc.hiprtcResult.HIPRTC_SUCCESS,
+                          lambda s: (as_text(hiprtc.hiprtcGetErrorString(s)), ""))
+
+        prog = rtc("hiprtcCreateProgram",
+                   hiprtc.hiprtcCreateProgram(source.encode(), name.encode(), 0, [], []))
+        try:
+            opts = [f"--offload-arch={arch}", *options]
+            status = hiprtc.hiprtcCompileProgram(prog, len(opts), [o.encode() for o in opts])[0]
+            if status != hiprtc.hiprtcResult.HIPRTC_SUCCESS:
+                size = rtc("hiprtcGetProgramLogSize", hiprtc.hiprtcGetProgramLogSize(prog))
+                log = bytearray(size)
+                rtc("hiprtcGetProgramLog", hiprtc.hiprtcGetProgramLog(prog, log))
+                raise DeviceError("hiprtcCompileProgram", int(status), f"{name} for {arch}",
+                                  as_text(bytes(log)))
+            size = rtc("hiprtcGetCodeSize", hiprtc.hiprtcGetCodeSize(prog))
+            code = bytearray(size)
+            rtc("hiprtcGetCode", hiprtc.hiprtcGetCode(prog, code))
+            return bytes(code)
+        finally:
+            hiprtc.hiprtcDestroyProgram(prog)
