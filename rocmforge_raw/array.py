@@ -96,8 +96,9 @@ class DeviceArray:
                               f"{self.__dlpack_device__()}")
         if stream != -1:
             self.backend.synchronize(self.device)
+        versioned = max_version is not None and max_version[0] >= 1
         return dlpack.to_capsule(self, self.ptr, self.dtype, self.shape,
-                                 self.backend.dlpack_device_type, self.device)
+                                 self.backend.dlpack_device_type, self.device, versioned)
 
     @property
     def __cuda_array_interface__(self) -> dict[str, Any]:

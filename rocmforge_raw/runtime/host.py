@@ -86,7 +86,8 @@ class HostBackend(Backend):
         status = _libc.posix_memalign(out, ALIGNMENT, nbytes)
         if status != 0:
             free, total = _meminfo()
-            raise OutOfMemoryError("posix_memalign", nbytes, free, total, status, os.strerror(status))
+            raise OutOfMemoryError("posix_memalign", nbytes, free, total, status,
+                                   os.strerror(status))
         return int(_ffi.cast("uintptr_t", out[0]))
 
     def free(self, ptr: int, device: int) -> None:

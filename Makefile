@@ -1,0 +1,80 @@
+# rocmforge_raw: `make demo` and `make test` do all set-up on a fresh machine.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+KDIR := rocmforge_raw/kernels
+SOURCES := basic paged_attention cache_ops
+NVCC ?= nvcc
+HIPCC ?= hipcc
+CLANG ?= clang-19
+NVFLAGS := -O3 -std=c++17 -Inative
+AMDFLAGS := -O3 -std=c++17 -Inative -nogpulib -nogpuinc --no-gpu-bundle-output
+
+NV_OBJS := $(foreach s,$(SOURCES),$(KDIR)/$(s).sm_80.cubin $(KDIR)/$(s).sm_90.cubin \
+                                  $(KDIR)/$(s).compute_90.ptx)
+AMD_OBJS := $(foreach s,$(SOURCES),$(KDIR)/$(s).gfx90a.hsaco $(KDIR)/$(s).gfx942.hsaco \
+                                   $(KDIR)/$(s).gfx1100.hsaco)
+HAVE_NVCC := $(shell command -v $(NVCC) 2>/dev/null)
+
+.PHONY: all demo test kernels kernels-nvidia kernels-amd toolchain venv bench soak lint clean
+all: kernels
+
+venv: $(PY)
+$(PY): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[test,cuda,plot,dev]'
+	touch $(PY)
+
+# AMD compilers and Debian's HIP runtime (libamdhip64), installed when missing.
+toolchain:
+	@if ! command -v $(HIPCC) >/dev/null || ! command -v $(CLANG) >/dev/null \
+	     || ! command -v ld.lld-19 >/dev/null || ! ldconfig -p | grep -q 'libamdhip64.so '; then \
+	  echo "installing hipcc clang-19 lld-19 (Debian) ..."; \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq \
+	    hipcc clang-19 lld-19 llvm-19 libamdhip64-dev >/dev/null; \
+	fi
+
+kernels: kernels-amd kernels-nvidia
+kernels-amd: toolchain
+	@$(MAKE) --no-print-directory -j$$(nproc) $(AMD_OBJS)
+kernels-nvidia:
+ifneq ($(HAVE_NVCC),)
+	@$(MAKE) --no-print-directory -j$$(nproc) $(NV_OBJS)
+else
+	@echo "nvcc not found: skipping NVIDIA cubins (the cuda backend compiles with NVRTC instead)"
+endif
+
+$(KDIR)/%.sm_80.cubin: native/%.cu native/compat.h
+	$(NVCC) $(NVFLAGS) -cubin -arch=sm_80 -o $@ $<
+$(KDIR)/%.sm_90.cubin: native/%.cu native/compat.h
+	$(NVCC) $(NVFLAGS) -cubin -arch=sm_90 -o $@ $<
+$(KDIR)/%.compute_90.ptx: native/%.cu native/compat.h
+	$(NVCC) $(NVFLAGS) -ptx -arch=compute_90 -o $@ $<
+$(KDIR)/%.gfx90a.hsaco: native/%.cu native/compat.h
+	HIP_PLATFORM=amd $(HIPCC) --genco --offload-arch=gfx90a $(AMDFLAGS) -o $@ $<
+$(KDIR)/%.gfx942.hsaco: native/%.cu native/compat.h
+	$(CLANG) -x hip --cuda-device-only --offload-arch=gfx942 $(AMDFLAGS) -o $@ $<
+$(KDIR)/%.gfx1100.hsaco: native/%.cu native/compat.h
+	$(CLANG) -x hip --cuda-device-only --offload-arch=gfx1100 $(AMDFLAGS) -o $@ $<
+
+demo: $(PY) kernels
+	$(VENV)/bin/rocmforge-raw demo
+
+test: $(PY) kernels
+	$(PY) -m pytest -q
+
+bench: $(PY) kernels
+	$(VENV)/bin/rocmforge-raw bench
+
+soak: $(PY) kernels
+	$(VENV)/bin/rocmforge-raw soak --seconds 60
+
+lint: $(PY)
+	$(VENV)/bin/ruff check rocmforge_raw tests tools
+
+clean:
+	rm -f $(KDIR)/*.cubin $(KDIR)/*.ptx $(KDIR)/*.hsaco
+	rm -rf build *.egg-info .pytest_cache

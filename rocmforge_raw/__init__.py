@@ -1,0 +1,37 @@
+"""rocmforge_raw: torch-free GPU memory and a paged KV cache from Python.
+
+Backends: ``hip`` (AMD, hip-python), ``cuda`` (NVIDIA, cuda-python) and ``host`` (CPU, cffi);
+the default is chosen at first use (hip, then cuda, then host) or forced by ``RF_BACKEND``.
+"""
+
+from .array import DeviceArray
+from .buffer import (
+    HipBuffer,
+    live_allocations,
+    memory_stats,
+    reset_peak,
+    set_allocator,
+    track_stacks,
+)
+from .errors import (
+    BackendUnavailableError,
+    BufferClosedError,
+    DeviceError,
+    KernelNotAvailableError,
+    OutOfMemoryError,
+    RocmforgeError,
+)
+from .module import Kernel, LaunchConfig, Module, load_kernels
+from .pool import MemoryPool
+from .runtime import available_backends, default_backend, devices, get_backend
+from .stream import Event, Stream
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "BackendUnavailableError", "BufferClosedError", "DeviceArray", "DeviceError", "Event",
+    "HipBuffer", "Kernel", "KernelNotAvailableError", "LaunchConfig", "MemoryPool", "Module",
+    "OutOfMemoryError", "RocmforgeError", "Stream", "available_backends", "default_backend",
+    "devices", "get_backend", "live_allocations", "load_kernels", "memory_stats", "reset_peak",
+    "set_allocator", "track_stacks",
+]

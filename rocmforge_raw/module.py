@@ -1,0 +1,225 @@
+"""Code objects: load (from bytes, a path, or the packaged kernels), look up, pack args, launch.
+
+Kernel arguments are packed once per launch into a ``void*[]`` of value addresses
+(``kernelParams``), the convention ``hipModuleLaunchKernel`` and ``cuLaunchKernel`` share.
+Plain ``int`` arguments (and buffers) pass as 64-bit values, plain ``float`` as float32; NumPy
+scalars (``np.int32(3)``) pass with their own type.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import threading
+import weakref
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .errors import KernelNotAvailableError
+from .runtime import Backend, get_backend
+from .stream import Stream
+
+PACKAGE_DIR = Path(__file__).resolve().parent
+KERNEL_DIR = PACKAGE_DIR / "kernels"
+SOURCE_DIR = PACKAGE_DIR / "native"
+
+_CTYPES = {
+    np.dtype(np.int8): ctypes.c_int8, np.dtype(np.uint8): ctypes.c_uint8,
+    np.dtype(np.int16): ctypes.c_int16, np.dtype(np.uint16): ctypes.c_uint16,
+    np.dtype(np.int32): ctypes.c_int32, np.dtype(np.uint32): ctypes.c_uint32,
+    np.dtype(np.int64): ctypes.c_int64, np.dtype(np.uint64): ctypes.c_uint64,
+    np.dtype(np.float32): ctypes.c_float, np.dtype(np.float64): ctypes.c_double,
+}
+
+
+def _ctype_value(index: int, arg: Any) -> ctypes._SimpleCData:
+    if hasattr(arg, "ptr") and not isinstance(arg, (int, float)):  # HipBuffer, DeviceArray
+        return ctypes.c_uint64(arg.ptr)
+    if isinstance(arg, np.generic):
+        ctype = _CTYPES.get(arg.dtype)
+        if ctype is None:
+            raise TypeError(f"kernel argument {index}: unsupported scalar type {arg.dtype}")
+        return ctype(arg.item())
+    if isinstance(arg, bool):
+        raise TypeError(f"kernel argument {index}: pass booleans as np.int32, not bool")
+    if isinstance(arg, int):
+        if not -(1 << 63) <= arg < (1 << 64):
+            raise OverflowError(f"kernel argument {index}: {arg} does not fit in 64 bits")
+        return ctypes.c_uint64(arg) if arg >= 0 else ctypes.c_int64(arg)
+    if isinstance(arg, float):
+        return ctypes.c_float(arg)
+    raise TypeError(f"kernel argument {index}: cannot pass {type(arg).__name__}")
+
+
+def pack_args(args: tuple[Any, ...]) -> tuple[Any, list[Any]]:
+    """The ``void*[]`` of argument addresses, and the values it points at (keep both alive)."""
+    values = [_ctype_value(i, a) for i, a in enumerate(args)]
+    array = (ctypes.c_void_p * max(len(values), 1))(*[ctypes.addressof(v) for v in values])
+    return array, values
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    """Grid in blocks, block in threads, dynamic shared memory in bytes, and the stream."""
+
+    grid: tuple[int, int, int]
+    block: tuple[int, int, int]
+    shared_bytes: int = 0
+    stream: Stream | None = None
+
+    def __post_init__(self) -> None:
+        for what, dims in (("grid", self.grid), ("block", self.block)):
+            if len(dims) != 3 or any(int(d) < 1 or int(d) >= 1 << 31 for d in dims):
+                raise ValueError(f"{what} must be three sizes in [1, 2**31), got {dims}")
+
+
+def _dims(value: int | tuple[int, ...]) -> tuple[int, int, int]:
+    dims = (value,) if isinstance(value, int) else tuple(value)
+    return (*map(int, dims), *(1,) * (3 - len(dims)))  # type: ignore[return-value]
+
+
+class Kernel:
+    """One function of a loaded module; calling it launches it."""
+
+    def __init__(self, module: Module, name: str) -> None:
+        self.module, self.name = module, name
+        self.handle = module.backend.module_function(module.handle, name)
+
+    def launch(self, grid: int | tuple[int, ...], block: int | tuple[int, ...], *args: Any,
+               shared_bytes: int = 0, stream: Stream | None = None) -> None:
+        config = LaunchConfig(_dims(grid), _dims(block), shared_bytes, stream)
+        self.module._check_open()
+        params, _values = pack_args(args)
+        self.module.backend.launch(
+            self.handle, config.grid, config.block, config.shared_bytes,
+            None if stream is None else stream.handle, ctypes.addressof(params),
+        )
+
+    __call__ = launch
+
+
+class Module:
+    """A loaded code object (AMD code object, cubin or PTX) on one device."""
+
+    def __init__(self, image: bytes | str | Path, device: int | None = None,
+                 backend: str | Backend | None = None) -> None:
+        data = image if isinstance(image, bytes) else Path(image).read_bytes()
+        self.backend = get_backend(backend)
+        self.device = self.backend.get_device() if device is None else device
+        self.handle = self.backend.module_load(data, self.device)
+        self._kernels: dict[str, Kernel] = {}
+        self._finalizer = weakref.finalize(
+            self, _unload, self.backend, self.handle, self.device, os.getpid())
+        self._finalizer.atexit = False
+
+    def _check_open(self) -> None:
+        if not self._finalizer.alive:
+            raise KernelNotAvailableError("the module was unloaded")
+
+    def function(self, name: str) -> Kernel:
+        """The kernel called ``name`` (cached)."""
+        self._check_open()
+        if name not in self._kernels:
+            self._kernels[name] = Kernel(self, name)
+        return self._kernels[name]
+
+    def unload(self) -> None:
+        """Unload now. Idempotent; kernels of this module cannot be launched afterwards."""
+        self._finalizer()
+
+    close = unload
+
+    def __enter__(self) -> Module:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.unload()
+
+
+def _unload(backend: Backend, handle: Any, device: int, pid: int) -> None:
+    import sys
+
+    if os.getpid() == pid and not sys.is_finalizing():
+        try:
+            backend.module_unload(handle, device)
+        except Exception as exc:
+            sys.stderr.write(f"rocmforge_raw: unloading a module failed: {exc}\n")
+
+
+# --- packaged kernels ------------------------------------------------------------------------
+def _candidates(stem: str, arch: str) -> list[Path]:
+    """Packaged objects that can run on ``arch``, best first."""
+    if arch.startswith("gfx"):
+        return [KERNEL_DIR / f"{stem}.{arch}.hsaco"]
+    if arch.startswith("sm_"):
+        major, minor = int(arch[3:-1]), int(arch[-1])
+        same_major = [KERNEL_DIR / f"{stem}.sm_{major}{m}.cubin" for m in range(minor, -1, -1)]
+        ptx = sorted(KERNEL_DIR.glob(f"{stem}.compute_*.ptx"), reverse=True)
+        return same_major + [p for p in ptx if int(p.name.split("_")[-1][:-4]) <= major * 10
+                             + minor]
+    return []
+
+
+def cache_dir() -> Path:
+    """Where run-time compiled kernels are kept: ``RF_CACHE_DIR`` or ~/.cache/rocmforge_raw."""
+    root = os.environ.get("RF_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "rocmforge_raw")
+    return Path(root)
+
+
+def _compile(backend: Backend, stem: str, arch: str) -> bytes:
+    source = (SOURCE_DIR / f"{stem}.cu").read_text()
+    options = ["-std=c++17", f"-I{SOURCE_DIR}", "-DRF_RUNTIME_COMPILED=1"]
+    text = source + (SOURCE_DIR / "compat.h").read_text() + " ".join(options)
+    key = hashlib.sha256(text.encode()).hexdigest()[:16]
+    path = cache_dir() / backend.name / f"{stem}.{arch}.{key}.bin"
+    if path.exists():
+        return path.read_bytes()
+    image = backend.compile_source(source, f"{stem}.cu", arch, options)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_bytes(image)
+    tmp.replace(path)
+    return image
+
+
+_loaded: dict[tuple[str, int, str], Module] = {}
+_loaded_lock = threading.Lock()
+
+
+def load_kernels(stem: str, device: int | None = None, backend: str | Backend | None = None
+                 ) -> Module:
+    """The packaged module ``stem`` (``paged_attention``, ``cache_ops``, ``basic``) for the
+    device's arch, loaded once per process and device: a prebuilt object if one fits, else
+    compiled at run time into the on-disk cache, else ``KernelNotAvailableError``."""
+    backend = get_backend(backend)
+    device = backend.get_device() if device is None else device
+    key = (backend.name, device, stem)
+    with _loaded_lock:
+        if key in _loaded:
+            return _loaded[key]
+        arch = backend.properties(device).arch
+        errors = []
+        for path in _candidates(stem, arch):
+            if path.exists():
+                try:
+                    module = Module(path, device, backend)
+                    break
+                except Exception as exc:  # e.g. a cubin from a newer toolkit than the driver
+                    errors.append(f"{path.name}: {exc}")
+        else:
+            try:
+                module = Module(_compile(backend, stem, arch), device, backend)
+            except Exception as exc:
+                errors.append(f"run-time compilation: {exc}")
+                raise KernelNotAvailableError(
+                    f"no {stem} code object for {backend.name} arch {arch} in {KERNEL_DIR} and "
+                    f"run-time compilation failed; build it with `make kernels` "
+                    f"({'; '.join(errors)})"
+                ) from exc
+        _loaded[key] = module
+        return module

@@ -1,0 +1,54 @@
+"""Every test runs on the host backend; GPU tests also run on each GPU backend that answers."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import rocmforge_raw as rf
+from rocmforge_raw.runtime import BACKEND_NAMES, get_backend
+
+AVAILABLE = [name for name, status in rf.available_backends().items() if status == "ok"]
+GPU_BACKENDS = [name for name in AVAILABLE if name != "host"]
+
+
+@pytest.fixture(params=AVAILABLE)
+def backend(request):
+    """Each backend that answers here (host always)."""
+    return get_backend(request.param)
+
+
+@pytest.fixture(params=GPU_BACKENDS or [pytest.param(None, marks=pytest.mark.skip(
+    reason="no GPU backend answers here"))])
+def gpu(request):
+    """Each GPU backend that answers here."""
+    return get_backend(request.param)
+
+
+@pytest.fixture
+def rng(request):
+    """Fresh random data for every test (seeded by the test name, so failures reproduce)."""
+    return np.random.default_rng(abs(hash(request.node.nodeid)) % (1 << 32))
+
+
+@pytest.fixture(autouse=True)
+def no_leaked_buffers():
+    """Each test leaves exactly as many live buffers as it found."""
+    import gc
+
+    before = rf.memory_stats()["live_buffers"]
+    yield
+    gc.collect()
+    after = rf.memory_stats()["live_buffers"]
+    assert after <= before or _workspace_only(after - before), (
+        f"test leaked {after - before} buffer(s)")
+
+
+def _workspace_only(extra: int) -> bool:
+    """The split-K workspace of ops is cached on purpose (one per device and stream)."""
+    from rocmforge_raw.ops import _workspace
+
+    return extra <= len(_workspace._buffers)
+
+
+__all__ = ["AVAILABLE", "BACKEND_NAMES", "GPU_BACKENDS"]

@@ -1,0 +1,126 @@
+"""Code objects: argument packing, loading, launching the tiny kernel, packaged objects."""
+
+from __future__ import annotations
+
+import ctypes
+import shutil
+import subprocess
+
+import numpy as np
+import pytest
+
+import rocmforge_raw as rf
+from rocmforge_raw import module
+from rocmforge_raw.errors import DeviceError, KernelNotAvailableError
+
+KERNELS = {
+    "basic": ["rf_fill_f32", "rf_scale_f32"],
+    "cache_ops": ["rf_reshape_and_cache", "rf_copy_blocks"],
+    "paged_attention": [
+        f"rf_paged_attention{kind}_{dt}_d{d}{g}"
+        for dt in ("f16", "bf16", "f32") for d in (64, 128, 256)
+        for kind, gs in (("", ("_g1", "_g2", "_g4", "_g8")), ("_reduce", ("",))) for g in gs
+    ],
+}
+TARGETS = {"sm_80": "cubin", "sm_90": "cubin", "gfx90a": "hsaco", "gfx942": "hsaco",
+           "gfx1100": "hsaco"}
+
+
+def test_args_pack_as_addresses_of_typed_values():
+    params, values = module.pack_args((7, -3, 1.5, np.int32(-2), np.float64(0.25)))
+    types = [type(v) for v in values]
+    assert types == [ctypes.c_uint64, ctypes.c_int64, ctypes.c_float, ctypes.c_int32,
+                     ctypes.c_double]
+    assert ctypes.cast(params[3], ctypes.POINTER(ctypes.c_int32))[0] == -2
+    assert ctypes.cast(params[2], ctypes.POINTER(ctypes.c_float))[0] == 1.5
+
+
+@pytest.mark.parametrize("arg, error", [
+    (True, "booleans"), (object(), "cannot pass object"), (1 << 64, "does not fit"),
+    (np.complex64(1), "unsupported scalar type complex64"),
+])
+def test_bad_kernel_arguments_name_the_argument(arg, error):
+    with pytest.raises((TypeError, OverflowError), match=error):
+        module.pack_args((1, arg))
+
+
+def test_buffers_pass_as_their_device_address():
+    with rf.HipBuffer(64, backend="host") as buf:
+        _, values = module.pack_args((buf.view(16),))
+        assert values[0].value == buf.ptr + 16
+
+
+def test_launch_config_rejects_bad_dimensions():
+    with pytest.raises(ValueError, match="grid must be three sizes"):
+        module.LaunchConfig((0, 1, 1), (1, 1, 1))
+
+
+def test_host_backend_runs_no_code_objects():
+    with pytest.raises(DeviceError, match="runs no code objects"):
+        rf.Module(b"\x7fELF", backend="host")
+
+
+def test_missing_objects_name_the_arch_and_make_command(monkeypatch, tmp_path):
+    monkeypatch.setattr(module, "KERNEL_DIR", tmp_path)
+    monkeypatch.setattr(module, "SOURCE_DIR", tmp_path)
+    with pytest.raises(KernelNotAvailableError, match=r"arch host.*make kernels"):
+        module.load_kernels("paged_attention", backend="host")
+
+
+def test_packaged_object_choice_prefers_exact_then_older_minor():
+    names = [p.name for p in module._candidates("basic", "sm_89")]
+    assert names[:3] == ["basic.sm_89.cubin", "basic.sm_88.cubin", "basic.sm_87.cubin"]
+    assert "basic.sm_80.cubin" in names
+    assert [p.name for p in module._candidates("basic", "gfx942")] == ["basic.gfx942.hsaco"]
+
+
+def test_tiny_kernels_run_on_gpu(gpu, rng):
+    x = rng.standard_normal(100_003).astype(np.float32)
+    kernels = rf.load_kernels("basic", backend=gpu)
+    with rf.HipBuffer.from_numpy(x, backend=gpu) as src, \
+            rf.HipBuffer(x.nbytes, backend=gpu) as dst:
+        blocks = (x.size + 255) // 256
+        kernels.function("rf_scale_f32")(blocks, 256, dst, src, -2.5, x.size)
+        np.testing.assert_array_equal(dst.to_numpy(np.float32), np.float32(-2.5) * x)
+        kernels.function("rf_fill_f32")(blocks, 256, dst, 3.25, x.size - 3)
+        out = dst.to_numpy(np.float32)
+        assert (out[:-3] == 3.25).all()
+        np.testing.assert_array_equal(out[-3:], np.float32(-2.5) * x[-3:])
+
+
+def test_module_load_unload_from_bytes_and_runtime_compile(gpu, tmp_path, monkeypatch, rng):
+    arch = gpu.properties(0).arch
+    monkeypatch.setenv("RF_CACHE_DIR", str(tmp_path))
+    image = module._compile(gpu, "basic", arch)
+    assert list(tmp_path.rglob("basic.*.bin"))
+    with rf.Module(image, backend=gpu) as mod, rf.HipBuffer(4096, backend=gpu) as buf:
+        mod.function("rf_fill_f32")(4, 256, buf, 1.5, 1024)
+        assert (buf.to_numpy(np.float32) == 1.5).all()
+    with pytest.raises(KernelNotAvailableError, match="unloaded"):
+        mod.function("rf_fill_f32")
+
+
+def _readelf() -> str | None:
+    return shutil.which("llvm-readelf-19") or shutil.which("llvm-readelf")
+
+
+@pytest.mark.parametrize("target", list(TARGETS))
+@pytest.mark.parametrize("stem", list(KERNELS))
+def test_built_object_holds_every_kernel_symbol(stem, target):
+    path = module.KERNEL_DIR / f"{stem}.{target}.{TARGETS[target]}"
+    tool = _readelf()
+    if tool is None:
+        pytest.skip("llvm-readelf is not installed (make test installs it)")
+    if not path.exists():
+        compiler = "nvcc" if target.startswith("sm_") else "clang-19 or hipcc"
+        if shutil.which("nvcc" if target.startswith("sm_") else "clang-19") is None:
+            pytest.skip(f"{compiler} is not installed here")
+        pytest.fail(f"{path} was not built: run `make kernels`")
+    symbols = subprocess.run([tool, "--syms", str(path)], capture_output=True, text=True,
+                             check=True).stdout
+    names = {line.split()[-1] for line in symbols.splitlines() if "FUNC" in line}
+    missing = set(KERNELS[stem]) - names
+    assert not missing, f"{path.name} lacks {sorted(missing)}"
+    if target.startswith("gfx"):
+        objects = {line.split()[-1] for line in symbols.splitlines() if "OBJECT" in line}
+        assert {f"{k}.kd" for k in KERNELS[stem]} <= objects  # kernel descriptors

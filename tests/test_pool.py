@@ -1,0 +1,83 @@
+"""MemoryPool: caching, size classes, limit, and use as HipBuffer's allocator."""
+
+from __future__ import annotations
+
+import gc
+
+import numpy as np
+import pytest
+
+import rocmforge_raw as rf
+from rocmforge_raw.errors import OutOfMemoryError
+from rocmforge_raw.pool import size_class
+
+
+@pytest.mark.parametrize("nbytes, expected", [
+    (1, 512), (512, 512), (513, 640), (1000, 1024), (1025, 1280), (3 << 20, 3 << 20),
+    ((1 << 20) + 1, (1 << 20) + (1 << 18)),
+])
+def test_size_classes_round_up_by_at_most_a_quarter(nbytes, expected):
+    assert size_class(nbytes) == expected
+
+
+def test_freed_block_is_reused(backend):
+    pool = rf.MemoryPool(backend=backend)
+    a = rf.HipBuffer(1000, pool=pool)
+    ptr = a.ptr
+    a.close()
+    b = rf.HipBuffer(900, pool=pool)
+    assert b.ptr == ptr
+    stats = pool.stats()
+    assert stats["hits"] == 1 and stats["misses"] == 1
+    b.close()
+    pool.free_all()
+    assert pool.stats()["reserved_bytes"] == 0
+
+
+def test_pooled_buffer_dropped_returns_block_to_cache(backend, rng):
+    pool = rf.MemoryPool(backend=backend)
+    data = rng.standard_normal(100).astype(np.float32)
+    buf = rf.HipBuffer.from_numpy(data, pool=pool)
+    np.testing.assert_array_equal(buf.to_numpy(np.float32), data)
+    assert pool.stats()["in_use_blocks"] == 1
+    del buf
+    gc.collect()
+    stats = pool.stats()
+    assert stats["in_use_blocks"] == 0 and stats["cached_bytes"] == 512
+    pool.free_all()
+
+
+def test_limit_releases_cache_then_raises_with_numbers(backend):
+    pool = rf.MemoryPool(backend=backend, limit=4096)
+    a = rf.HipBuffer(2048, pool=pool)
+    b = rf.HipBuffer(1024, pool=pool)
+    b.close()  # 1024 cached
+    c = rf.HipBuffer(2048, pool=pool)  # needs the cached 1024 released first
+    assert pool.stats()["cached_bytes"] == 0
+    with pytest.raises(OutOfMemoryError, match="requested 512 bytes with 0 of 4096 bytes free"):
+        rf.HipBuffer(10, pool=pool)
+    a.close()
+    c.close()
+    pool.free_all()
+
+
+def test_free_of_a_foreign_pointer_is_an_error(backend):
+    pool = rf.MemoryPool(backend=backend)
+    with pytest.raises(ValueError, match="not allocated by this pool"):
+        pool.free(0x1234)
+
+
+def test_set_allocator_routes_new_buffers_through_the_pool(backend):
+    pool = rf.MemoryPool(backend=backend)
+    rf.set_allocator(pool)
+    try:
+        buf = rf.HipBuffer(4000, backend=backend.name)
+        assert pool.stats()["in_use_blocks"] == 1
+        buf.close()
+        assert pool.stats()["cached_bytes"] == 4096
+    finally:
+        rf.set_allocator(None)
+        pool.free_all()
+    raw = rf.HipBuffer(4000, backend=backend)
+    assert pool.stats()["in_use_blocks"] == 0
+    raw.close()
