@@ -75,7 +75,16 @@ class _Registry:
 
 
 _registry = _Registry()
-os.register_at_fork(after_in_child=_registry.after_fork_in_child)
+_pid = os.getpid()
+
+
+def _after_fork_in_child() -> None:
+    global _pid
+    _pid = os.getpid()
+    _registry.after_fork_in_child()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def memory_stats() -> dict[str, int]:
@@ -109,7 +118,7 @@ def _release(free_fn: Callable[[int, int], None] | None, ptr: int, device: int, 
              token: int) -> None:
     """Finalizer body: free once, on the owning device, only in the owning process."""
     _registry.remove(token)
-    if free_fn is None or os.getpid() != pid or sys.is_finalizing():
+    if free_fn is None or _pid != pid or sys.is_finalizing():
         return
     try:
         free_fn(ptr, device)
@@ -140,7 +149,8 @@ class HipBuffer:
 
     def __init__(self, nbytes: int, device: int | None = None,
                  backend: str | Backend | None = None, *, pool: MemoryPool | None = None) -> None:
-        nbytes = _index(nbytes, "nbytes")
+        if type(nbytes) is not int or nbytes < 0:
+            nbytes = _index(nbytes, "nbytes")
         if pool is None and _default_pool is not None and _default_pool.serves(backend, device):
             pool = _default_pool
         if pool is not None:
@@ -148,7 +158,7 @@ class HipBuffer:
                 raise ValueError(f"{pool!r} cannot allocate on backend {backend} device {device}")
             self.backend, self.device = pool.backend, pool.device
         else:
-            self.backend = get_backend(backend)
+            self.backend = backend if isinstance(backend, Backend) else get_backend(backend)
             self.device = self.backend.get_device() if device is None else _index(device, "device")
         if nbytes > _MAX_BYTES:
             raise OutOfMemoryError("HipBuffer", nbytes, 0, _MAX_BYTES, 1, "size out of range")
@@ -164,7 +174,7 @@ class HipBuffer:
             self._ptr, free_fn = self.backend.malloc(nbytes, self.device), self.backend.free
         token = _registry.add(nbytes, self.device, self.backend.name)
         self._finalizer = weakref.finalize(
-            self, _release, free_fn, self._ptr, self.device, os.getpid(), token
+            self, _release, free_fn, self._ptr, self.device, _pid, token
         )
         self._finalizer.atexit = False  # the process exit returns device memory itself
 

@@ -29,6 +29,17 @@ def _cuda() -> Backend:
     return CudaBackend()
 
 
+def bare_alloc_free(backend: Backend, nbytes: int) -> None:
+    """One allocation and free through the binding alone (no checks): the bench baseline."""
+    if backend.name == "cuda":
+        from .cuda import bare_alloc_free as bare
+    elif backend.name == "hip":
+        from .hip import bare_alloc_free as bare
+    else:
+        from .host import bare_alloc_free as bare
+    bare(nbytes)
+
+
 def _host() -> Backend:
     from .host import HostBackend
 
@@ -50,7 +61,7 @@ def get_backend(name: str | Backend | None = None) -> Backend:
     if isinstance(name, Backend):
         return name
     if name is None:
-        return default_backend()
+        return _default or default_backend()
     if name not in _FACTORIES:
         raise BackendUnavailableError(
             f"unknown backend {name!r}: choose one of {', '.join(BACKEND_NAMES)}"
@@ -75,6 +86,8 @@ def get_backend(name: str | Backend | None = None) -> Backend:
 def default_backend() -> Backend:
     """``RF_BACKEND`` if set, else the first of hip, cuda, host that answers."""
     global _default
+    if _default is not None:
+        return _default
     with _lock:
         if _default is None:
             forced = os.environ.get("RF_BACKEND", "").strip().lower()

@@ -215,3 +215,8 @@ class CudaBackend(Backend):
             return cubin
         finally:
             nvrtc.nvrtcDestroyProgram(prog)
+
+
+def bare_alloc_free(nbytes: int) -> None:
+    """cuMemAlloc + cuMemFree with no checks: the baseline ``bench --alloc`` compares to."""
+    cu.cuMemFree(cu.cuMemAlloc(nbytes)[1])

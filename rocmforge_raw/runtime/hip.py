@@ -186,3 +186,8 @@ class HipBackend(Backend):
             return bytes(code)
         finally:
             hiprtc.hiprtcDestroyProgram(prog)
+
+
+def bare_alloc_free(nbytes: int) -> None:
+    """hipMalloc + hipFree with no checks: the baseline ``bench --alloc`` compares to."""
+    hip.hipFree(hip.hipMalloc(nbytes)[1])

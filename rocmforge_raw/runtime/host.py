@@ -142,3 +142,10 @@ class HostBackend(Backend):
 
     def launch(self, function, grid, block, shared_bytes, stream, params_addr) -> None:
         raise DeviceError("launch", 1, "not supported", "the host backend launches no kernels")
+
+
+def bare_alloc_free(nbytes: int) -> None:
+    """posix_memalign + free with no checks: the baseline ``bench --alloc`` compares to."""
+    out = _ffi.new("void **")
+    _libc.posix_memalign(out, ALIGNMENT, nbytes)
+    _libc.free(out[0])

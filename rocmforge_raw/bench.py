@@ -1,0 +1,164 @@
+"""Benchmarks behind ``rocmforge-raw bench``: allocation round trips, copy bandwidth, attention.
+
+GPU timings use device events around each run, after warm-up, and report medians. Attention
+inputs are random (never zeros) with block tables in random page order; bytes count the K and
+V actually read (once per kv-head group) plus q and out.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+
+from . import ops
+from .array import DeviceArray
+from .buffer import HipBuffer
+from .pool import MemoryPool
+from .runtime import Backend, bare_alloc_free
+from .stream import Event
+
+KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
+
+
+def median_us(fn: Callable[[], Any], iters: int, warmup: int = 10) -> float:
+    """Median wall time of one call of ``fn`` in microseconds."""
+    for _ in range(warmup):
+        fn()
+    samples = []
+    clock = time.perf_counter_ns
+    for _ in range(iters):
+        start = clock()
+        fn()
+        samples.append(clock() - start)
+    return statistics.median(samples) / 1e3
+
+
+def bench_alloc(backend: Backend, device: int, iters: int = 2000) -> list[dict[str, Any]]:
+    """Alloc+free round trips: bare binding calls, raw HipBuffer, pooled HipBuffer, and the
+    pool's own allocate/free, for 256 B, 1 MiB and 64 MiB."""
+    backend.set_device(device)
+    pool = MemoryPool(device, backend)
+    rows = []
+    for size in (256, MiB, 64 * MiB):
+        n = iters if size < 64 * MiB else max(iters // 10, 50)
+        bare = median_us(lambda s=size: bare_alloc_free(backend, s), n)
+        raw = median_us(lambda s=size: HipBuffer(s, device, backend).close(), n)
+        pooled = median_us(lambda s=size: HipBuffer(s, pool=pool).close(), n)
+        pool_only = median_us(lambda s=size: pool.free(pool.allocate(s)), n)
+        rows.append({"bytes": size, "bare_us": bare, "raw_us": raw, "raw_over_bare": raw / bare,
+                     "pooled_us": pooled, "pool_allocate_free_us": pool_only})
+    pool.free_all()
+    return rows
+
+
+def time_ms(backend: Backend, device: int, fn: Callable[[], Any], iters: int, warmup: int = 5
+            ) -> float:
+    """Median device time of ``fn`` in milliseconds, each run between two events."""
+    for _ in range(warmup):
+        fn()
+    backend.synchronize(device)
+    start, end = Event(device, backend), Event(device, backend)
+    samples = []
+    for _ in range(iters):
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        samples.append(end.elapsed_ms_since(start))
+    start.close()
+    end.close()
+    return statistics.median(samples)
+
+
+def fill_random(buf: HipBuffer, rng: np.random.Generator, dtype: Any) -> None:
+    """Fill ``buf`` with random values of ``dtype``: one random chunk (up to 64 MiB) uploaded,
+    then repeated by device copies (a chunk is larger than any L2, so repeats are not cached)."""
+    itemsize = np.dtype(dtype).itemsize
+    chunk = min(buf.nbytes, 64 * MiB) // itemsize
+    data = rng.standard_normal(chunk, np.float32).astype(dtype)
+    buf.copy_from_host(data)
+    done = data.nbytes
+    while done < buf.nbytes:
+        step = min(done, buf.nbytes - done)
+        buf.copy_from(buf, step, dst_offset=done, src_offset=0)
+        done += step
+
+
+def copy_bandwidth(backend: Backend, device: int, nbytes: int = GiB, iters: int = 50
+                   ) -> float:
+    """Device-to-device copy bandwidth in GB/s, counting bytes read plus bytes written."""
+    rng = np.random.default_rng(0)
+    with HipBuffer(nbytes, device, backend) as src, HipBuffer(nbytes, device, backend) as dst:
+        fill_random(src, rng, np.float32)
+        ms = time_ms(backend, device, lambda: dst.copy_from(src), iters)
+    return 2 * nbytes / (ms * 1e-3) / 1e9
+
+
+@dataclass(frozen=True)
+class Shape:
+    """One reference decode shape (head_dim 128, block 16, random page order)."""
+
+    name: str
+    batch: int
+    context: int  # tokens per sequence; 0 means uniform in [1, 8192]
+    q_heads: int
+    kv_heads: int
+    dtype: str
+
+
+SHAPES = (
+    Shape("S1", 64, 4096, 32, 8, "bf16"), Shape("S2", 1, 32768, 32, 8, "bf16"),
+    Shape("S3", 256, 512, 32, 8, "f16"), Shape("S4", 32, 2048, 32, 32, "f16"),
+    Shape("S5", 16, 8192, 64, 8, "bf16"), Shape("S6", 64, 0, 32, 8, "bf16"),
+)
+TARGETS = {"S1": 90, "S2": 75, "S3": 85, "S4": 90, "S5": 85, "S6": 85}
+_DTYPES = {"bf16": ml_dtypes.bfloat16, "f16": np.float16, "f32": np.float32}
+
+
+def bench_attention(backend: Backend, device: int, copy_gbs: float, iters: int = 50,
+                    shapes: tuple[Shape, ...] = SHAPES, head_dim: int = 128,
+                    block_size: int = 16, num_partitions: int | None = None
+                    ) -> list[dict[str, Any]]:
+    """Event-timed paged attention for each shape: ms, GB/s and % of ``copy_gbs``."""
+    rng = np.random.default_rng(1234)
+    rows = []
+    for shape in shapes:
+        dtype = np.dtype(_DTYPES[shape.dtype])
+        lens = (np.full(shape.batch, shape.context, np.int32) if shape.context
+                else rng.integers(1, 8193, shape.batch).astype(np.int32))
+        need = -(-lens // block_size)
+        num_blocks = int(need.sum()) + 1
+        ids = rng.permutation(np.arange(1, num_blocks)).astype(np.int32)
+        tables = np.zeros((shape.batch, int(need.max())), np.int32)
+        for s, start in enumerate(np.concatenate([[0], np.cumsum(need)[:-1]])):
+            tables[s, : need[s]] = ids[start : start + need[s]]
+        cache_shape = (num_blocks, shape.kv_heads, block_size, head_dim)
+        k = DeviceArray.empty(cache_shape, dtype, device, backend)
+        v = DeviceArray.empty(cache_shape, dtype, device, backend)
+        q = DeviceArray.empty((shape.batch, shape.q_heads, head_dim), dtype, device, backend)
+        out = DeviceArray.empty(q.shape, dtype, device, backend)
+        for array in (k, v, q):
+            fill_random(array.buffer, rng, dtype)
+        d_tables = DeviceArray.from_numpy(tables, device, backend)
+        d_lens = DeviceArray.from_numpy(lens, device, backend)
+
+        args = (out, q, k, v, d_tables, d_lens)
+        ms = time_ms(backend, device, lambda a=args: ops.paged_attention(
+            *a, check=False, num_partitions=num_partitions), iters)
+        chunks = math.ceil(shape.q_heads // shape.kv_heads / ops.GROUP_SIZES[-1])
+        kv_bytes = int(lens.sum()) * shape.kv_heads * head_dim * dtype.itemsize * 2 * chunks
+        nbytes = kv_bytes + 2 * q.nbytes
+        gbs = nbytes / (ms * 1e-3) / 1e9
+        rows.append({**asdict(shape), "ms": ms, "gb_per_s": gbs,
+                     "pct_of_copy": 100 * gbs / copy_gbs, "target_pct": TARGETS.get(shape.name),
+                     "bytes": nbytes})
+        for array in (k, v, q, out, d_tables, d_lens):
+            array.buffer.root.close()
+    return rows

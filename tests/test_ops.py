@@ -1,0 +1,219 @@
+"""Kernels against the float64 NumPy reference, and the ops' input validation."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import rocmforge_raw as rf
+from rocmforge_raw import ops, reference
+from rocmforge_raw.array import DeviceArray
+
+DTYPES = [np.float16, ml_dtypes.bfloat16, np.float32]
+TOLERANCE = {np.dtype(np.float16): 1e-2, np.dtype(ml_dtypes.bfloat16): 2e-2,
+             np.dtype(np.float32): 1e-5}
+POISON = 0xFF  # NaN in every float format: unwritten outputs cannot pass
+
+
+def random_cache(rng, backend, dtype, num_blocks, num_kv_heads, block_size, head_dim):
+    shape = (num_blocks, num_kv_heads, block_size, head_dim)
+    k = rng.standard_normal(shape, np.float32).astype(dtype)
+    v = rng.standard_normal(shape, np.float32).astype(dtype)
+    return (k, v, DeviceArray.from_numpy(k, backend=backend),
+            DeviceArray.from_numpy(v, backend=backend))
+
+
+def random_tables(rng, seq_lens, block_size, num_blocks):
+    """Block tables in random, non-contiguous order; block 0 (null) pads."""
+    need = [math.ceil(n / block_size) for n in seq_lens]
+    ids = rng.permutation(np.arange(1, num_blocks))[: sum(need)]
+    tables = np.zeros((len(seq_lens), max(max(need), 1)), np.int32)
+    start = 0
+    for s, n in enumerate(need):
+        tables[s, :n] = ids[start : start + n]
+        start += n
+    return tables
+
+
+def run_attention(backend, rng, dtype, head_dim, block_size, ratio, seq_lens, num_kv_heads=2,
+                  num_partitions=None):
+    num_q_heads = num_kv_heads * ratio
+    num_blocks = sum(math.ceil(n / block_size) for n in seq_lens) + 3
+    k, v, dk, dv = random_cache(rng, backend, dtype, num_blocks, num_kv_heads, block_size,
+                                head_dim)
+    tables = random_tables(rng, seq_lens, block_size, num_blocks)
+    lens = np.asarray(seq_lens, np.int32)
+    q = rng.standard_normal((len(seq_lens), num_q_heads, head_dim), np.float32).astype(dtype)
+    dq = DeviceArray.from_numpy(q, backend=backend)
+    out = DeviceArray.empty(q.shape, dtype, backend=backend)
+    out.buffer.fill(POISON)
+    scale = 1.0 / math.sqrt(head_dim)
+    ops.paged_attention(out, dq, dk, dv, tables, lens, num_partitions=num_partitions)
+    got = out.to_numpy().astype(np.float64)
+    want = reference.paged_attention(q, k, v, tables, lens, scale, accum=np.float64)
+    for array in (out, dq, dk, dv):
+        array.buffer.root.close()
+    return got, want
+
+
+def relative_error(got, want):
+    assert not np.isnan(got).any(), "output has NaN (unwritten or invalid)"
+    return np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30)
+
+
+# --- GPU correctness over the whole matrix --------------------------------------------------
+MATRIX = list(itertools.product(DTYPES, ops.HEAD_DIMS, ops.BLOCK_SIZES, (1, 4, 8)))
+
+
+@pytest.mark.parametrize("dtype, head_dim, block_size, ratio", MATRIX,
+                         ids=lambda p: getattr(p, "__name__", str(p)))
+def test_paged_attention_matches_reference_on_gpu(gpu, rng, dtype, head_dim, block_size, ratio):
+    lens = [1, block_size - 1, block_size, block_size + 1, 1000, 17_000]
+    got, want = run_attention(gpu, rng, dtype, head_dim, block_size, ratio, lens)
+    assert relative_error(got, want) < TOLERANCE[np.dtype(dtype)]
+
+
+@pytest.mark.parametrize("parts", [1, 3, 64])
+def test_split_k_agrees_with_one_partition_on_gpu(gpu, rng, parts):
+    got, want = run_attention(gpu, rng, np.float32, 128, 16, 4, [5, 700, 3000],
+                              num_partitions=parts)
+    assert relative_error(got, want) < 1e-5
+
+
+def test_mixed_group_sizes_beyond_eight_on_gpu(gpu, rng):
+    got, want = run_attention(gpu, rng, np.float16, 64, 16, 12, [33, 400], num_kv_heads=1)
+    assert relative_error(got, want) < 1e-2
+
+
+def test_paged_attention_on_host_matches_float64_reference(rng):
+    got, want = run_attention(rf.get_backend("host"), rng, np.float32, 64, 8, 4, [1, 7, 8, 9, 300])
+    assert relative_error(got, want) < 1e-5
+
+
+def test_zero_length_sequence_gives_zeros(backend, rng):
+    got, _ = run_attention(backend, rng, np.float32, 64, 16, 1, [0, 20])
+    assert (got[0] == 0).all()
+
+
+# --- writes and copies ----------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
+def test_reshape_and_cache_writes_slots_and_skips_minus_one(backend, rng, dtype):
+    num_blocks, heads, block_size, dim = 6, 2, 16, 64
+    k, v, dk, dv = random_cache(rng, backend, dtype, num_blocks, heads, block_size, dim)
+    key = rng.standard_normal((5, heads, dim), np.float32).astype(dtype)
+    value = rng.standard_normal((5, heads, dim), np.float32).astype(dtype)
+    slots = np.array([17, -1, 3, 95, -1], np.int64)
+    ops.reshape_and_cache(DeviceArray.from_numpy(key, backend=backend),
+                          DeviceArray.from_numpy(value, backend=backend), dk, dv, slots)
+    want_k, want_v = k.copy(), v.copy()
+    reference.reshape_and_cache(key, value, want_k, want_v, slots)
+    np.testing.assert_array_equal(dk.to_numpy(), want_k)
+    np.testing.assert_array_equal(dv.to_numpy(), want_v)
+    assert (want_k[1, :, 1] == key[0]).all() and (want_v[5, :, 15] == value[3]).all()
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
+def test_copy_blocks_copies_exactly_the_listed_blocks(backend, rng, dtype):
+    shape = (3, 2, 8, 2, 16, 64)
+    slab = rng.standard_normal(shape, np.float32).astype(dtype)
+    device = DeviceArray.from_numpy(slab, backend=backend)
+    pairs = np.array([[1, 4], [2, 7], [1, 5]], np.int64)
+    ops.copy_blocks(device, pairs)
+    want = slab.copy()
+    want[:, :, [4, 7, 5]] = slab[:, :, [1, 2, 1]]
+    np.testing.assert_array_equal(device.to_numpy(), want)
+
+
+def test_write_then_attend_round_trip(backend, rng):
+    dtype, heads, dim, block_size, num_blocks = np.float16, 2, 128, 16, 10
+    _, _, dk, dv = random_cache(rng, backend, dtype, num_blocks, heads, block_size, dim)
+    tokens = 40
+    key = rng.standard_normal((tokens, heads, dim), np.float32).astype(dtype)
+    value = rng.standard_normal((tokens, heads, dim), np.float32).astype(dtype)
+    blocks = np.array([7, 2, 9], np.int32)
+    slots = (blocks[np.arange(tokens) // block_size].astype(np.int64) * block_size
+             + np.arange(tokens) % block_size)
+    ops.reshape_and_cache(DeviceArray.from_numpy(key, backend=backend),
+                          DeviceArray.from_numpy(value, backend=backend), dk, dv, slots)
+    q = rng.standard_normal((1, heads * 4, dim), np.float32).astype(dtype)
+    out = DeviceArray.empty(q.shape, dtype, backend=backend)
+    ops.paged_attention(out, DeviceArray.from_numpy(q, backend=backend), dk, dv,
+                        blocks[None, :], np.array([tokens], np.int32))
+    # direct attention over the written K/V, no paging involved
+    qf = q[0].astype(np.float64).reshape(heads, 4, dim)
+    scores = np.einsum("hgd,thd->hgt", qf, key.astype(np.float64)) / math.sqrt(dim)
+    weights = np.exp(scores - scores.max(-1, keepdims=True))
+    weights /= weights.sum(-1, keepdims=True)
+    want = np.einsum("hgt,thd->hgd", weights, value.astype(np.float64)).reshape(1, -1, dim)
+    assert relative_error(out.to_numpy().astype(np.float64), want) < 1e-2
+
+
+# --- validation -----------------------------------------------------------------------------
+def _attention_inputs(backend, dtype=np.float32, head_dim=64, block_size=16, q_heads=4):
+    q = DeviceArray.empty((2, q_heads, head_dim), dtype, backend=backend)
+    out = DeviceArray.empty((2, q_heads, head_dim), dtype, backend=backend)
+    k = DeviceArray.empty((5, 2, block_size, head_dim), dtype, backend=backend)
+    v = DeviceArray.empty((5, 2, block_size, head_dim), dtype, backend=backend)
+    return out, q, k, v
+
+
+@pytest.mark.parametrize("change, words", [
+    (dict(dtype=np.float64), "dtype float64 is not supported"),
+    (dict(head_dim=96), "head_dim 96 is not supported"),
+    (dict(block_size=24), "block_size 24 is not supported"),
+    (dict(q_heads=3), "num_q_heads 3 is not a multiple of num_kv_heads 2"),
+])
+def test_unsupported_shapes_raise_before_launch(backend, change, words):
+    out, q, k, v = _attention_inputs(backend, **change)
+    with pytest.raises(ValueError, match=words):
+        ops.paged_attention(out, q, k, v, np.ones((2, 1), np.int32), np.ones(2, np.int32))
+
+
+@pytest.mark.parametrize("tables, lens, words", [
+    (np.ones((2, 2), np.int32), np.array([5, 33], np.int32),
+     r"seq_lens\[1\] = 33 tokens exceeds the block table's 2 blocks x 16 = 32 tokens"),
+    (np.array([[1, 5], [2, 3]], np.int32), np.array([20, 3], np.int32),
+     r"block id 5 in block_tables is outside \[0, 5\)"),
+    (np.ones((2, 2), np.int64), np.array([1, 1], np.int32), "block_tables must be int32"),
+    (np.ones((2, 2), np.int32), np.array([1, 1, 1], np.int32), r"seq_lens must have shape \(2,\)"),
+    (np.ones((2, 2), np.int32), np.array([-1, 1], np.int32), "seq_lens must be >= 0"),
+])
+def test_bad_metadata_raises_before_launch(backend, tables, lens, words):
+    out, q, k, v = _attention_inputs(backend)
+    with pytest.raises(ValueError, match=words):
+        ops.paged_attention(out, q, k, v, tables, lens)
+
+
+def test_mismatched_dtypes_raise(backend):
+    out, q, k, v = _attention_inputs(backend)
+    k16 = DeviceArray.empty(k.shape, np.float16, backend=backend)
+    with pytest.raises(ValueError, match="k_cache must be float32, got float16"):
+        ops.paged_attention(out, q, k16, v, np.ones((2, 1), np.int32), np.ones(2, np.int32))
+    with pytest.raises(TypeError, match="query must be a DeviceArray"):
+        ops.paged_attention(out, np.zeros(q.shape, np.float32), k, v, np.ones((2, 1), np.int32),
+                            np.ones(2, np.int32))
+
+
+def test_bad_slots_and_pairs_raise(backend):
+    _, _, k, v = _attention_inputs(backend)
+    key = DeviceArray.empty((2, 2, 64), np.float32, backend=backend)
+    with pytest.raises(ValueError, match=r"slot 80 is outside \[-1, 80\)"):
+        ops.reshape_and_cache(key, key, k, v, np.array([0, 80], np.int64))
+    with pytest.raises(ValueError, match="writes one slot twice"):
+        ops.reshape_and_cache(key, key, k, v, np.array([3, 3], np.int64))
+    slab = DeviceArray.empty((1, 2, 4, 2, 16, 64), np.float32, backend=backend)
+    with pytest.raises(ValueError, match=r"outside \[0, 4\)"):
+        ops.copy_blocks(slab, np.array([[1, 4]], np.int64))
+    with pytest.raises(ValueError, match="distinct and not sources"):
+        ops.copy_blocks(slab, np.array([[1, 2], [2, 3]], np.int64))
+
+
+def test_partition_plan_splits_only_when_the_device_is_underfilled():
+    assert ops.plan_partitions(num_ctas=4096, max_len=4096, multiprocessors=132)[1] == 1
+    tokens, parts = ops.plan_partitions(num_ctas=8, max_len=32768, multiprocessors=132)
+    assert parts > 1 and tokens * parts >= 32768 and tokens % ops.THREADS == 0
+    assert ops.plan_partitions(8, 10**7, 132)[1] <= ops.MAX_PARTITIONS

@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# One call on the GPU machine: install the carried wheels (.whl), run the test suite on the
+# GPU, then the benchmarks. Logs go to $OUT. Usage: bash tools/device_run.sh [pytest args]
+set -uo pipefail
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+  --target /tmp/site .whl/*.whl || exit 1
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/rf-out}
+mkdir -p "$OUT"
+nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv
+python3 -m rocmforge_raw.cli info
+python3 -m pytest -q -p no:cacheprovider -rs "${@:-tests}" 2>&1 | tee "$OUT/pytest.log" | tail -40
+if [ -z "${RF_SKIP_BENCH:-}" ]; then
+  python3 -m rocmforge_raw.cli bench 2>&1 | tee "$OUT/bench.txt"
+fi
