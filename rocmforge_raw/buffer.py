@@ -1,10 +1,11 @@
 """HipBuffer: owned device memory, views of it, and the process-wide live-allocation registry.
 
 A root buffer owns ``nbytes`` on one device of one backend and frees it exactly once: through
-``close()``/``with``, or through a ``weakref.finalize`` that holds no reference to the buffer,
-frees on the owning device, never frees in a forked child and never raises during interpreter
-shutdown. A view (``buf.view(offset, nbytes)``) keeps its parent alive and frees nothing. Every
-copy is bounds-checked here, before any binding call. Sizes and offsets are in bytes.
+``close()``/``with``, or through a weakref finalizer (the registry's) that holds no reference
+to the buffer, frees on the owning device, never frees in a forked child and never raises
+during interpreter shutdown. A view (``buf.view(offset, nbytes)``) keeps its parent alive
+and frees nothing. Every copy is bounds-checked here, before any binding call. Sizes and
+offsets are in bytes.
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ import traceback
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from itertools import count
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -30,12 +30,12 @@ if TYPE_CHECKING:
     from .pool import MemoryPool
     from .stream import Stream
 
-_MAX_BYTES = 1 << 62
+_LARGE = 1 << 30  # requests above this are checked against the device's total memory
 
 
 @dataclass
 class Allocation:
-    """One live root allocation as the registry records it."""
+    """One live root allocation as the registry reports it."""
 
     nbytes: int
     device: int
@@ -44,31 +44,48 @@ class Allocation:
 
 
 class _Registry:
-    """Every live root buffer and the allocation counters. Thread-safe, fork-safe."""
+    """Every live root buffer, its finalizer, and the allocation counters.
+
+    A root buffer registers a ``weakref.ref`` whose callback frees the memory: the record
+    (free function, pointer, device, owning pid) never references the buffer. ``release``
+    runs at most once per record, from ``close()`` or the callback, whichever comes first.
+    Thread-safe; the lock is re-created in a forked child.
+    """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._tokens = count(1)
-        self.live: dict[int, Allocation] = {}
+        self.live: dict[weakref.ref, tuple] = {}
         self.live_bytes = self.peak_bytes = self.num_allocs = self.num_frees = 0
         self.track_stacks = os.environ.get("RF_TRACK_STACKS", "") not in ("", "0")
 
-    def add(self, nbytes: int, device: int, backend: str) -> int:
+    def add(self, buf: HipBuffer, free_fn: Callable[[int, int], None] | None) -> weakref.ref:
         stack = traceback.format_stack()[:-2] if self.track_stacks else None
+        ref = weakref.ref(buf, self.release)
+        record = (buf.nbytes, buf.device, buf.backend.name, free_fn, buf._ptr, _pid, stack)
         with self._lock:
-            token = next(self._tokens)
-            self.live[token] = Allocation(nbytes, device, backend, stack)
-            self.live_bytes += nbytes
+            self.live[ref] = record
+            self.live_bytes += buf.nbytes
             self.num_allocs += 1
-            self.peak_bytes = max(self.peak_bytes, self.live_bytes)
-        return token
+            if self.live_bytes > self.peak_bytes:
+                self.peak_bytes = self.live_bytes
+        return ref
 
-    def remove(self, token: int) -> None:
+    def release(self, ref: weakref.ref) -> None:
+        """Free once, on the owning device, only in the owning process; never raise."""
         with self._lock:
-            record = self.live.pop(token, None)
-            if record is not None:
-                self.live_bytes -= record.nbytes
-                self.num_frees += 1
+            record = self.live.pop(ref, None)
+            if record is None:
+                return
+            self.live_bytes -= record[0]
+            self.num_frees += 1
+        nbytes, device, _, free_fn, ptr, pid, _ = record
+        if free_fn is None or _pid != pid or sys.is_finalizing():
+            return
+        try:
+            free_fn(ptr, device)
+        except Exception as exc:  # a finalizer must never raise; say what leaked instead
+            sys.stderr.write(f"rocmforge_raw: freeing {nbytes} bytes at {ptr:#x} on device "
+                             f"{device} failed: {exc}\n")
 
     def after_fork_in_child(self) -> None:
         self._lock = threading.Lock()
@@ -100,7 +117,8 @@ def memory_stats() -> dict[str, int]:
 def live_allocations() -> list[Allocation]:
     """Records of every live root buffer (with creation stacks when ``RF_TRACK_STACKS=1``)."""
     with _registry._lock:
-        return list(_registry.live.values())
+        records = list(_registry.live.values())
+    return [Allocation(r[0], r[1], r[2], r[6]) for r in records]
 
 
 def reset_peak() -> None:
@@ -112,18 +130,6 @@ def reset_peak() -> None:
 def track_stacks(enabled: bool) -> None:
     """Record (or stop recording) creation stacks of new buffers, as ``RF_TRACK_STACKS=1``."""
     _registry.track_stacks = enabled
-
-
-def _release(free_fn: Callable[[int, int], None] | None, ptr: int, device: int, pid: int,
-             token: int) -> None:
-    """Finalizer body: free once, on the owning device, only in the owning process."""
-    _registry.remove(token)
-    if free_fn is None or _pid != pid or sys.is_finalizing():
-        return
-    try:
-        free_fn(ptr, device)
-    except Exception as exc:  # a finalizer must never raise; say what leaked instead
-        sys.stderr.write(f"rocmforge_raw: freeing {ptr:#x} on device {device} failed: {exc}\n")
 
 
 def _index(value: Any, what: str) -> int:
@@ -144,8 +150,8 @@ class HipBuffer:
     ``BufferClosedError``.
     """
 
-    __slots__ = ("__weakref__", "_finalizer", "_parent", "_ptr", "_view_closed", "backend",
-                 "device", "nbytes")
+    __slots__ = ("__weakref__", "_parent", "_ptr", "_ref", "_view_closed", "backend", "device",
+                 "nbytes")
 
     def __init__(self, nbytes: int, device: int | None = None,
                  backend: str | Backend | None = None, *, pool: MemoryPool | None = None) -> None:
@@ -160,8 +166,10 @@ class HipBuffer:
         else:
             self.backend = backend if isinstance(backend, Backend) else get_backend(backend)
             self.device = self.backend.get_device() if device is None else _index(device, "device")
-        if nbytes > _MAX_BYTES:
-            raise OutOfMemoryError("HipBuffer", nbytes, 0, _MAX_BYTES, 1, "size out of range")
+        if nbytes > _LARGE and nbytes > self.backend.capacity(self.device):
+            free, total = self.backend.mem_info(self.device)
+            raise OutOfMemoryError("HipBuffer", nbytes, free, total, 2,
+                                   "larger than the device's memory")
         self.nbytes = nbytes
         self._parent = None
         self._view_closed = False
@@ -172,11 +180,7 @@ class HipBuffer:
             self._ptr, free_fn = pool.allocate(nbytes), pool.free
         else:
             self._ptr, free_fn = self.backend.malloc(nbytes, self.device), self.backend.free
-        token = _registry.add(nbytes, self.device, self.backend.name)
-        self._finalizer = weakref.finalize(
-            self, _release, free_fn, self._ptr, self.device, _pid, token
-        )
-        self._finalizer.atexit = False  # the process exit returns device memory itself
+        self._ref = _registry.add(self, free_fn)
 
     @classmethod
     def from_numpy(cls, array: Any, device: int | None = None,
@@ -203,7 +207,7 @@ class HipBuffer:
 
     @property
     def closed(self) -> bool:
-        return self._view_closed or not self.root._finalizer.alive
+        return self._view_closed or self.root._ref not in _registry.live
 
     @property
     def ptr(self) -> int:
@@ -214,7 +218,7 @@ class HipBuffer:
     def close(self) -> None:
         """Free the memory now (root) or stop using it (view). Idempotent."""
         if self._parent is None:
-            self._finalizer()
+            _registry.release(self._ref)
         else:
             self._view_closed = True
 
@@ -250,7 +254,7 @@ class HipBuffer:
         ptr = self._span(offset, nbytes, "view")
         view = object.__new__(HipBuffer)
         view.backend, view.device, view.nbytes = self.backend, self.device, nbytes
-        view._ptr, view._parent, view._view_closed, view._finalizer = ptr, self, False, None
+        view._ptr, view._parent, view._view_closed, view._ref = ptr, self, False, None
         return view
 
     def typed(self, dtype: Any, shape: int | tuple[int, ...] | None = None,

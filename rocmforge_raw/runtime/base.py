@@ -96,6 +96,13 @@ class Backend(ABC):
     ) -> None:
         """Launch with ``params_addr`` the address of a ``void*[]`` of argument addresses."""
 
+    def capacity(self, device: int) -> int:
+        """Total bytes of ``device`` (cached): no allocation larger than this can succeed."""
+        cache = self.__dict__.setdefault("_capacity", {})
+        if device not in cache:
+            cache[device] = self.properties(device).total_bytes
+        return cache[device]
+
     def compile_source(self, source: str, name: str, arch: str, options: list[str]) -> bytes:
         """Compile kernel source at run time (hiprtc/NVRTC) to a loadable image."""
         raise NotImplementedError(f"the {self.name} backend cannot compile kernels at run time")
