@@ -80,6 +80,7 @@ RF_DEVICE unsigned short rf_float_to_bf16(float f) {  // round to nearest even, 
 
 // 16 bytes, the width of one vector load/store.
 struct alignas(16) rf_vec16 { unsigned x, y, z, w; };
+struct alignas(16) rf_float4 { float x, y, z, w; };
 
 // Element types: `storage` is what the cache holds; PER_VEC elements fit in one rf_vec16.
 struct rf_f32 {

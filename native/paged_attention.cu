@@ -30,10 +30,11 @@ RF_DEVICE void paged_attention(
   constexpr int PV = E::PER_VEC;          // elements per 16-byte vector
   constexpr int VPR = D / PV;              // vectors per row
   constexpr int ROWS = RF_PA_THREADS / VPR;  // rows handled at once in the V phase
-  constexpr int KB = VPR < 8 ? VPR : 8;    // K vectors loaded per batch (loads in flight)
+  constexpr int KB = VPR < 16 ? VPR : 16;  // K vectors loaded per batch (loads in flight)
+  constexpr int VU = 8;                    // V rows loaded per batch per thread
   static_assert(VPR <= RF_PA_THREADS, "head_dim too large for the thread block");
 
-  RF_SHARED float q_s[G][D];
+  RF_SHARED __attribute__((aligned(16))) float q_s[G][D];
   RF_SHARED float p_s[G][RF_PA_TILE];
   RF_SHARED rf_i64 row_s[RF_PA_TILE];
   RF_SHARED float red_s[G][RF_PA_WARPS];
@@ -91,7 +92,10 @@ RF_DEVICE void paged_attention(
 #pragma unroll
           for (int g = 0; g < G; ++g)
 #pragma unroll
-            for (int e = 0; e < PV; ++e) s[g] += q_s[g][(c0 + c) * PV + e] * k[e];
+            for (int e = 0; e < PV; e += 4) {  // one 16-byte broadcast read of q per 4 FMAs
+              const rf_float4 qv = *reinterpret_cast<const rf_float4*>(&q_s[g][(c0 + c) * PV + e]);
+              s[g] += qv.x * k[e] + qv.y * k[e + 1] + qv.z * k[e + 2] + qv.w * k[e + 3];
+            }
         }
       }
     } else {
@@ -121,16 +125,26 @@ RF_DEVICE void paged_attention(
     rf_sync();
     // values: thread owns vector vcol of rows vrow, vrow + ROWS, ...
     const int rows = end - t0 < RF_PA_TILE ? end - t0 : RF_PA_TILE;
-#pragma unroll 4
-    for (int r = vrow; r < rows; r += ROWS) {
-      const rf_vec16 vv = reinterpret_cast<const rf_vec16*>(v_cache + row_s[r])[vcol];
-      float v[PV];
-      E::unpack(vv, v);
+    for (int r0 = vrow; r0 < rows; r0 += ROWS * VU) {
+      rf_vec16 vv[VU];
 #pragma unroll
-      for (int g = 0; g < G; ++g) {
-        const float p = p_s[g][r];
+      for (int u = 0; u < VU; ++u) {  // issue every load of the batch before using any
+        const int r = r0 + u * ROWS;
+        if (r < rows) vv[u] = reinterpret_cast<const rf_vec16*>(v_cache + row_s[r])[vcol];
+      }
 #pragma unroll
-        for (int e = 0; e < PV; ++e) acc[g][e] += p * v[e];
+      for (int u = 0; u < VU; ++u) {
+        const int r = r0 + u * ROWS;
+        if (r < rows) {
+          float v[PV];
+          E::unpack(vv[u], v);
+#pragma unroll
+          for (int g = 0; g < G; ++g) {
+            const float p = p_s[g][r];
+#pragma unroll
+            for (int e = 0; e < PV; ++e) acc[g][e] += p * v[e];
+          }
+        }
       }
     }
     rf_sync();
@@ -175,34 +189,58 @@ RF_DEVICE void paged_attention(
 }
 
 // Combines the partitions of one (sequence, query head): out = sum_p w_p o_p / sum_p w_p l_p
-// with w_p = 2^(m_p - max_p m_p). Grid (num_q_heads, num_seqs), RF_PA_THREADS threads.
+// with w_p = 2^(m_p - max_p m_p). Grid (num_q_heads, num_seqs), RF_PA_THREADS threads: each
+// thread sums every LANES-th partition of one 4-float column, then the lanes are added up.
 template <class E, int D>
 RF_DEVICE void paged_attention_reduce(typename E::storage* __restrict__ out,
                                       const float* __restrict__ part_out,
                                       const float* __restrict__ part_ml, int num_q_heads,
                                       int num_partitions) {
+  constexpr int COLS = D / 4, LANES = RF_PA_THREADS / COLS;
   RF_SHARED float w_s[RF_PA_MAX_PARTITIONS];
-  RF_SHARED float total_s;
-  const int tid = (int)rf_tid();
+  RF_SHARED float red_s[RF_PA_WARPS];
+  RF_SHARED __attribute__((aligned(16))) float sum_s[LANES][D];
+  const int tid = (int)rf_tid(), lane = tid % RF_WARP, warp = tid / RF_WARP;
   const rf_i64 head = (rf_i64)rf_bid_y() * num_q_heads + rf_bid_x();
   const float* ml = part_ml + head * num_partitions * 2;
-  if (tid == 0) {
-    float m = -RF_INF, total = 0.f;
-    for (int p = 0; p < num_partitions; ++p) m = rf_fmax(m, ml[2 * p]);
-    for (int p = 0; p < num_partitions; ++p) {
-      const float w = ml[2 * p + 1] > 0.f ? rf_exp2(ml[2 * p] - m) : 0.f;
-      w_s[p] = w;
-      total += w * ml[2 * p + 1];
-    }
-    total_s = total;
-  }
+  float m = -RF_INF;
+  for (int p = tid; p < num_partitions; p += RF_PA_THREADS) m = rf_fmax(m, ml[2 * p]);
+  m = rf_warp_max(m);
+  if (lane == 0) red_s[warp] = m;
   rf_sync();
-  const float inv = total_s > 0.f ? 1.f / total_s : 0.f;
-  const float* po = part_out + head * num_partitions * D;
+  m = red_s[0];
+#pragma unroll
+  for (int w = 1; w < RF_PA_WARPS; ++w) m = rf_fmax(m, red_s[w]);
+  float total = 0.f;
+  for (int p = tid; p < num_partitions; p += RF_PA_THREADS) {
+    const float l = ml[2 * p + 1], w = l > 0.f ? rf_exp2(ml[2 * p] - m) : 0.f;
+    w_s[p] = w;
+    total += w * l;
+  }
+  total = rf_warp_sum(total);
+  rf_sync();
+  if (lane == 0) red_s[warp] = total;
+  rf_sync();
+  total = 0.f;
+#pragma unroll
+  for (int w = 0; w < RF_PA_WARPS; ++w) total += red_s[w];
+  const int col = tid % COLS, first = tid / COLS;
+  const rf_float4* po = reinterpret_cast<const rf_float4*>(part_out + head * num_partitions * D);
+  rf_float4 o = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll 4
+  for (int p = first; p < num_partitions; p += LANES) {
+    const rf_float4 x = po[(rf_i64)p * COLS + col];
+    const float w = w_s[p];
+    o.x += w * x.x; o.y += w * x.y; o.z += w * x.z; o.w += w * x.w;
+  }
+  *reinterpret_cast<rf_float4*>(&sum_s[first][col * 4]) = o;
+  rf_sync();
+  const float inv = total > 0.f ? 1.f / total : 0.f;
   for (int d = tid; d < D; d += RF_PA_THREADS) {
-    float o = 0.f;
-    for (int p = 0; p < num_partitions; ++p) o += w_s[p] * po[(rf_i64)p * D + d];
-    out[head * D + d] = E::from_float(o * inv);
+    float acc = 0.f;
+#pragma unroll
+    for (int l = 0; l < LANES; ++l) acc += sum_s[l][d];
+    out[head * D + d] = E::from_float(acc * inv);
   }
 }
 
