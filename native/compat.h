@@ -6,6 +6,9 @@
 #if defined(__CUDACC__) || defined(__CUDACC_RTC__)
 #define RF_NVIDIA 1
 #define RF_KERNEL(threads) extern "C" __global__ void __launch_bounds__(threads)
+// ... and asks the compiler to fit `blocks` blocks per multiprocessor (caps registers).
+#define RF_KERNEL_OCCUPANCY(threads, blocks) \
+  extern "C" __global__ void __launch_bounds__(threads, blocks)
 #define RF_DEVICE __device__ __forceinline__
 #define RF_SHARED __shared__
 #define RF_WARP 32
@@ -29,6 +32,7 @@ typedef long long rf_i64;
 #define RF_AMD 1
 #define RF_KERNEL(threads) \
   extern "C" __attribute__((global, amdgpu_flat_work_group_size(1, threads))) void
+#define RF_KERNEL_OCCUPANCY(threads, blocks) RF_KERNEL(threads)
 #define RF_DEVICE __attribute__((device)) inline __attribute__((always_inline))
 #define RF_SHARED __attribute__((shared))
 #if defined(__AMDGCN_WAVEFRONT_SIZE__)

@@ -18,6 +18,15 @@
 #define RF_PA_WARPS (RF_PA_THREADS / RF_WARP)
 #define RF_PA_MAX_PARTITIONS 512
 #define RF_LOG2E 1.4426950408889634f
+#ifndef RF_PA_KB
+#define RF_PA_KB 8
+#endif
+#ifndef RF_PA_MIN_BLOCKS
+#define RF_PA_MIN_BLOCKS 1
+#endif
+#ifndef RF_PA_VU
+#define RF_PA_VU 4
+#endif
 
 template <class E, int D, int G>
 RF_DEVICE void paged_attention(
@@ -30,8 +39,8 @@ RF_DEVICE void paged_attention(
   constexpr int PV = E::PER_VEC;          // elements per 16-byte vector
   constexpr int VPR = D / PV;              // vectors per row
   constexpr int ROWS = RF_PA_THREADS / VPR;  // rows handled at once in the V phase
-  constexpr int KB = VPR < 16 ? VPR : 16;  // K vectors loaded per batch (loads in flight)
-  constexpr int VU = 8;                    // V rows loaded per batch per thread
+  constexpr int KB = VPR < RF_PA_KB ? VPR : RF_PA_KB;  // K vectors in flight per thread
+  constexpr int VU = RF_PA_VU;                          // V rows in flight per thread
   static_assert(VPR <= RF_PA_THREADS, "head_dim too large for the thread block");
 
   RF_SHARED __attribute__((aligned(16))) float q_s[G][D];
@@ -245,7 +254,7 @@ RF_DEVICE void paged_attention_reduce(typename E::storage* __restrict__ out,
 }
 
 #define RF_PA_KERNEL(NAME, E, D, G)                                                            \
-  RF_KERNEL(RF_PA_THREADS) rf_paged_attention_##NAME##_d##D##_g##G(                           \
+  RF_KERNEL_OCCUPANCY(RF_PA_THREADS, RF_PA_MIN_BLOCKS) rf_paged_attention_##NAME##_d##D##_g##G(                           \
       E::storage* out, float* part_out, float* part_ml, const E::storage* q,                   \
       const E::storage* k_cache, const E::storage* v_cache, const int* block_tables,           \
       const int* seq_lens, float scale, int num_q_heads, int num_kv_heads, int max_blocks,     \
@@ -274,6 +283,12 @@ RF_DEVICE void paged_attention_reduce(typename E::storage* __restrict__ out,
   RF_PA_HEAD_DIM(NAME, E, 128)                                                                 \
   RF_PA_HEAD_DIM(NAME, E, 256)
 
+#ifdef RF_PA_BENCH_ONLY  // tuning builds: just what the bench shapes use
+RF_PA_KERNEL(f16, rf_f16, 128, 4) RF_PA_KERNEL(f16, rf_f16, 128, 1) RF_PA_REDUCE(f16, rf_f16, 128)
+RF_PA_KERNEL(bf16, rf_bf16, 128, 4) RF_PA_KERNEL(bf16, rf_bf16, 128, 8)
+RF_PA_REDUCE(bf16, rf_bf16, 128)
+#else
 RF_PA_DTYPE(f16, rf_f16)
 RF_PA_DTYPE(bf16, rf_bf16)
 RF_PA_DTYPE(f32, rf_f32)
+#endif

@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# Tuning builds of paged_attention for sm_90 (bench shapes only) into .variants/NAME.cubin.
+# Usage: tools/build_variants.sh NAME "-DRF_PA_KB=8 -DRF_PA_VU=4" [NAME FLAGS ...]
+set -euo pipefail
+mkdir -p .variants
+while [ $# -ge 2 ]; do
+  nvcc -O3 -std=c++17 -Inative -cubin -arch=sm_90 -DRF_PA_BENCH_ONLY $2 \
+    -o ".variants/$1.cubin" native/paged_attention.cu &
+  shift 2
+done
+wait
+ls -la .variants
