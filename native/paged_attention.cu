@@ -22,7 +22,7 @@
 #define RF_PA_KB 8
 #endif
 #ifndef RF_PA_MIN_BLOCKS
-#define RF_PA_MIN_BLOCKS 1
+#define RF_PA_MIN_BLOCKS 4
 #endif
 #ifndef RF_PA_VU
 #define RF_PA_VU 4

@@ -88,6 +88,15 @@ class Kernel:
     def __init__(self, module: Module, name: str) -> None:
         self.module, self.name = module, name
         self.handle = module.backend.module_function(module.handle, name)
+        self._occupancy: dict[tuple[int, int], int] = {}
+
+    def max_active_blocks(self, threads: int, shared_bytes: int = 0) -> int:
+        """Blocks of ``threads`` resident per multiprocessor (cached per configuration)."""
+        key = (threads, shared_bytes)
+        if key not in self._occupancy:
+            self._occupancy[key] = self.module.backend.max_active_blocks(
+                self.handle, threads, shared_bytes)
+        return self._occupancy[key]
 
     def launch(self, grid: int | tuple[int, ...], block: int | tuple[int, ...], *args: Any,
                shared_bytes: int = 0, stream: Stream | None = None) -> None:

@@ -88,13 +88,14 @@ class _Uploads:
 
 
 # --- paged attention ---------------------------------------------------------------------
-def plan_partitions(num_ctas: int, max_len: int, multiprocessors: int) -> tuple[int, int]:
+def plan_partitions(num_ctas: int, max_len: int, slots: int) -> tuple[int, int]:
     """(tokens per partition, number of partitions) for a launch of ``num_ctas`` CTAs before
-    splitting: split long contexts until about four CTAs per multiprocessor are busy, keeping
-    partitions at least 256 tokens and a multiple of the tile."""
+    splitting, on a device that runs ``slots`` CTAs at once: split long contexts into as many
+    partitions as fill one whole wave (a partial second wave costs as much as a full one),
+    keeping partitions at least 256 tokens and a multiple of the tile."""
     if max_len <= 0:
         return THREADS, 1
-    parts = max(1, math.ceil(4 * multiprocessors / max(num_ctas, 1)))
+    parts = max(1, slots // max(num_ctas, 1))
     parts = min(parts, max(1, math.ceil(max_len / 256)))
     tokens = THREADS * math.ceil(math.ceil(max_len / parts) / THREADS)
     tokens = max(tokens, THREADS * math.ceil(max_len / (THREADS * MAX_PARTITIONS)))
@@ -170,13 +171,15 @@ def paged_attention(out: DeviceArray, query: DeviceArray, k_cache: DeviceArray,
     group = next(g for g in GROUP_SIZES if g >= min(ratio, GROUP_SIZES[-1]))
     grid_x = num_kv_heads * math.ceil(ratio / group)
     max_len = int(lens.max(initial=0)) if lens is not None else max_blocks * block_size
-    props = query.backend.properties(query.device)
-    tokens, parts = plan_partitions(grid_x * num_seqs, max_len, props.multiprocessors)
-    if num_partitions is not None:
-        parts = max(1, min(int(num_partitions), MAX_PARTITIONS))
-        tokens = THREADS * math.ceil(max(max_len, 1) / (parts * THREADS))
     module = load_kernels("paged_attention", query.device, query.backend)
     name = DTYPES[query.dtype]
+    kernel = module.function(f"rf_paged_attention_{name}_d{head_dim}_g{group}")
+    if num_partitions is None:
+        slots = kernel.max_active_blocks(THREADS) * _multiprocessors(query)
+        tokens, parts = plan_partitions(grid_x * num_seqs, max_len, slots)
+    else:
+        parts = max(1, min(int(num_partitions), MAX_PARTITIONS))
+        tokens = THREADS * math.ceil(max(max_len, 1) / (parts * THREADS))
     with _Uploads(query, stream) as upload:
         d_tables = upload(block_tables, tables)
         d_lens = upload(seq_lens, lens)
@@ -186,7 +189,7 @@ def paged_attention(out: DeviceArray, query: DeviceArray, k_cache: DeviceArray,
             work = _workspace.get(query, stream, heads * (head_dim + 2) * 4)
             part_out, part_ml = work.ptr, work.ptr + heads * head_dim * 4
         i32 = np.int32
-        module.function(f"rf_paged_attention_{name}_d{head_dim}_g{group}").launch(
+        kernel.launch(
             (grid_x, num_seqs, parts), THREADS, out, part_out, part_ml, query, k_cache, v_cache,
             d_tables, d_lens, np.float32(scale), i32(num_q_heads), i32(num_kv_heads),
             i32(max_blocks), i32(block_size.bit_length() - 1), i32(tokens), i32(parts),
@@ -195,6 +198,16 @@ def paged_attention(out: DeviceArray, query: DeviceArray, k_cache: DeviceArray,
             module.function(f"rf_paged_attention_reduce_{name}_d{head_dim}").launch(
                 (num_q_heads, num_seqs), THREADS, out, part_out, part_ml, i32(num_q_heads),
                 i32(parts), stream=stream)
+
+
+def _multiprocessors(like: DeviceArray) -> int:
+    key = (like.backend.name, like.device)
+    if key not in _MULTIPROCESSORS:
+        _MULTIPROCESSORS[key] = like.backend.properties(like.device).multiprocessors
+    return _MULTIPROCESSORS[key]
+
+
+_MULTIPROCESSORS: dict[tuple[str, int], int] = {}
 
 
 def _check_tables(tables: np.ndarray, lens: np.ndarray, num_seqs: int, num_blocks: int,

@@ -212,8 +212,10 @@ def test_bad_slots_and_pairs_raise(backend):
         ops.copy_blocks(slab, np.array([[1, 2], [2, 3]], np.int64))
 
 
-def test_partition_plan_splits_only_when_the_device_is_underfilled():
-    assert ops.plan_partitions(num_ctas=4096, max_len=4096, multiprocessors=132)[1] == 1
-    tokens, parts = ops.plan_partitions(num_ctas=8, max_len=32768, multiprocessors=132)
-    assert parts > 1 and tokens * parts >= 32768 and tokens % ops.THREADS == 0
-    assert ops.plan_partitions(8, 10**7, 132)[1] <= ops.MAX_PARTITIONS
+def test_partition_plan_fills_one_wave_and_no_more():
+    assert ops.plan_partitions(num_ctas=600, max_len=4096, slots=528)[1] == 1
+    tokens, parts = ops.plan_partitions(num_ctas=8, max_len=32768, slots=528)
+    assert parts > 1 and parts * 8 <= 528 and tokens * parts >= 32768
+    assert tokens % ops.THREADS == 0
+    assert ops.plan_partitions(128, 8192, 528)[1] == 4
+    assert ops.plan_partitions(8, 10**7, 528)[1] <= ops.MAX_PARTITIONS

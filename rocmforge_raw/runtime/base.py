@@ -103,6 +103,10 @@ class Backend(ABC):
             cache[device] = self.properties(device).total_bytes
         return cache[device]
 
+    @abstractmethod
+    def max_active_blocks(self, function: Any, threads: int, shared_bytes: int) -> int:
+        """How many blocks of ``threads`` fit on one multiprocessor at once (occupancy)."""
+
     def compile_source(self, source: str, name: str, arch: str, options: list[str]) -> bytes:
         """Compile kernel source at run time (hiprtc/NVRTC) to a loadable image."""
         raise NotImplementedError(f"the {self.name} backend cannot compile kernels at run time")

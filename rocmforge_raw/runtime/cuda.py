@@ -191,6 +191,11 @@ class CudaBackend(Backend):
             params_addr, 0,
         ))
 
+    def max_active_blocks(self, function: Any, threads: int, shared_bytes: int) -> int:
+        return check("cuOccupancyMaxActiveBlocksPerMultiprocessor",
+                     cu.cuOccupancyMaxActiveBlocksPerMultiprocessor(function, threads,
+                                                                    shared_bytes))
+
     def compile_source(self, source: str, name: str, arch: str, options: list[str]) -> bytes:
         from cuda.bindings import nvrtc
 

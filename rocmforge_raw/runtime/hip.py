@@ -164,6 +164,11 @@ class HipBackend(Backend):
             function, *grid, *block, shared_bytes, stream, params_addr, None,
         ))
 
+    def max_active_blocks(self, function: Any, threads: int, shared_bytes: int) -> int:
+        return check("hipModuleOccupancyMaxActiveBlocksPerMultiprocessor",
+                     hip.hipModuleOccupancyMaxActiveBlocksPerMultiprocessor(
+                         function, threads, shared_bytes))
+
     def compile_source(self, source: str, name: str, arch: str, options: list[str]) -> bytes:
         def rtc(api: str, result: Any) -> Any:
             return unwrap(api, result, hiprtc.hiprtcResult.HIPRTC_SUCCESS,

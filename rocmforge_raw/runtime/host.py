@@ -140,6 +140,9 @@ class HostBackend(Backend):
     def module_function(self, module: Any, name: str) -> Any:
         raise DeviceError("module_function", 1, "not supported", "the host backend has no modules")
 
+    def max_active_blocks(self, function: Any, threads: int, shared_bytes: int) -> int:
+        return 1
+
     def launch(self, function, grid, block, shared_bytes, stream, params_addr) -> None:
         raise DeviceError("launch", 1, "not supported", "the host backend launches no kernels")
 
