@@ -48,3 +48,13 @@ class BufferClosedError(RocmforgeError, ValueError):
 
 class KernelNotAvailableError(RocmforgeError):
     """No code object fits the device and none could be compiled at run time."""
+
+
+class CacheFullError(RocmforgeError, MemoryError):
+    """The KV cache cannot meet a request (strict mode, or nothing left to preempt)."""
+
+    def __init__(self, needed_blocks: int, free_blocks: int, detail: str = "") -> None:
+        self.needed_blocks = needed_blocks
+        self.free_blocks = free_blocks
+        super().__init__(f"needs {needed_blocks} blocks but {free_blocks} are free"
+                         + (f": {detail}" if detail else ""))

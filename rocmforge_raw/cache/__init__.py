@@ -1,0 +1,10 @@
+"""Paged KV cache: config, one block pool, sequences, sharing, preemption, lifecycle."""
+
+from ..errors import CacheFullError
+from .block_pool import NULL_BLOCK, BlockPool
+from .config import CacheConfig
+from .kv_cache import BatchMetadata, KvCache, Reservation
+from .scheduler import FinishedRequest, Request, Scheduler, StepPlan
+
+__all__ = ["NULL_BLOCK", "BatchMetadata", "BlockPool", "CacheConfig", "CacheFullError",
+           "FinishedRequest", "KvCache", "Request", "Reservation", "Scheduler", "StepPlan"]

@@ -1,0 +1,111 @@
+"""CacheConfig: the shape of a paged KV cache, validated, with every size computed checked.
+
+The slab is ``[num_layers, 2, num_blocks, num_kv_heads, block_size, head_dim]`` of ``dtype``
+(DESIGN.md). Block 0 is the reserved null block, so ``num_blocks >= 2``. Sizes are bytes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+
+DTYPES = {"float16": np.dtype(np.float16), "bfloat16": np.dtype(ml_dtypes.bfloat16),
+          "float32": np.dtype(np.float32)}
+HEAD_DIMS = (64, 128, 256)
+BLOCK_SIZES = (8, 16, 32, 64, 128)
+#: Element indices in the kernels are signed 64-bit; block ids are int32.
+MAX_SLAB_ELEMENTS = (1 << 63) - 1
+MAX_BLOCKS = (1 << 31) - 1
+
+
+def _positive(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{name} must be an integer, got {type(value).__name__}")
+    if value < 1:
+        raise ValueError(f"{name} must be >= 1, got {value}")
+    return int(value)
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """A validated cache shape. ``dtype`` is float16, bfloat16 or float32."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    num_blocks: int
+    dtype: Any = "float16"
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "num_kv_heads", "head_dim", "block_size", "num_blocks"):
+            object.__setattr__(self, name, _positive(name, getattr(self, name)))
+        dtype = np.dtype(self.dtype) if not isinstance(self.dtype, str) else DTYPES.get(
+            self.dtype)
+        if dtype not in DTYPES.values():
+            raise ValueError(f"dtype {self.dtype} is not supported: use one of "
+                             f"{', '.join(DTYPES)}")
+        object.__setattr__(self, "dtype", dtype)
+        if self.head_dim not in HEAD_DIMS:
+            raise ValueError(f"head_dim {self.head_dim} is not supported: use one of {HEAD_DIMS}")
+        if self.block_size not in BLOCK_SIZES:
+            raise ValueError(f"block_size {self.block_size} is not supported: use one of "
+                             f"{BLOCK_SIZES}")
+        if not 2 <= self.num_blocks <= MAX_BLOCKS:
+            raise ValueError(f"num_blocks must be in [2, {MAX_BLOCKS}] (block 0 is the null "
+                             f"block), got {self.num_blocks}")
+        elements = self.total_bytes // self.dtype.itemsize
+        if elements > MAX_SLAB_ELEMENTS:
+            raise OverflowError(f"a slab of {elements} elements overflows 64-bit indexing")
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Bytes one token occupies across all layers, K and V."""
+        return self.num_layers * 2 * self.num_kv_heads * self.head_dim * self.dtype.itemsize
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes one block id stands for (every layer, K and V)."""
+        return self.bytes_per_token * self.block_size
+
+    @property
+    def total_bytes(self) -> int:
+        return self.block_bytes * self.num_blocks
+
+    @property
+    def slab_shape(self) -> tuple[int, ...]:
+        return (self.num_layers, 2, self.num_blocks, self.num_kv_heads, self.block_size,
+                self.head_dim)
+
+    @property
+    def num_slots(self) -> int:
+        """Token slots that can be handed out (the null block excluded)."""
+        return (self.num_blocks - 1) * self.block_size
+
+    @classmethod
+    def for_memory(cls, num_layers: int, num_kv_heads: int, head_dim: int, block_size: int,
+                   dtype: Any = "float16", *, budget_bytes: int | None = None,
+                   fraction: float | None = None, device: int | None = None,
+                   backend: Any = None) -> CacheConfig:
+        """The largest cache within ``budget_bytes``, or within ``fraction`` of the device's
+        free memory now (exactly one of the two)."""
+        if (budget_bytes is None) == (fraction is None):
+            raise ValueError("give exactly one of budget_bytes and fraction")
+        if fraction is not None:
+            if not 0.0 < fraction <= 1.0:
+                raise ValueError(f"fraction must be in (0, 1], got {fraction}")
+            from ..runtime import get_backend
+
+            dev = get_backend(backend)
+            free, _ = dev.mem_info(dev.get_device() if device is None else device)
+            budget_bytes = int(free * fraction)
+        probe = cls(num_layers, num_kv_heads, head_dim, block_size, 2, dtype)
+        num_blocks = min(_positive("budget_bytes", budget_bytes) // probe.block_bytes,
+                         MAX_BLOCKS)
+        if num_blocks < 2:
+            raise ValueError(f"a budget of {budget_bytes} bytes holds {num_blocks} blocks of "
+                             f"{probe.block_bytes} bytes; at least 2 are needed")
+        return cls(num_layers, num_kv_heads, head_dim, block_size, num_blocks, dtype)
