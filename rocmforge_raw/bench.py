@@ -162,3 +162,30 @@ def bench_attention(backend: Backend, device: int, copy_gbs: float, iters: int =
         for array in (k, v, q, out, d_tables, d_lens):
             array.buffer.root.close()
     return rows
+
+
+def bench_cache(num_seqs: int = 256, context: int = 2048, block_size: int = 16,
+                steps: int = 300, backend: Any = "host") -> dict[str, Any]:
+    """CPU cost of one decode step of the cache: ``append`` one token to each of
+    ``num_seqs`` sequences of about ``context`` tokens, then build the batch metadata."""
+    from .cache import CacheConfig, KvCache
+
+    rng = np.random.default_rng(7)
+    lens = rng.integers(context - context // 16, context + context // 16, num_seqs)
+    blocks = int((-(-(lens + steps) // block_size)).sum()) + 2
+    config = CacheConfig(1, 1, 64, block_size, blocks, "float16")
+    with KvCache(config, backend=backend, strict=True) as cache:
+        for seq_id, n in enumerate(lens):
+            cache.add_sequence(seq_id, int(n))
+        ids = list(range(num_seqs))
+        samples = []
+        for _ in range(steps):
+            start = time.perf_counter_ns()
+            cache.append(ids)
+            cache.batch(ids)
+            samples.append((time.perf_counter_ns() - start) / 1e3)
+        cache.check_invariants()
+    samples.sort()
+    return {"num_seqs": num_seqs, "context": context, "block_size": block_size,
+            "steps": steps, "median_us": statistics.median(samples),
+            "p90_us": samples[int(0.9 * len(samples))], "target_us": 50.0}

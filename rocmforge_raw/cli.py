@@ -82,7 +82,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from . import bench
 
     backend = get_backend(args.backend)
-    everything = not (args.alloc or args.attention)
+    everything = not (args.alloc or args.attention or args.cache)
     result: dict[str, Any] = {"backend": backend.name,
                               "device": backend.properties(args.device).name}
     lines = [f"device: {backend.name}:{args.device} {result['device']}"]
@@ -102,6 +102,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
                   f"{r['target_pct']:6}%" for r in rows]
     elif args.attention:
         lines.append("attention bench needs a GPU backend (host runs the NumPy reference)")
+    if args.cache or everything:
+        row = result["cache"] = bench.bench_cache()
+        lines.append(f"cache decode step ({row['num_seqs']} seqs x ~{row['context']} tokens, "
+                     f"block {row['block_size']}): median {row['median_us']:.1f} us, "
+                     f"p90 {row['p90_us']:.1f} us (target {row['target_us']:.0f} us)")
     _emit(args, result, "\n".join(lines))
     return 0
 
@@ -119,6 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     _common(bench)
     bench.add_argument("--alloc", action="store_true", help="alloc+free round trips")
     bench.add_argument("--attention", action="store_true", help="paged attention vs copy BW")
+    bench.add_argument("--cache", action="store_true", help="KV cache decode step (CPU)")
     bench.add_argument("--iters", type=int, default=50, help="timed runs per measurement")
     bench.set_defaults(run=cmd_bench)
     args = parser.parse_args(argv)

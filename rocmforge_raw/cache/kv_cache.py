@@ -2,10 +2,11 @@
 preemption. Every public operation is atomic under one lock.
 
 Bookkeeping lives in persistent NumPy arrays indexed by a sequence's row: ``block tables``
-(int32, padded with the null block 0), lengths, block counts and the slot each sequence last
-reserved. ``batch()`` slices them; nothing loops over blocks in Python. Invariants, checked by
-``check_invariants()``: free + used blocks == num_blocks - 1, and each block's ref count equals
-the number of sequences holding it.
+(int32, padded with the null block 0), lengths, block counts, the slot each sequence last
+reserved, creation and last-access times, and a recency tick that orders LRU preemption.
+``append()`` and ``batch()`` work on these arrays; nothing loops over blocks in Python.
+Invariants, checked by ``check_invariants()``: free + used blocks == num_blocks - 1, and each
+block's ref count equals the number of sequences holding it.
 """
 
 from __future__ import annotations
@@ -26,16 +27,6 @@ from ..errors import CacheFullError
 from ..stream import Stream
 from .block_pool import NULL_BLOCK, BlockPool
 from .config import CacheConfig
-
-
-@dataclass
-class Sequence:
-    """A running sequence: its row in the tables and its times (``clock`` seconds)."""
-
-    seq_id: Hashable
-    row: int
-    created_at: float
-    last_access: float
 
 
 @dataclass(frozen=True)
@@ -78,9 +69,15 @@ class KvCache:
         self._lens = np.zeros(rows, np.int64)
         self._nblocks = np.zeros(rows, np.int64)
         self._last_slot = np.full(rows, -1, np.int64)
+        self._last_block = np.zeros(rows, np.int64)  # == tables[row, nblocks - 1]
+        self._created = np.zeros(rows)
+        self._accessed = np.zeros(rows)
+        self._recency = np.zeros(rows, np.int64)  # larger = used more recently
+        self._tick = 0
         self._free_rows = list(range(rows - 1, -1, -1))
-        self._seqs: dict[Hashable, Sequence] = {}
-        self._lru: OrderedDict[Hashable, None] = OrderedDict()  # oldest access first
+        self._seqs: dict[Hashable, int] = {}  # seq id -> row
+        self._version = 0  # bumped whenever a sequence gets or gives up its row
+        self._rows_memo: tuple[int, list[Hashable], np.ndarray, bool] | None = None
         self._finished: OrderedDict[Hashable, tuple[float, int]] = OrderedDict()
         self.num_preemptions = self.num_cow_copies = self.peak_used_blocks = 0
 
@@ -106,13 +103,19 @@ class KvCache:
 
     def seq_len(self, seq_id: Hashable) -> int:
         with self._lock:
-            return int(self._lens[self._get(seq_id).row])
+            return int(self._lens[self._row(seq_id)])
 
     def block_ids(self, seq_id: Hashable) -> np.ndarray:
         """The blocks of ``seq_id`` in order (a copy)."""
         with self._lock:
-            row = self._get(seq_id).row
+            row = self._row(seq_id)
             return self._tables[row, : self._nblocks[row]].copy()
+
+    def times(self, seq_id: Hashable) -> tuple[float, float]:
+        """(created, last accessed) of ``seq_id``, in ``clock`` seconds."""
+        with self._lock:
+            row = self._row(seq_id)
+            return float(self._created[row]), float(self._accessed[row])
 
     # --- check-then-act ----------------------------------------------------------------------
     def can_allocate(self, num_tokens: int) -> bool:
@@ -146,10 +149,11 @@ class KvCache:
             row = self._new_row(need)
             self._tables[row, :need] = ids
             self._lens[row], self._nblocks[row] = num_tokens, need
+            self._last_block[row] = ids[-1]
             self._last_slot[row] = self._slot(ids[-1], num_tokens - 1)
-            now = self.clock()
-            self._seqs[seq_id] = Sequence(seq_id, row, now, now)
-            self._lru[seq_id] = None
+            self._seqs[seq_id] = row
+            self._created[row] = self.clock()
+            self._touch(np.array([row]))
             self._note_usage()
             positions = np.arange(num_tokens)
             slots = ids[positions // self.config.block_size].astype(np.int64)
@@ -162,35 +166,43 @@ class KvCache:
         least-recently-used other sequences are preempted (then, if need be, those of this
         call, which get slot -1); with ``strict`` it raises ``CacheFullError`` instead."""
         with self._lock:
-            ids = list(seq_ids)
-            if len(set(ids)) != len(ids):
+            ids = seq_ids if isinstance(seq_ids, list) else list(seq_ids)
+            rows = self._rows(ids)
+            if not self._rows_memo[3]:
                 raise ValueError("append lists a sequence twice")
-            for seq_id in ids:
-                self._get(seq_id)
-            live = list(ids)
-            preempted = self._make_room(
-                lambda: self._append_need(self._rows(live))[0], live)
-            rows = self._rows(live)
             total, grow, cow = self._append_need(rows)
+            live, preempted = ids, []
+            if total > self.pool.num_free:
+                live = list(ids)
+                preempted = self._make_room(
+                    lambda: self._append_need(self._rows(live))[0], live)
+                rows = self._rows(live)
+                total, grow, cow = self._append_need(rows)
             new = self.pool.allocate(total)
             bs = self.config.block_size
-            grow_rows, cow_rows = rows[grow], rows[cow]
-            self._widen(int(self._nblocks[grow_rows].max(initial=0)) + 1)
-            self._tables[grow_rows, self._nblocks[grow_rows]] = new[: grow_rows.size]
-            self._nblocks[grow_rows] += 1
-            if cow_rows.size:
-                last = (self._lens[cow_rows] - 1) // bs
-                src = self._tables[cow_rows, last].astype(np.int64)
-                dst = new[grow_rows.size :]
-                ops.copy_blocks(self.slab, np.stack([src, dst.astype(np.int64)], 1))
-                self._tables[cow_rows, last] = dst
+            lens = self._lens[rows]
+            n_grow = int(np.count_nonzero(grow))
+            if n_grow:
+                grow_rows = rows[grow]
+                count = self._nblocks[grow_rows]
+                self._widen(int(count.max()) + 1)
+                self._tables[grow_rows, count] = new[:n_grow]
+                self._nblocks[grow_rows] = count + 1
+                self._last_block[grow_rows] = new[:n_grow]
+            if n_grow < total:
+                cow_rows = rows[cow]
+                src, dst = self._last_block[cow_rows], new[n_grow:].astype(np.int64)
+                ops.copy_blocks(self.slab, np.stack([src, dst], 1))
+                self._tables[cow_rows, self._nblocks[cow_rows] - 1] = dst
+                self._last_block[cow_rows] = dst
                 self.pool.free(src)
                 self.num_cow_copies += int(cow_rows.size)
-            pos = self._lens[rows]
-            self._last_slot[rows] = self._tables[rows, pos // bs].astype(np.int64) * bs + pos % bs
-            self._lens[rows] += 1
-            self._touch(live)
+            self._last_slot[rows] = self._last_block[rows] * bs + (lens & (bs - 1))
+            self._lens[rows] = lens + 1
+            self._touch(rows)
             self._note_usage()
+            if not preempted:
+                return Reservation(self._last_slot[rows], preempted)
             slots = np.full(len(ids), -1, np.int64)
             index = {s: i for i, s in enumerate(ids)}
             slots[[index[s] for s in live]] = self._last_slot[rows]
@@ -199,25 +211,25 @@ class KvCache:
     def fork(self, parent_id: Hashable, child_id: Hashable) -> None:
         """``child_id`` shares every block of ``parent_id`` (ref counts, no copy)."""
         with self._lock:
-            parent = self._get(parent_id)
+            parent = self._row(parent_id)
             if child_id in self._seqs:
                 raise ValueError(f"sequence {child_id!r} already exists")
-            count = int(self._nblocks[parent.row])
-            self.pool.share(self._tables[parent.row, :count])
+            count = int(self._nblocks[parent])
+            self.pool.share(self._tables[parent, :count])
             row = self._new_row(count)
-            self._tables[row, :count] = self._tables[parent.row, :count]
-            self._lens[row], self._nblocks[row] = self._lens[parent.row], count
+            self._tables[row, :count] = self._tables[parent, :count]
+            self._lens[row], self._nblocks[row] = self._lens[parent], count
+            self._last_block[row] = self._last_block[parent]
             self._last_slot[row] = -1
-            now = self.clock()
-            self._seqs[child_id] = Sequence(child_id, row, now, now)
-            self._lru[child_id] = None
-            self._touch([parent_id])
+            self._seqs[child_id] = row
+            self._created[row] = self.clock()
+            self._touch(np.array([parent, row]))
 
     def finish(self, seq_id: Hashable) -> int:
         """Free ``seq_id``'s blocks now and keep a bounded record that it finished. Returns
         the number of blocks that went back to the pool."""
         with self._lock:
-            tokens = int(self._lens[self._get(seq_id).row])
+            tokens = int(self._lens[self._row(seq_id)])
             released = self._release(seq_id)
             self._finished[seq_id] = (self.clock(), tokens)
             self._finished.move_to_end(seq_id)
@@ -227,18 +239,16 @@ class KvCache:
     def remove(self, seq_id: Hashable) -> int:
         """Free ``seq_id``'s blocks now, keeping no record. Returns the blocks released."""
         with self._lock:
-            self._get(seq_id)
+            self._row(seq_id)
             return self._release(seq_id)
 
     def batch(self, seq_ids: Iterable[Hashable]) -> BatchMetadata:
         """Kernel metadata for ``seq_ids`` (in that order)."""
         with self._lock:
-            ids = list(seq_ids)
-            for seq_id in ids:
-                self._get(seq_id)
+            ids = seq_ids if isinstance(seq_ids, list) else list(seq_ids)
             rows = self._rows(ids)
             width = max(int(self._nblocks[rows].max(initial=0)), 1)
-            self._touch(ids)
+            self._touch(rows)
             return BatchMetadata(ids, self._tables[rows, :width],
                                  self._lens[rows].astype(np.int32), self._last_slot[rows].copy())
 
@@ -314,16 +324,27 @@ class KvCache:
             ), "block count does not match length"
             for r in rows:
                 assert (self._tables[r, self._nblocks[r] :] == NULL_BLOCK).all(), "stale table"
+                assert self._last_block[r] == self._tables[r, self._nblocks[r] - 1], "last block"
 
     # --- internals (lock held) ---------------------------------------------------------------
-    def _get(self, seq_id: Hashable) -> Sequence:
-        seq = self._seqs.get(seq_id)
-        if seq is None:
+    def _row(self, seq_id: Hashable) -> int:
+        row = self._seqs.get(seq_id)
+        if row is None:
             raise KeyError(f"no sequence {seq_id!r} in the cache")
-        return seq
+        return row
 
     def _rows(self, ids: list[Hashable]) -> np.ndarray:
-        return np.fromiter((self._seqs[s].row for s in ids), np.int64, len(ids))
+        """Rows of ``ids``. A decode loop asks for the same list again and again, so the last
+        answer is kept until a sequence is added or released."""
+        memo = self._rows_memo
+        if memo is not None and memo[0] == self._version and memo[1] == ids:
+            return memo[2]
+        try:
+            rows = np.fromiter(map(self._seqs.__getitem__, ids), np.int64, len(ids))
+        except KeyError as exc:
+            raise KeyError(f"no sequence {exc.args[0]!r} in the cache") from None
+        self._rows_memo = (self._version, list(ids), rows, len(set(ids)) == len(ids))
+        return rows
 
     def _blocks_for(self, num_tokens: int) -> int:
         return -(-int(num_tokens) // self.config.block_size)
@@ -331,16 +352,15 @@ class KvCache:
     def _append_need(self, rows: np.ndarray) -> tuple[int, np.ndarray, np.ndarray]:
         """(blocks needed, rows needing a new block, rows whose shared last block needs a
         private copy) for appending one token to each row."""
-        lens, nblocks = self._lens[rows], self._nblocks[rows]
-        grow = lens == nblocks * self.config.block_size
-        last = self._tables[rows, np.maximum(lens - 1, 0) // self.config.block_size]
+        last = self._last_block[rows]
+        grow = (self._lens[rows] & (self.config.block_size - 1)) == 0
         cow = ~grow & (self.pool.ref_cnt[last] > 1)
         if cow.any():  # when every holder of a block appends now, one keeps the original
             where = np.flatnonzero(cow)
             blocks, first, counts = np.unique(last[where], return_index=True,
                                               return_counts=True)
             cow[where[first[counts == self.pool.ref_cnt[blocks]]]] = False
-        return int(grow.sum() + cow.sum()), grow, cow
+        return int(np.count_nonzero(grow) + np.count_nonzero(cow)), grow, cow
 
     def _make_room(self, need: Callable[[], int], batch: list[Hashable]) -> list[Hashable]:
         """Preempt LRU sequences (others first, then members of ``batch``, which shrinks)
@@ -350,9 +370,9 @@ class KvCache:
         while need() > self.pool.num_free:
             if self.strict:
                 raise CacheFullError(need(), self.pool.num_free, "strict mode")
-            victim = next((s for s in self._lru if s not in batch), None)
+            victim = self._least_recent(exclude=batch)
             if victim is None:
-                victim = next(iter(self._lru), None)
+                victim = self._least_recent(exclude=())
             if victim is None:
                 raise CacheFullError(need(), self.pool.num_free, "nothing left to preempt")
             if victim in batch:
@@ -362,13 +382,19 @@ class KvCache:
             preempted.append(victim)
         return preempted
 
+    def _least_recent(self, exclude: Iterable[Hashable]) -> Hashable | None:
+        skip = set(exclude)
+        candidates = [s for s in self._seqs if s not in skip]
+        if not candidates:
+            return None
+        return min(candidates, key=lambda s: self._recency[self._seqs[s]])
+
     def _release(self, seq_id: Hashable) -> int:
-        seq = self._seqs.pop(seq_id)
-        self._lru.pop(seq_id, None)
-        row = seq.row
+        row = self._seqs.pop(seq_id)
+        self._version += 1
         released = self.pool.free(self._tables[row, : self._nblocks[row]])
         self._tables[row] = NULL_BLOCK
-        self._lens[row] = self._nblocks[row] = 0
+        self._lens[row] = self._nblocks[row] = self._last_block[row] = 0
         self._last_slot[row] = -1
         self._free_rows.append(row)
         return released
@@ -376,13 +402,14 @@ class KvCache:
     def _new_row(self, blocks: int) -> int:
         if not self._free_rows:
             old = self._lens.size
-            grow = old
-            self._tables = np.concatenate([self._tables, np.zeros_like(self._tables)])
-            self._lens = np.concatenate([self._lens, np.zeros(grow, np.int64)])
-            self._nblocks = np.concatenate([self._nblocks, np.zeros(grow, np.int64)])
-            self._last_slot = np.concatenate([self._last_slot, np.full(grow, -1, np.int64)])
+            for name in ("_tables", "_lens", "_nblocks", "_last_slot", "_last_block",
+                         "_created", "_accessed", "_recency"):
+                array = getattr(self, name)
+                setattr(self, name, np.concatenate([array, np.zeros_like(array)]))
+            self._last_slot[old:] = -1
             self._free_rows = list(range(2 * old - 1, old - 1, -1))
         self._widen(blocks)
+        self._version += 1
         return self._free_rows.pop()
 
     def _widen(self, blocks: int) -> None:
@@ -395,11 +422,11 @@ class KvCache:
     def _slot(self, block: int, position: int) -> int:
         return int(block) * self.config.block_size + position % self.config.block_size
 
-    def _touch(self, ids: list[Hashable]) -> None:
-        now = self.clock()
-        for seq_id in ids:
-            self._seqs[seq_id].last_access = now
-            self._lru.move_to_end(seq_id)
+    def _touch(self, rows: np.ndarray) -> None:
+        """Mark ``rows`` used now, later ones in the list as more recent."""
+        self._accessed[rows] = self.clock()
+        self._recency[rows] = np.arange(self._tick + 1, self._tick + 1 + rows.size)
+        self._tick += rows.size
 
     def _note_usage(self) -> None:
         self.peak_used_blocks = max(self.peak_used_blocks, self.pool.num_used)
