@@ -1,4 +1,4 @@
-"""``rocmforge-raw``: info, demo, bench (and soak). Every command takes --json, --backend and
+"""``rocmforge-raw``: info, demo, bench, soak. Every command takes --json, --backend and
 --device."""
 
 from __future__ import annotations
@@ -9,10 +9,7 @@ import sys
 from importlib import metadata
 from typing import Any
 
-import numpy as np
-
 from . import module
-from .buffer import HipBuffer, memory_stats
 from .runtime import BACKEND_NAMES, available_backends, get_backend
 
 
@@ -65,17 +62,40 @@ def cmd_info(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    """Until the serving simulation lands: a HipBuffer round trip on the chosen backend."""
+    from .demo import DemoConfig, run_demo
+
     backend = get_backend(args.backend)
-    rng = np.random.default_rng()
-    data = rng.standard_normal(1 << 20).astype(np.float32)
-    with HipBuffer.from_numpy(data, args.device, backend) as buf:
-        ok = bool(np.array_equal(buf.to_numpy(np.float32), data))
-    result = {"backend": backend.name, "device": args.device, "round_trip_ok": ok,
-              "memory": memory_stats()}
-    _emit(args, result, f"{backend.name}:{args.device} round trip of {data.nbytes} bytes: "
-          f"{'ok' if ok else 'MISMATCH'}; live buffers after: {memory_stats()['live_buffers']}")
-    return 0 if ok else 1
+    config = DemoConfig.for_backend(backend, args.scale)
+    result = run_demo(backend, args.device, config, args.seed, progress=not args.json)
+    lines = [f"{k:28} {v:.3f}" if isinstance(v, float) else f"{k:28} {v}"
+             for k, v in result.items()]
+    _emit(args, result, "\n".join(lines))
+    return 0 if result["live_buffers_after_teardown"] == 0 else 1
+
+
+def cmd_soak(args: argparse.Namespace) -> int:
+    from .soak import SoakConfig, run_soak
+
+    backend = get_backend(args.backend)
+    seconds = args.seconds if args.minutes is None else 60 * args.minutes
+    config = SoakConfig(seconds=seconds, inject_leak=args.inject_leak, out_dir=args.out,
+                        warmup_fraction=args.warmup,
+                        max_device_drift_bytes=int(args.max_device_drift_mib * 2**20),
+                        max_rss_drift_bytes=int(args.max_rss_drift_mib * 2**20))
+    result = run_soak(backend, args.device, config, args.seed)
+    verdict = "PASS" if result.passed else "FAIL"
+    lines = [f"soak on {backend.name}:{args.device} for {seconds:.0f} s: {verdict}",
+             f"  cycles {result.cycles}, samples {result.samples}, live buffers "
+             f"{result.baseline_live_buffers} -> {result.final_live_buffers}",
+             f"  RSS drift {result.rss_drift_bytes / 2**20:.2f} MiB" + (
+                 f", device drift {result.device_drift_bytes / 2**20:.2f} MiB"
+                 if result.device_drift_bytes is not None else ""),
+             *[f"  FAIL: {reason}" for reason in result.reasons],
+             *[f"  wrote {path}" for path in result.files.values()]]
+    from dataclasses import asdict
+
+    _emit(args, asdict(result), "\n".join(lines))
+    return 0 if result.passed else 1
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -119,7 +139,21 @@ def main(argv: list[str] | None = None) -> int:
     info.set_defaults(run=cmd_info)
     demo = commands.add_parser("demo", help="run the demo on the best backend")
     _common(demo)
+    demo.add_argument("--scale", type=float, default=1.0, help="multiply the request count")
+    demo.add_argument("--seed", type=int, default=None)
     demo.set_defaults(run=cmd_demo)
+    soak = commands.add_parser("soak", help="memory-leak soak: churn, sample, judge drift")
+    _common(soak)
+    soak.add_argument("--seconds", type=float, default=60.0)
+    soak.add_argument("--minutes", type=float, default=None)
+    soak.add_argument("--out", default="soak-out", help="folder for soak.csv/json/png")
+    soak.add_argument("--inject-leak", action="store_true", help="leak one buffer per cycle")
+    soak.add_argument("--warmup", type=float, default=0.25,
+                      help="fraction of the run left out of the drift fit")
+    soak.add_argument("--max-device-drift-mib", type=float, default=1.0)
+    soak.add_argument("--max-rss-drift-mib", type=float, default=8.0)
+    soak.add_argument("--seed", type=int, default=None)
+    soak.set_defaults(run=cmd_soak)
     bench = commands.add_parser("bench", help="allocation, attention and cache benchmarks")
     _common(bench)
     bench.add_argument("--alloc", action="store_true", help="alloc+free round trips")

@@ -160,7 +160,7 @@ def _unload(backend: Backend, handle: Any, device: int, pid: int) -> None:
 
 
 # --- packaged kernels ------------------------------------------------------------------------
-def _candidates(stem: str, arch: str) -> list[Path]:
+def kernel_candidates(stem: str, arch: str) -> list[Path]:
     """Packaged objects that can run on ``arch``, best first."""
     if arch.startswith("gfx"):
         return [KERNEL_DIR / f"{stem}.{arch}.hsaco"]
@@ -213,7 +213,7 @@ def load_kernels(stem: str, device: int | None = None, backend: str | Backend | 
             return _loaded[key]
         arch = backend.properties(device).arch
         errors = []
-        for path in _candidates(stem, arch):
+        for path in kernel_candidates(stem, arch):
             if path.exists():
                 try:
                     module = Module(path, device, backend)

@@ -68,10 +68,10 @@ def test_missing_objects_name_the_arch_and_make_command(monkeypatch, tmp_path):
 
 
 def test_packaged_object_choice_prefers_exact_then_older_minor():
-    names = [p.name for p in module._candidates("basic", "sm_89")]
+    names = [p.name for p in module.kernel_candidates("basic", "sm_89")]
     assert names[:3] == ["basic.sm_89.cubin", "basic.sm_88.cubin", "basic.sm_87.cubin"]
     assert "basic.sm_80.cubin" in names
-    assert [p.name for p in module._candidates("basic", "gfx942")] == ["basic.gfx942.hsaco"]
+    assert [p.name for p in module.kernel_candidates("basic", "gfx942")] == ["basic.gfx942.hsaco"]
 
 
 def test_tiny_kernels_run_on_gpu(gpu, rng):

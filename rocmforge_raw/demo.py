@@ -1,0 +1,179 @@
+"""The demo: a continuous-batching serving simulation on one backend.
+
+Requests with random prompt and output lengths arrive over time. Admission writes random K/V
+for the whole prompt through ``reshape_and_cache``; every decode step writes each running
+sequence's new K/V and runs paged attention over the batch, layer by layer; finished requests
+free their KV at once; when the pool fills, the least-recently-used sequences are preempted
+and re-queued. Every ``check_every`` steps one sequence's attention is checked against the
+NumPy reference. The summary ends with the live buffers left after teardown (must be 0).
+"""
+
+from __future__ import annotations
+
+import gc
+import math
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+
+from . import reference
+from .array import DeviceArray
+from .bench import copy_bandwidth
+from .buffer import memory_stats
+from .cache import CacheConfig, KvCache, Request, Scheduler
+from .runtime import Backend
+from .stream import Event
+
+
+@dataclass(frozen=True)
+class DemoConfig:
+    """Sizes of the simulation; ``for_backend`` picks ones that finish within a minute."""
+
+    requests: int
+    prompt: tuple[int, int]  # tokens, inclusive range
+    output: tuple[int, int]
+    arrivals_per_step: float
+    num_layers: int = 2
+    num_kv_heads: int = 4
+    group: int = 4  # query heads per kv head
+    head_dim: int = 128
+    block_size: int = 16
+    pool_fraction: float = 0.6  # of max_running average requests: small enough to preempt
+    check_every: int = 25
+    max_running: int = 64
+
+    @classmethod
+    def for_backend(cls, backend: Backend, scale: float = 1.0) -> DemoConfig:
+        if backend.name == "host":
+            return cls(requests=max(2, int(120 * scale)), prompt=(16, 200), output=(4, 40),
+                       arrivals_per_step=1.5, num_kv_heads=2, head_dim=64, max_running=16)
+        return cls(requests=max(2, int(400 * scale)), prompt=(64, 2048), output=(16, 128),
+                   arrivals_per_step=4.0, num_kv_heads=8, max_running=128)
+
+
+def _random(rng: np.random.Generator, shape: tuple[int, ...], dtype: Any) -> np.ndarray:
+    return rng.standard_normal(shape, np.float32).astype(dtype)
+
+
+def run_demo(backend: Backend, device: int = 0, config: DemoConfig | None = None,
+             seed: int | None = None, progress: bool = True) -> dict[str, Any]:
+    """Run the simulation and return its summary."""
+    cfg = config or DemoConfig.for_backend(backend)
+    rng = np.random.default_rng(seed)
+    dtype = np.dtype(np.float32 if backend.name == "host" else ml_dtypes.bfloat16)
+    prompts = rng.integers(cfg.prompt[0], cfg.prompt[1] + 1, cfg.requests)
+    outputs = rng.integers(cfg.output[0], cfg.output[1] + 1, cfg.requests)
+    # the pool holds pool_fraction of what max_running average requests need: it fills
+    per_request = float(np.mean(-(-(prompts + outputs) // cfg.block_size)))
+    largest = -(-(cfg.prompt[1] + cfg.output[1]) // cfg.block_size)
+    blocks = max(int(cfg.max_running * per_request * cfg.pool_fraction), 2 * largest) + 1
+    cache_cfg = CacheConfig(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, cfg.block_size,
+                            blocks, dtype)
+    copy_gbs = copy_bandwidth(backend, device, 256 << 20, 20) if backend.name != "host" else None
+    q_heads = cfg.num_kv_heads * cfg.group
+    stats = {"steps": 0, "prefill_tokens": 0, "decode_tokens": 0, "checks": 0,
+             "attention_ms": 0.0, "attention_bytes": 0}
+    started = time.perf_counter()
+    with KvCache(cache_cfg, device, backend) as cache:
+        sched = Scheduler(cache, max_running=cfg.max_running)
+        start_ev, end_ev = Event(device, backend), Event(device, backend)
+        submitted = 0
+        while submitted < cfg.requests or not sched.idle:
+            arrivals = rng.poisson(cfg.arrivals_per_step) if submitted < cfg.requests else 0
+            for _ in range(min(arrivals, cfg.requests - submitted)):
+                sched.submit(Request(submitted, int(prompts[submitted]),
+                                     int(outputs[submitted])))
+                submitted += 1
+            plan = sched.step()
+            for _, slots in plan.prefill:
+                _write(cache, rng, slots, dtype)
+                stats["prefill_tokens"] += len(slots)
+            if plan.decode:
+                ids = [r.request_id for r in plan.decode]
+                _write(cache, rng, plan.decode_slots, dtype)
+                meta = cache.batch(ids)
+                query = DeviceArray.from_numpy(
+                    _random(rng, (len(ids), q_heads, cfg.head_dim), dtype), device, backend)
+                out = DeviceArray.empty(query.shape, dtype, device, backend)
+                start_ev.record()
+                for layer in range(cfg.num_layers):
+                    cache.attention(layer, out, query, meta)
+                end_ev.record()
+                end_ev.synchronize()
+                stats["attention_ms"] += end_ev.elapsed_ms_since(start_ev)
+                stats["attention_bytes"] += cfg.num_layers * (
+                    int(meta.seq_lens.sum()) * cache_cfg.bytes_per_token // cfg.num_layers
+                    + 2 * query.nbytes)
+                stats["decode_tokens"] += len(ids)
+                if stats["steps"] % cfg.check_every == 0:
+                    _check(cache, meta, query, out, cfg.num_layers - 1, 0)
+                    stats["checks"] += 1
+                query.buffer.root.close()
+                out.buffer.root.close()
+            sched.advance(plan)
+            stats["steps"] += 1
+            if progress and sys.stderr.isatty():
+                _progress(len(sched.finished()), cfg.requests, cache.stats())
+        cache_stats = cache.stats()
+        start_ev.close()
+        end_ev.close()
+    elapsed = time.perf_counter() - started
+    if progress and sys.stderr.isatty():
+        sys.stderr.write("\n")
+    gc.collect()
+    attention_gbs = (stats["attention_bytes"] / (stats["attention_ms"] * 1e-3) / 1e9
+                     if stats["attention_ms"] else 0.0)
+    return {
+        "backend": backend.name, "device": backend.properties(device).name,
+        "requests": cfg.requests, "finished": len(sched.finished()),
+        "prefill_tokens": stats["prefill_tokens"], "generated_tokens": stats["decode_tokens"],
+        "steps": stats["steps"], "seconds": elapsed, "steps_per_s": stats["steps"] / elapsed,
+        "attention_gb_per_s": attention_gbs, "copy_gb_per_s": copy_gbs,
+        "attention_pct_of_copy": 100 * attention_gbs / copy_gbs if copy_gbs else None,
+        "cache_blocks": blocks - 1, "peak_blocks": cache_stats["peak_used_blocks"],
+        "preemptions": cache_stats["preemptions"], "cow_copies": cache_stats["cow_copies"],
+        "reference_checks_passed": stats["checks"],
+        "live_buffers_after_teardown": memory_stats()["live_buffers"],
+    }
+
+
+def _write(cache: KvCache, rng: np.random.Generator, slots: np.ndarray, dtype: Any) -> None:
+    c = cache.config
+    backend, device = cache.slab.backend, cache.slab.device
+    for layer in range(c.num_layers):
+        k = DeviceArray.from_numpy(_random(rng, (len(slots), c.num_kv_heads, c.head_dim),
+                                           dtype), device, backend)
+        v = DeviceArray.from_numpy(_random(rng, k.shape, dtype), device, backend)
+        cache.write(layer, k, v, slots)
+        k.buffer.root.close()
+        v.buffer.root.close()
+
+
+def _check(cache: KvCache, meta: Any, query: DeviceArray, out: DeviceArray, layer: int,
+           index: int) -> None:
+    """Sequence ``index`` of the batch against the float64 reference; raises on mismatch."""
+    k = cache.k_cache(layer).to_numpy()
+    v = cache.v_cache(layer).to_numpy()
+    q = query.to_numpy()[index : index + 1]
+    want = reference.paged_attention(q, k, v, meta.block_tables[index : index + 1],
+                                     meta.seq_lens[index : index + 1],
+                                     1 / math.sqrt(cache.config.head_dim), np.float64)
+    got = out.to_numpy()[index : index + 1].astype(np.float64)
+    error = np.linalg.norm(got - want) / np.linalg.norm(want)
+    tolerance = 1e-5 if cache.config.dtype == np.float32 else 2e-2
+    if not error < tolerance:
+        raise AssertionError(f"attention of request {meta.seq_ids[index]} differs from the "
+                             f"reference: relative error {error:.2e} > {tolerance}")
+
+
+def _progress(done: int, total: int, stats: dict[str, Any]) -> None:
+    width = 30
+    filled = int(width * done / max(total, 1))
+    sys.stderr.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {done}/{total} requests  "
+                     f"blocks {stats['used_blocks']:>5}/{stats['num_blocks']}  "
+                     f"preemptions {stats['preemptions']:>4}")
+    sys.stderr.flush()

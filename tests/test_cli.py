@@ -1,0 +1,62 @@
+"""The console script: info, demo, bench --cache, soak (PASS, and FAIL on a planted leak)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from rocmforge_raw.cli import main
+
+
+def run_json(capsys, *argv):
+    code = main([*argv, "--json"])
+    return code, json.loads(capsys.readouterr().out)
+
+
+def test_info_lists_backends_devices_and_versions(capsys):
+    code, info = run_json(capsys, "info")
+    assert code == 0 and info["backends"]["host"] == "ok"
+    assert any(d["backend"] == "host" for d in info["devices"])
+    assert info["versions"]["numpy"] != "not installed"
+
+
+def test_console_script_entry_point_runs():
+    result = subprocess.run([sys.executable, "-m", "rocmforge_raw.cli", "info", "--backend",
+                             "host"], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and "host" in result.stdout
+
+
+def test_demo_at_small_size_preempts_checks_and_leaves_nothing_live(capsys):
+    code, summary = run_json(capsys, "demo", "--backend", "host", "--scale", "0.3",
+                             "--seed", "3")
+    assert code == 0
+    assert summary["finished"] == summary["requests"] == 36
+    assert summary["preemptions"] > 0 and summary["reference_checks_passed"] > 0
+    assert summary["live_buffers_after_teardown"] == 0
+    assert summary["generated_tokens"] > 0 and summary["peak_blocks"] == summary["cache_blocks"]
+
+
+def test_bench_cache_reports_a_median(capsys):
+    code, result = run_json(capsys, "bench", "--cache", "--backend", "host")
+    assert code == 0 and result["cache"]["median_us"] > 0 and result["cache"]["num_seqs"] == 256
+
+
+def test_soak_passes_and_writes_its_files(capsys, tmp_path):
+    code, result = run_json(capsys, "soak", "--backend", "host", "--seconds", "6",
+                            "--warmup", "0.5", "--out", str(tmp_path))
+    assert code == 0, result["reasons"]
+    assert result["passed"] and result["cycles"] > 0
+    assert (tmp_path / "soak.csv").read_text().startswith("seconds,live_bytes")
+    assert json.loads((tmp_path / "soak.json").read_text())["passed"]
+    pytest.importorskip("matplotlib")
+    assert (tmp_path / "soak.png").stat().st_size > 1000
+
+
+def test_soak_with_a_planted_leak_fails_and_names_it(capsys, tmp_path):
+    code, result = run_json(capsys, "soak", "--backend", "host", "--seconds", "3",
+                            "--inject-leak", "--out", str(tmp_path))
+    assert code == 1 and not result["passed"]
+    assert any(r.startswith("live buffers:") and "leaked" in r for r in result["reasons"])

@@ -1,0 +1,13 @@
+#!/usr/bin/env python3
+"""The memory-leak soak tool: `python3 tools/soak.py --minutes 10 [--inject-leak]`.
+
+The same as `rocmforge-raw soak` (the workload and judgement live in rocmforge_raw.soak, so
+the installed console script runs it too). Exit 0 on PASS, 1 on FAIL.
+"""
+
+import sys
+
+from rocmforge_raw.cli import main
+
+if __name__ == "__main__":
+    sys.exit(main(["soak", *sys.argv[1:]]))
