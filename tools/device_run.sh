@@ -13,3 +13,10 @@ python3 -m pytest -q -p no:cacheprovider -rs "${@:-tests}" 2>&1 | tee "$OUT/pyte
 if [ -z "${RF_SKIP_BENCH:-}" ]; then
   python3 -m rocmforge_raw.cli bench 2>&1 | tee "$OUT/bench.txt"
 fi
+if [ -n "${RF_DEMO_SOAK:-}" ]; then
+  python3 -m rocmforge_raw.cli demo 2>&1 | tee "$OUT/demo.txt"
+  python3 -m rocmforge_raw.cli soak --seconds "${RF_SOAK_SECONDS:-120}" --out "$OUT/soak" \
+    2>&1 | tee "$OUT/soak.txt"
+  cp "$OUT"/soak/soak.png "$OUT"/soak/soak.json "$OUT"/ 2>/dev/null
+  rm -rf "$OUT/soak"
+fi
