@@ -150,8 +150,10 @@ def bench_attention(backend: Backend, device: int, copy_gbs: float, iters: int =
         d_lens = DeviceArray.from_numpy(lens, device, backend)
 
         args = (out, q, k, v, d_tables, d_lens)
-        ms = time_ms(backend, device, lambda a=args: ops.paged_attention(
-            *a, check=False, num_partitions=num_partitions), iters)
+        workspace = ops.Workspace()
+        ms = time_ms(backend, device, lambda a=args, w=workspace: ops.paged_attention(
+            *a, check=False, num_partitions=num_partitions, workspace=w), iters)
+        workspace.close()
         chunks = math.ceil(shape.q_heads // shape.kv_heads / ops.GROUP_SIZES[-1])
         kv_bytes = int(lens.sum()) * shape.kv_heads * head_dim * dtype.itemsize * 2 * chunks
         nbytes = kv_bytes + 2 * q.nbytes

@@ -74,6 +74,12 @@ class _Uploads:
         self.buffers.append(array.buffer.root)
         return array
 
+    def scratch(self, nbytes: int) -> HipBuffer:
+        """A device buffer for this launch only."""
+        buf = HipBuffer(nbytes, self.like.device, self.like.backend)
+        self.buffers.append(buf)
+        return buf
+
     def __enter__(self) -> _Uploads:
         return self
 
@@ -102,34 +108,40 @@ def plan_partitions(num_ctas: int, max_len: int, slots: int) -> tuple[int, int]:
     return tokens, math.ceil(max_len / tokens)
 
 
-class _Workspace:
-    """Split-K scratch per (backend, device, stream), grown on demand and reused."""
+class Workspace:
+    """Split-K scratch that lives across calls: pass one to ``paged_attention`` to avoid an
+    allocation per launch. Grows on demand (after the device finishes with the old one);
+    ``close()`` frees it. Use one per stream."""
 
-    def __init__(self) -> None:
+    def __init__(self, device: int | None = None, backend: Any = None) -> None:
+        self.device, self.backend = device, backend
         self._lock = threading.Lock()
-        self._buffers: dict[tuple[str, int, int], HipBuffer] = {}
+        self._buffer: HipBuffer | None = None
 
-    def get(self, like: DeviceArray, stream: Stream | None, nbytes: int) -> HipBuffer:
-        key = (like.backend.name, like.device, id(stream))
+    def get(self, nbytes: int, like: DeviceArray) -> HipBuffer:
         with self._lock:
-            buf = self._buffers.get(key)
-            if buf is None or buf.nbytes < nbytes:
-                if buf is not None:
+            if self._buffer is None or self._buffer.nbytes < nbytes:
+                if self._buffer is not None:
                     like.backend.synchronize(like.device)
-                    buf.close()
-                buf = self._buffers[key] = HipBuffer(nbytes, like.device, like.backend)
-            return buf
+                    self._buffer.close()
+                self._buffer = HipBuffer(nbytes, like.device, like.backend)
+            return self._buffer
 
-
-_workspace = _Workspace()
+    def close(self) -> None:
+        with self._lock:
+            if self._buffer is not None:
+                self._buffer.close()
+                self._buffer = None
 
 
 def paged_attention(out: DeviceArray, query: DeviceArray, k_cache: DeviceArray,
                     v_cache: DeviceArray, block_tables: Any, seq_lens: Any,
                     scale: float | None = None, *, num_partitions: int | None = None,
-                    stream: Stream | None = None, check: bool = True) -> None:
+                    stream: Stream | None = None, workspace: Workspace | None = None,
+                    check: bool = True) -> None:
     """``out[s, h] = softmax(scale * q[s, h] . K[s]) V[s]`` over the first ``seq_lens[s]``
-    tokens of sequence ``s``'s blocks. ``num_partitions`` forces the split-K factor."""
+    tokens of sequence ``s``'s blocks. ``num_partitions`` forces the split-K factor; split-K
+    scratch comes from ``workspace``, or is allocated for this call and freed after it."""
     _expect(query, "query", 3)
     num_seqs, num_q_heads, head_dim = query.shape
     _expect(out, "out", 3, query.dtype)
@@ -186,7 +198,9 @@ def paged_attention(out: DeviceArray, query: DeviceArray, k_cache: DeviceArray,
         part_out = part_ml = 0
         if parts > 1:
             heads = num_seqs * num_q_heads * parts
-            work = _workspace.get(query, stream, heads * (head_dim + 2) * 4)
+            nbytes = heads * (head_dim + 2) * 4
+            work = workspace.get(nbytes, query) if workspace is not None else upload.scratch(
+                nbytes)
             part_out, part_ml = work.ptr, work.ptr + heads * head_dim * 4
         i32 = np.int32
         kernel.launch(

@@ -40,7 +40,7 @@ def random_tables(rng, seq_lens, block_size, num_blocks):
 
 
 def run_attention(backend, rng, dtype, head_dim, block_size, ratio, seq_lens, num_kv_heads=2,
-                  num_partitions=None):
+                  num_partitions=None, workspace=None):
     num_q_heads = num_kv_heads * ratio
     num_blocks = sum(math.ceil(n / block_size) for n in seq_lens) + 3
     k, v, dk, dv = random_cache(rng, backend, dtype, num_blocks, num_kv_heads, block_size,
@@ -52,7 +52,8 @@ def run_attention(backend, rng, dtype, head_dim, block_size, ratio, seq_lens, nu
     out = DeviceArray.empty(q.shape, dtype, backend=backend)
     out.buffer.fill(POISON)
     scale = 1.0 / math.sqrt(head_dim)
-    ops.paged_attention(out, dq, dk, dv, tables, lens, num_partitions=num_partitions)
+    ops.paged_attention(out, dq, dk, dv, tables, lens, num_partitions=num_partitions,
+                        workspace=workspace)
     got = out.to_numpy().astype(np.float64)
     want = reference.paged_attention(q, k, v, tables, lens, scale, accum=np.float64)
     for array in (out, dq, dk, dv):
@@ -82,6 +83,17 @@ def test_split_k_agrees_with_one_partition_on_gpu(gpu, rng, parts):
     got, want = run_attention(gpu, rng, np.float32, 128, 16, 4, [5, 700, 3000],
                               num_partitions=parts)
     assert relative_error(got, want) < 1e-5
+
+
+def test_a_reused_workspace_grows_and_is_freed_by_close(gpu, rng):
+    workspace = ops.Workspace()
+    for parts in (2, 40, 3):
+        got, want = run_attention(gpu, rng, np.float16, 64, 16, 8, [900, 2000],
+                                  num_partitions=parts, workspace=workspace)
+        assert relative_error(got, want) < 1e-2
+    assert workspace._buffer is not None and workspace._buffer.nbytes >= 2 * 16 * 40 * 66 * 4
+    workspace.close()
+    assert workspace._buffer is None
 
 
 def test_mixed_group_sizes_beyond_eight_on_gpu(gpu, rng):

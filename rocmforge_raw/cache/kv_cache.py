@@ -63,6 +63,7 @@ class KvCache:
         self._lock = threading.RLock()
         buf = HipBuffer(config.total_bytes, device, backend)  # checks size before allocating
         self.slab = DeviceArray(buf, config.dtype, config.slab_shape)
+        self.workspace = ops.Workspace()  # split-K scratch of attention(), freed by close()
         self.pool = BlockPool(config.num_blocks)
         rows, width = 16, 8
         self._tables = np.zeros((rows, width), np.int32)
@@ -85,6 +86,7 @@ class KvCache:
     def close(self) -> None:
         """Release the slab. The cache cannot be used afterwards."""
         with self._lock:
+            self.workspace.close()
             self.slab.buffer.root.close()
 
     def __enter__(self) -> KvCache:
@@ -284,7 +286,8 @@ class KvCache:
                   stream: Stream | None = None) -> None:
         """Decode attention of ``layer`` for ``batch`` (see ops.paged_attention)."""
         ops.paged_attention(out, query, self.k_cache(layer), self.v_cache(layer),
-                            batch.block_tables, batch.seq_lens, scale, stream=stream)
+                            batch.block_tables, batch.seq_lens, scale, stream=stream,
+                            workspace=self.workspace)
 
     # --- accounting --------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
