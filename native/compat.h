@@ -27,6 +27,18 @@ RF_DEVICE unsigned short rf_float_to_half(float f) {
 }
 typedef unsigned long long rf_u64;
 typedef long long rf_i64;
+// 16-byte global -> shared copies that complete asynchronously (sm_80+: cp.async), in groups.
+RF_DEVICE void rf_copy16_async(void* smem, const void* gmem) {
+  unsigned addr;
+  asm volatile("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }"
+               : "=r"(addr) : "l"(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(addr), "l"(gmem) : "memory");
+}
+RF_DEVICE void rf_copy_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+// Wait until at most `pending` committed groups are still in flight.
+template <int pending>
+RF_DEVICE void rf_copy_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(pending) : "memory"); }
+#define RF_DYNAMIC_SHARED(type, name) extern __shared__ __align__(16) type name[]
 
 #elif defined(__HIP__) || defined(__HIPCC_RTC__) || defined(__AMDGCN__)
 #define RF_AMD 1
@@ -65,6 +77,15 @@ RF_DEVICE unsigned short rf_float_to_half(float f) {
 }
 typedef unsigned long long rf_u64;
 typedef long long rf_i64;
+// No asynchronous copy on this path: the copy happens at once; commit and wait are no-ops.
+struct alignas(16) rf_copy16_t { unsigned x, y, z, w; };
+RF_DEVICE void rf_copy16_async(void* smem, const void* gmem) {
+  *reinterpret_cast<rf_copy16_t*>(smem) = *reinterpret_cast<const rf_copy16_t*>(gmem);
+}
+RF_DEVICE void rf_copy_commit() {}
+template <int pending>
+RF_DEVICE void rf_copy_wait() {}
+#define RF_DYNAMIC_SHARED(type, name) extern __attribute__((shared)) type name[]
 
 #else
 #error "compat.h: compile with nvcc/NVRTC (NVIDIA) or clang/hipcc/hiprtc in HIP mode (AMD)"

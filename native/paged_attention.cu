@@ -5,28 +5,44 @@
 // seq_lens int32 [num_seqs]. Query head h reads kv head h / (num_q_heads / num_kv_heads).
 //
 // One CTA handles (kv head, group of up to G query heads sharing it, sequence, partition):
-// every K/V element of the partition is read once for the whole group. Each tile of TILE
-// tokens is scored one token per thread (q broadcast from shared memory), softmaxed online in
-// float32 (base-2 exponent, q pre-scaled by scale*log2(e)), then V is accumulated with each
-// thread owning one 16-byte column vector of a row. With one partition the CTA writes `out`;
-// with several, it writes unnormalised partial outputs plus (max, sum) and
-// rf_pa_reduce_* combines them.
+// every K/V element of the partition is read once for the whole group. K and V move through
+// shared memory in tiles, double-buffered with asynchronous copies (cp.async on NVIDIA), so
+// the next tile is in flight while this one computes. Each tile is scored by TPT threads per
+// token (q broadcast from shared memory), softmaxed online in float32 (base-2 exponent, q
+// pre-scaled by scale*log2(e)), then V is accumulated with each thread owning one 16-byte
+// column chunk. With one partition the CTA writes `out`; with several, it writes unnormalised
+// partial outputs plus (max, sum) and rf_paged_attention_reduce_* combines them.
 #include "compat.h"
 
 #define RF_PA_THREADS 128
-#define RF_PA_TILE RF_PA_THREADS
 #define RF_PA_WARPS (RF_PA_THREADS / RF_WARP)
 #define RF_PA_MAX_PARTITIONS 512
 #define RF_LOG2E 1.4426950408889634f
-#ifndef RF_PA_KB
-#define RF_PA_KB 8
+// Bytes of one pipeline stage (K + V of one tile); two stages are double-buffered in dynamic
+// shared memory, so launches pass 2 * RF_PA_STAGE_BYTES (ops.py keeps the same numbers).
+#ifndef RF_PA_STAGE_BYTES
+#if defined(RF_AMD)
+#define RF_PA_STAGE_BYTES 16384
+#else
+#define RF_PA_STAGE_BYTES 32768
+#endif
 #endif
 #ifndef RF_PA_MIN_BLOCKS
-#define RF_PA_MIN_BLOCKS 4
+#define RF_PA_MIN_BLOCKS 3
 #endif
-#ifndef RF_PA_VU
-#define RF_PA_VU 4
-#endif
+
+// Shared-memory stage: the K and V rows of one tile (TILE_TOKENS tokens).
+template <class E, int D>
+struct rf_pa_tile {
+  static constexpr int ROW_BYTES = D * (int)sizeof(typename E::storage);
+  static constexpr int TOKENS = RF_PA_STAGE_BYTES / 2 / ROW_BYTES;  // 16..128
+  static constexpr int VPR = ROW_BYTES / 16;                        // 16-byte chunks per row
+  static constexpr int TPT = RF_PA_THREADS / TOKENS;                // threads per token (QK)
+  static constexpr int CHUNKS = VPR / TPT;                          // chunks per thread (8)
+  // 16-byte chunk j of row r lives at chunk j ^ key(r, j) of that row: the 8 lanes of one
+  // shared-memory phase then touch 8 different bank groups, for QK, V and the copies alike.
+  RF_DEVICE static int swizzle(int row, int j) { return j ^ ((row * TPT + j / 8) & 7); }
+};
 
 template <class E, int D, int G>
 RF_DEVICE void paged_attention(
@@ -36,16 +52,15 @@ RF_DEVICE void paged_attention(
     const typename E::storage* __restrict__ v_cache, const int* __restrict__ block_tables,
     const int* __restrict__ seq_lens, float scale, int num_q_heads, int num_kv_heads,
     int max_blocks, int block_shift, int partition_tokens, int num_partitions) {
-  constexpr int PV = E::PER_VEC;          // elements per 16-byte vector
-  constexpr int VPR = D / PV;              // vectors per row
-  constexpr int ROWS = RF_PA_THREADS / VPR;  // rows handled at once in the V phase
-  constexpr int KB = VPR < RF_PA_KB ? VPR : RF_PA_KB;  // K vectors in flight per thread
-  constexpr int VU = RF_PA_VU;                          // V rows in flight per thread
-  static_assert(VPR <= RF_PA_THREADS, "head_dim too large for the thread block");
+  typedef rf_pa_tile<E, D> Tile;
+  constexpr int PV = E::PER_VEC, T = Tile::TOKENS, VPR = Tile::VPR, TPT = Tile::TPT;
+  constexpr int CHUNKS = Tile::CHUNKS;
+  constexpr int ROWS = RF_PA_THREADS / VPR;  // V phase: rows handled at once
+  static_assert(CHUNKS * TPT == VPR && T * TPT == RF_PA_THREADS, "tile shape");
 
+  RF_DYNAMIC_SHARED(rf_vec16, stage_s);  // [2 stages][K, V][T rows][VPR chunks]
   RF_SHARED __attribute__((aligned(16))) float q_s[G][D];
-  RF_SHARED float p_s[G][RF_PA_TILE];
-  RF_SHARED rf_i64 row_s[RF_PA_TILE];
+  RF_SHARED float p_s[G][T];
   RF_SHARED float red_s[G][RF_PA_WARPS];
   RF_SHARED float out_s[G][D];
 
@@ -58,7 +73,39 @@ RF_DEVICE void paged_attention(
   const int end = len < start + partition_tokens ? len : start + partition_tokens;
   const int block_size = 1 << block_shift;
   const float qscale = scale * RF_LOG2E;
+  const int* table = block_tables + (rf_i64)seq * max_blocks;
 
+  // Copies are coalesced: piece p = it * THREADS + tid of a tile is chunk p % VPR of row
+  // p / VPR, so a warp reads whole rows. Row offsets (elements into the cache; -1 past the
+  // end) come from row_s, filled one tile ahead of the copy that uses them.
+  RF_SHARED rf_i64 row_s[2][T];
+  const int my_row = tid / TPT, my_chunk0 = (tid % TPT) * CHUNKS;  // QK share of a tile
+  auto row_offset = [&](int tile_start) -> rf_i64 {  // offset of row `tid` of a tile
+    const int tok = tile_start + tid;
+    if (tid >= T || tok >= end) return -1;
+    const rf_i64 blk = table[tok >> block_shift];
+    return ((blk * num_kv_heads + kvh) * block_size + (tok & (block_size - 1))) * D;
+  };
+  auto issue = [&](int stage) {  // async copy of one tile, K and V, into `stage`
+    rf_vec16* k_dst = stage_s + (stage * 2 + 0) * T * VPR;
+    rf_vec16* v_dst = stage_s + (stage * 2 + 1) * T * VPR;
+#pragma unroll
+    for (int it = 0; it < T * VPR / RF_PA_THREADS; ++it) {
+      const int piece = it * RF_PA_THREADS + tid, row = piece / VPR, j = piece % VPR;
+      const rf_i64 offset = row_s[stage][row];
+      if (offset >= 0) {
+        const int at = row * VPR + Tile::swizzle(row, j);
+        rf_copy16_async(k_dst + at, reinterpret_cast<const rf_vec16*>(k_cache + offset) + j);
+        rf_copy16_async(v_dst + at, reinterpret_cast<const rf_vec16*>(v_cache + offset) + j);
+      }
+    }
+    rf_copy_commit();
+  };
+
+  if (tid < T) {
+    row_s[0][tid] = row_offset(start);
+    row_s[1][tid] = row_offset(start + T);
+  }
   for (int i = tid; i < G * D; i += RF_PA_THREADS) {
     const int g = i / D, d = i % D;
     q_s[g][d] = g < nh ? E::to_float(q[((rf_i64)seq * num_q_heads + q0 + g) * D + d]) * qscale
@@ -66,6 +113,7 @@ RF_DEVICE void paged_attention(
     out_s[g][d] = 0.f;
   }
   rf_sync();
+  if (start < end) issue(0);
 
   const int vcol = tid % VPR, vrow = tid / VPR;
   float acc[G][PV], m_run[G], l_part[G];
@@ -76,48 +124,54 @@ RF_DEVICE void paged_attention(
 #pragma unroll
     for (int e = 0; e < PV; ++e) acc[g][e] = 0.f;
   }
-  const int* table = block_tables + (rf_i64)seq * max_blocks;
 
-  for (int t0 = start; t0 < end; t0 += RF_PA_TILE) {
-    // scores: thread tid scores token t0 + tid against the G query heads
-    const int tok = t0 + tid;
-    float s[G];
-    if (tok < end) {
-      const rf_i64 blk = table[tok >> block_shift];
-      const rf_i64 row = ((blk * num_kv_heads + kvh) * block_size + (tok & (block_size - 1))) * D;
-      row_s[tid] = row;
-      const rf_vec16* krow = reinterpret_cast<const rf_vec16*>(k_cache + row);
-#pragma unroll
-      for (int g = 0; g < G; ++g) s[g] = 0.f;
-#pragma unroll
-      for (int c0 = 0; c0 < VPR; c0 += KB) {
-        rf_vec16 kv[KB];
-#pragma unroll
-        for (int c = 0; c < KB; ++c) kv[c] = krow[c0 + c];
-#pragma unroll
-        for (int c = 0; c < KB; ++c) {
-          float k[PV];
-          E::unpack(kv[c], k);
-#pragma unroll
-          for (int g = 0; g < G; ++g)
-#pragma unroll
-            for (int e = 0; e < PV; e += 4) {  // one 16-byte broadcast read of q per 4 FMAs
-              const rf_float4 qv = *reinterpret_cast<const rf_float4*>(&q_s[g][(c0 + c) * PV + e]);
-              s[g] += qv.x * k[e] + qv.y * k[e + 1] + qv.z * k[e + 2] + qv.w * k[e + 3];
-            }
-        }
-      }
+  int stage = 0;
+  for (int t0 = start; t0 < end; t0 += T, stage ^= 1) {
+    // keep one tile in flight: issue tile t0 + T, then wait for tile t0 only; the block
+    // ids of tile t0 + 2T load meanwhile and land in row_s[stage] at the end of this tile
+    const rf_i64 ahead = row_offset(t0 + 2 * T);
+    if (t0 + T < end) {
+      issue(stage ^ 1);
+      rf_copy_wait<1>();
     } else {
+      rf_copy_wait<0>();
+    }
+    rf_sync();
+    const rf_vec16* k_s = stage_s + (stage * 2 + 0) * T * VPR;
+    const rf_vec16* v_s = stage_s + (stage * 2 + 1) * T * VPR;
+
+    // scores: TPT threads per token, each over CHUNKS chunks, then summed across them
+    const int tok = t0 + my_row;
+    float s[G], s_odd[G];  // two accumulators: chunks alternate, halving the FMA chains
 #pragma unroll
-      for (int g = 0; g < G; ++g) s[g] = -RF_INF;
+    for (int g = 0; g < G; ++g) s[g] = s_odd[g] = 0.f;
+#pragma unroll
+    for (int c = 0; c < CHUNKS; ++c) {
+      const int j = my_chunk0 + c;
+      float k[PV];
+      E::unpack(k_s[my_row * VPR + Tile::swizzle(my_row, j)], k);
+#pragma unroll
+      for (int g = 0; g < G; ++g) {
+        float dot = 0.f;
+#pragma unroll
+        for (int e = 0; e < PV; e += 4) {
+          const rf_float4 qv = *reinterpret_cast<const rf_float4*>(&q_s[g][j * PV + e]);
+          dot += qv.x * k[e] + qv.y * k[e + 1] + qv.z * k[e + 2] + qv.w * k[e + 3];
+        }
+        if (c & 1) s_odd[g] += dot; else s[g] += dot;
+      }
     }
 #pragma unroll
+    for (int g = 0; g < G; ++g) s[g] += s_odd[g];
+#pragma unroll
     for (int g = 0; g < G; ++g) {
+#pragma unroll
+      for (int m = 1; m < TPT; m <<= 1) s[g] += rf_shfl_xor(s[g], m);
+      if (tok >= end) s[g] = -RF_INF;
       const float mx = rf_warp_max(s[g]);
       if (lane == 0) red_s[g][warp] = mx;
     }
     rf_sync();
-    // online softmax: every thread derives the same new running max
 #pragma unroll
     for (int g = 0; g < G; ++g) {
       float m_new = m_run[g];
@@ -125,38 +179,34 @@ RF_DEVICE void paged_attention(
       for (int w = 0; w < RF_PA_WARPS; ++w) m_new = rf_fmax(m_new, red_s[g][w]);
       const float alpha = m_run[g] == -RF_INF ? 0.f : rf_exp2(m_run[g] - m_new);
       const float p = tok < end ? rf_exp2(s[g] - m_new) : 0.f;
-      p_s[g][tid] = p;
-      l_part[g] = l_part[g] * alpha + p;
+      if (tid % TPT == 0) {
+        p_s[g][my_row] = p;
+        l_part[g] = l_part[g] * alpha + p;
+      } else {
+        l_part[g] *= alpha;
+      }
       m_run[g] = m_new;
 #pragma unroll
       for (int e = 0; e < PV; ++e) acc[g][e] *= alpha;
     }
     rf_sync();
-    // values: thread owns vector vcol of rows vrow, vrow + ROWS, ...
-    const int rows = end - t0 < RF_PA_TILE ? end - t0 : RF_PA_TILE;
-    for (int r0 = vrow; r0 < rows; r0 += ROWS * VU) {
-      rf_vec16 vv[VU];
+    // values: thread owns chunk vcol of rows vrow, vrow + ROWS, ...
+    const int rows = end - t0 < T ? end - t0 : T;
 #pragma unroll
-      for (int u = 0; u < VU; ++u) {  // issue every load of the batch before using any
-        const int r = r0 + u * ROWS;
-        if (r < rows) vv[u] = reinterpret_cast<const rf_vec16*>(v_cache + row_s[r])[vcol];
-      }
+    for (int r = vrow; r < T; r += ROWS) {
+      if (r < rows) {
+        float v[PV];
+        E::unpack(v_s[r * VPR + Tile::swizzle(r, vcol)], v);
 #pragma unroll
-      for (int u = 0; u < VU; ++u) {
-        const int r = r0 + u * ROWS;
-        if (r < rows) {
-          float v[PV];
-          E::unpack(vv[u], v);
+        for (int g = 0; g < G; ++g) {
+          const float p = p_s[g][r];
 #pragma unroll
-          for (int g = 0; g < G; ++g) {
-            const float p = p_s[g][r];
-#pragma unroll
-            for (int e = 0; e < PV; ++e) acc[g][e] += p * v[e];
-          }
+          for (int e = 0; e < PV; ++e) acc[g][e] += p * v[e];
         }
       }
     }
-    rf_sync();
+    if (tid < T) row_s[stage][tid] = ahead;
+    rf_sync();  // the stage is rewritten by the issue two tiles on
   }
 
   // combine: row groups inside a warp by shuffles, then warps one after another in smem

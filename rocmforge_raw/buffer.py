@@ -164,7 +164,7 @@ class HipBuffer:
                 raise ValueError(f"{pool!r} cannot allocate on backend {backend} device {device}")
             self.backend, self.device = pool.backend, pool.device
         else:
-            self.backend = backend if isinstance(backend, Backend) else get_backend(backend)
+            self.backend = get_backend(backend)
             self.device = self.backend.get_device() if device is None else _index(device, "device")
         if nbytes > _LARGE and nbytes > self.backend.capacity(self.device):
             free, total = self.backend.mem_info(self.device)

@@ -28,6 +28,8 @@ BLOCK_SIZES = (8, 16, 32, 64, 128)
 THREADS = 128  # RF_PA_THREADS: also the tokens of one tile, and partition granularity
 MAX_PARTITIONS = 512  # RF_PA_MAX_PARTITIONS
 GROUP_SIZES = (1, 2, 4, 8)  # query heads one CTA serves (template G)
+#: Dynamic shared memory of the attention kernel: two pipeline stages (RF_PA_STAGE_BYTES).
+ATTENTION_SHARED_BYTES = {"cuda": 2 * 32768, "hip": 2 * 16384}
 
 
 def _expect(array: Any, name: str, ndim: int, dtype: Any | None = None) -> None:
@@ -186,8 +188,9 @@ def paged_attention(out: DeviceArray, query: DeviceArray, k_cache: DeviceArray,
     module = load_kernels("paged_attention", query.device, query.backend)
     name = DTYPES[query.dtype]
     kernel = module.function(f"rf_paged_attention_{name}_d{head_dim}_g{group}")
+    shared = ATTENTION_SHARED_BYTES[query.backend.name]
     if num_partitions is None:
-        slots = kernel.max_active_blocks(THREADS) * _multiprocessors(query)
+        slots = kernel.max_active_blocks(THREADS, shared) * _multiprocessors(query)
         tokens, parts = plan_partitions(grid_x * num_seqs, max_len, slots)
     else:
         parts = max(1, min(int(num_partitions), MAX_PARTITIONS))
@@ -207,7 +210,7 @@ def paged_attention(out: DeviceArray, query: DeviceArray, k_cache: DeviceArray,
             (grid_x, num_seqs, parts), THREADS, out, part_out, part_ml, query, k_cache, v_cache,
             d_tables, d_lens, np.float32(scale), i32(num_q_heads), i32(num_kv_heads),
             i32(max_blocks), i32(block_size.bit_length() - 1), i32(tokens), i32(parts),
-            stream=stream)
+            shared_bytes=shared, stream=stream)
         if parts > 1:
             module.function(f"rf_paged_attention_reduce_{name}_d{head_dim}").launch(
                 (num_q_heads, num_seqs), THREADS, out, part_out, part_ml, i32(num_q_heads),

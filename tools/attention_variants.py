@@ -12,7 +12,7 @@ import json
 import os
 from pathlib import Path
 
-from rocmforge_raw import bench, module
+from rocmforge_raw import bench, module, ops
 from rocmforge_raw.runtime import get_backend
 
 
@@ -28,6 +28,8 @@ def main() -> None:
     results = []
     for path in sorted(Path(".variants").glob("*.cubin")):
         module._loaded[("cuda", 0, "paged_attention")] = module.Module(path, 0, backend)
+        if "_s" in path.stem:  # NAME_sBYTES: built with -DRF_PA_STAGE_BYTES=BYTES
+            ops.ATTENTION_SHARED_BYTES["cuda"] = 2 * int(path.stem.rsplit("_s", 1)[1])
         for parts in [None, *args.partitions]:
             rows = bench.bench_attention(backend, 0, copy, args.iters, num_partitions=parts)
             for r in rows:

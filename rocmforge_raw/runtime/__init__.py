@@ -53,15 +53,22 @@ BACKEND_NAMES = tuple(_FACTORIES)
 _lock = threading.RLock()
 _backends: dict[str, Backend] = {}
 _failures: dict[str, BackendUnavailableError] = {}
+_classes: set[type] = set()
 _default: Backend | None = None
 
 
 def get_backend(name: str | Backend | None = None) -> Backend:
     """The backend called ``name`` (created on first use), or the default one for ``None``."""
-    if isinstance(name, Backend):
-        return name
     if name is None:
         return _default or default_backend()
+    if name.__class__ in _classes:  # a backend made here (cheaper than an ABC isinstance)
+        return name
+    if not isinstance(name, str):
+        if not isinstance(name, Backend):
+            raise BackendUnavailableError(f"not a backend: {name!r}")
+        return name
+    if name in _backends:
+        return _backends[name]
     if name not in _FACTORIES:
         raise BackendUnavailableError(
             f"unknown backend {name!r}: choose one of {', '.join(BACKEND_NAMES)}"
@@ -80,6 +87,7 @@ def get_backend(name: str | Backend | None = None) -> Backend:
             _failures[name] = BackendUnavailableError(f"{name} backend failed to start: {exc}")
             raise _failures[name] from exc
         _backends[name] = backend
+        _classes.add(type(backend))
         return backend
 
 

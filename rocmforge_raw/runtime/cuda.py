@@ -47,7 +47,7 @@ class CudaBackend(Backend):
         self._contexts: dict[int, Any] = {}
         self._lock = threading.Lock()
         self._local = threading.local()
-        self._shared_raised: set[int] = set()
+        self._shared_raised: set[tuple[int, int]] = set()
 
     def _context(self, device: int) -> Any:
         with self._lock:
@@ -107,15 +107,19 @@ class CudaBackend(Backend):
     def malloc(self, nbytes: int, device: int) -> int:
         self._activate(device)
         status, ptr = cu.cuMemAlloc(nbytes)
-        if status == _OOM:
-            free, total = self.mem_info(device)
-            raise OutOfMemoryError("cuMemAlloc", nbytes, free, total, int(status),
-                                   _describe(status)[0])
-        return int(check("cuMemAlloc", (status, ptr)))
+        if status != _SUCCESS:  # the hot path skips check()'s generality, not its errors
+            if status == _OOM:
+                free, total = self.mem_info(device)
+                raise OutOfMemoryError("cuMemAlloc", nbytes, free, total, int(status),
+                                       _describe(status)[0])
+            check("cuMemAlloc", (status, ptr))
+        return int(ptr)
 
     def free(self, ptr: int, device: int) -> None:
         self._activate(device)
-        check("cuMemFree", cu.cuMemFree(ptr))
+        (status,) = cu.cuMemFree(ptr)
+        if status != _SUCCESS:
+            check("cuMemFree", (status,))
 
     def memcpy_htod(self, dst: int, src_host: int, nbytes: int, stream: Any = None) -> None:
         if stream is None:
@@ -181,17 +185,23 @@ class CudaBackend(Backend):
     def module_function(self, module: Any, name: str) -> Any:
         return check("cuModuleGetFunction", cu.cuModuleGetFunction(module, name.encode()))
 
-    def launch(self, function, grid, block, shared_bytes, stream, params_addr) -> None:
-        if shared_bytes > _MAX_STATIC_SHARED and int(function) not in self._shared_raised:
+    def _allow_shared(self, function: Any, shared_bytes: int) -> None:
+        """Opt ``function`` in to ``shared_bytes`` of dynamic shared memory (above 48 KiB)."""
+        key = (int(function), shared_bytes)
+        if shared_bytes > _MAX_STATIC_SHARED and key not in self._shared_raised:
             attr = cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
             check("cuFuncSetAttribute", cu.cuFuncSetAttribute(function, attr, shared_bytes))
-            self._shared_raised.add(int(function))
+            self._shared_raised.add(key)
+
+    def launch(self, function, grid, block, shared_bytes, stream, params_addr) -> None:
+        self._allow_shared(function, shared_bytes)
         check("cuLaunchKernel", cu.cuLaunchKernel(
             function, *grid, *block, shared_bytes, 0 if stream is None else stream,
             params_addr, 0,
         ))
 
     def max_active_blocks(self, function: Any, threads: int, shared_bytes: int) -> int:
+        self._allow_shared(function, shared_bytes)
         return check("cuOccupancyMaxActiveBlocksPerMultiprocessor",
                      cu.cuOccupancyMaxActiveBlocksPerMultiprocessor(function, threads,
                                                                     shared_bytes))

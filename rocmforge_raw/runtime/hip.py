@@ -89,15 +89,19 @@ class HipBackend(Backend):
     def malloc(self, nbytes: int, device: int) -> int:
         self._activate(device)
         status, ptr = hip.hipMalloc(nbytes)
-        if status == _OOM:
-            free, total = self.mem_info(device)
-            raise OutOfMemoryError("hipMalloc", nbytes, free, total, int(status),
-                                   _describe(status)[0])
-        return int(check("hipMalloc", (status, ptr)))
+        if status != _SUCCESS:  # the hot path skips check()'s generality, not its errors
+            if status == _OOM:
+                free, total = self.mem_info(device)
+                raise OutOfMemoryError("hipMalloc", nbytes, free, total, int(status),
+                                       _describe(status)[0])
+            check("hipMalloc", (status, ptr))
+        return int(ptr)
 
     def free(self, ptr: int, device: int) -> None:
         self._activate(device)
-        check("hipFree", hip.hipFree(ptr))
+        (status,) = hip.hipFree(ptr)
+        if status != _SUCCESS:
+            check("hipFree", (status,))
 
     def _copy(self, dst: int, src: int, nbytes: int, kind: Any, stream: Any) -> None:
         if stream is None:
