@@ -17,6 +17,7 @@ RF_DEVICE unsigned rf_bid_x() { return blockIdx.x; }
 RF_DEVICE unsigned rf_bid_y() { return blockIdx.y; }
 RF_DEVICE unsigned rf_bid_z() { return blockIdx.z; }
 RF_DEVICE void rf_sync() { __syncthreads(); }
+RF_DEVICE void rf_syncwarp() { __syncwarp(); }
 RF_DEVICE float rf_shfl_xor(float v, int mask) { return __shfl_xor_sync(0xffffffffu, v, mask); }
 RF_DEVICE float rf_exp2(float x) { float y; asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x)); return y; }
 RF_DEVICE float rf_half_to_float(unsigned short h) {
@@ -62,6 +63,11 @@ RF_DEVICE void rf_sync() {
   __builtin_amdgcn_fence(__ATOMIC_RELEASE, "workgroup");
   __builtin_amdgcn_s_barrier();
   __builtin_amdgcn_fence(__ATOMIC_ACQUIRE, "workgroup");
+}
+RF_DEVICE void rf_syncwarp() {
+  __builtin_amdgcn_fence(__ATOMIC_RELEASE, "wavefront");
+  __builtin_amdgcn_wave_barrier();
+  __builtin_amdgcn_fence(__ATOMIC_ACQUIRE, "wavefront");
 }
 RF_DEVICE float rf_shfl_xor(float v, int mask) {
   int lane = (int)(rf_tid() % RF_WARP);

@@ -31,6 +31,11 @@
 #define RF_PA_MIN_BLOCKS 3
 #endif
 
+// Weight of a warp whose running max is m_warp in a sum rescaled to max m_cta (0 if empty).
+RF_DEVICE float l_part_scale(float m_warp, float m_cta) {
+  return m_warp == -RF_INF ? 0.f : rf_exp2(m_warp - m_cta);
+}
+
 // Shared-memory stage: the K and V rows of one tile (TILE_TOKENS tokens).
 template <class E, int D>
 struct rf_pa_tile {
@@ -55,13 +60,19 @@ RF_DEVICE void paged_attention(
   typedef rf_pa_tile<E, D> Tile;
   constexpr int PV = E::PER_VEC, T = Tile::TOKENS, VPR = Tile::VPR, TPT = Tile::TPT;
   constexpr int CHUNKS = Tile::CHUNKS;
-  constexpr int ROWS = RF_PA_THREADS / VPR;  // V phase: rows handled at once
+  // Each warp owns WROWS rows of every tile, for QK, softmax and V alike, with its own online
+  // softmax state: no block-wide barrier inside a tile but the one that publishes the copy.
+  constexpr int WROWS = T / RF_PA_WARPS;
+  constexpr int LPR = VPR < RF_WARP ? VPR : RF_WARP;  // V: lanes per row
+  constexpr int CPL = VPR / LPR;                       // V: chunks per lane
+  constexpr int VSTEP = RF_WARP / LPR;                 // V: rows a warp covers per step
   static_assert(CHUNKS * TPT == VPR && T * TPT == RF_PA_THREADS, "tile shape");
+  static_assert(WROWS * TPT == RF_WARP, "a warp's QK rows are its V rows");
 
   RF_DYNAMIC_SHARED(rf_vec16, stage_s);  // [2 stages][K, V][T rows][VPR chunks]
   RF_SHARED __attribute__((aligned(16))) float q_s[G][D];
   RF_SHARED float p_s[G][T];
-  RF_SHARED float red_s[G][RF_PA_WARPS];
+  RF_SHARED float wm_s[G][RF_PA_WARPS], wl_s[G][RF_PA_WARPS];  // per-warp max and sum
   RF_SHARED float out_s[G][D];
 
   const int tid = (int)rf_tid(), lane = tid % RF_WARP, warp = tid / RF_WARP;
@@ -115,14 +126,14 @@ RF_DEVICE void paged_attention(
   rf_sync();
   if (start < end) issue(0);
 
-  const int vcol = tid % VPR, vrow = tid / VPR;
-  float acc[G][PV], m_run[G], l_part[G];
+  const int vrow0 = warp * WROWS + lane / LPR, vchunk0 = (lane % LPR) * CPL;
+  float acc[G][CPL * PV], m_run[G], l_part[G];
 #pragma unroll
   for (int g = 0; g < G; ++g) {
     m_run[g] = -RF_INF;
     l_part[g] = 0.f;
 #pragma unroll
-    for (int e = 0; e < PV; ++e) acc[g][e] = 0.f;
+    for (int e = 0; e < CPL * PV; ++e) acc[g][e] = 0.f;
   }
 
   int stage = 0;
@@ -163,45 +174,37 @@ RF_DEVICE void paged_attention(
     }
 #pragma unroll
     for (int g = 0; g < G; ++g) s[g] += s_odd[g];
+    // online softmax over this warp's rows (every lane of the warp gets the same max)
+    const bool leader = tid % TPT == 0;
 #pragma unroll
     for (int g = 0; g < G; ++g) {
 #pragma unroll
       for (int m = 1; m < TPT; m <<= 1) s[g] += rf_shfl_xor(s[g], m);
       if (tok >= end) s[g] = -RF_INF;
-      const float mx = rf_warp_max(s[g]);
-      if (lane == 0) red_s[g][warp] = mx;
-    }
-    rf_sync();
-#pragma unroll
-    for (int g = 0; g < G; ++g) {
-      float m_new = m_run[g];
-#pragma unroll
-      for (int w = 0; w < RF_PA_WARPS; ++w) m_new = rf_fmax(m_new, red_s[g][w]);
+      const float m_new = rf_fmax(m_run[g], rf_warp_max(s[g]));
       const float alpha = m_run[g] == -RF_INF ? 0.f : rf_exp2(m_run[g] - m_new);
       const float p = tok < end ? rf_exp2(s[g] - m_new) : 0.f;
-      if (tid % TPT == 0) {
-        p_s[g][my_row] = p;
-        l_part[g] = l_part[g] * alpha + p;
-      } else {
-        l_part[g] *= alpha;
-      }
+      if (leader) p_s[g][my_row] = p;
+      l_part[g] = l_part[g] * alpha + (leader ? p : 0.f);
       m_run[g] = m_new;
 #pragma unroll
-      for (int e = 0; e < PV; ++e) acc[g][e] *= alpha;
+      for (int e = 0; e < CPL * PV; ++e) acc[g][e] *= alpha;
     }
-    rf_sync();
-    // values: thread owns chunk vcol of rows vrow, vrow + ROWS, ...
+    rf_syncwarp();
+    // values: lane owns chunks [vchunk0, vchunk0 + CPL) of rows vrow0, vrow0 + VSTEP, ...
     const int rows = end - t0 < T ? end - t0 : T;
-#pragma unroll
-    for (int r = vrow; r < T; r += ROWS) {
+    for (int r = vrow0; r < (warp + 1) * WROWS; r += VSTEP) {
       if (r < rows) {
-        float v[PV];
-        E::unpack(v_s[r * VPR + Tile::swizzle(r, vcol)], v);
 #pragma unroll
-        for (int g = 0; g < G; ++g) {
-          const float p = p_s[g][r];
+        for (int cc = 0; cc < CPL; ++cc) {
+          float v[PV];
+          E::unpack(v_s[r * VPR + Tile::swizzle(r, vchunk0 + cc)], v);
 #pragma unroll
-          for (int e = 0; e < PV; ++e) acc[g][e] += p * v[e];
+          for (int g = 0; g < G; ++g) {
+            const float p = p_s[g][r];
+#pragma unroll
+            for (int e = 0; e < PV; ++e) acc[g][cc * PV + e] += p * v[e];
+          }
         }
       }
     }
@@ -209,39 +212,55 @@ RF_DEVICE void paged_attention(
     rf_sync();  // the stage is rewritten by the issue two tiles on
   }
 
-  // combine: row groups inside a warp by shuffles, then warps one after another in smem
+  // combine: a warp's row groups by shuffles; then warps, rescaled to the CTA's max, one
+  // after another into out_s
 #pragma unroll
   for (int g = 0; g < G; ++g) {
 #pragma unroll
-    for (int m = VPR; m < RF_WARP; m <<= 1)
+    for (int m = LPR; m < RF_WARP; m <<= 1)
 #pragma unroll
-      for (int e = 0; e < PV; ++e) acc[g][e] += rf_shfl_xor(acc[g][e], m);
+      for (int e = 0; e < CPL * PV; ++e) acc[g][e] += rf_shfl_xor(acc[g][e], m);
     const float l = rf_warp_sum(l_part[g]);
-    if (lane == 0) red_s[g][warp] = l;
+    if (lane == 0) {
+      wm_s[g][warp] = m_run[g];
+      wl_s[g][warp] = l;
+    }
+  }
+  rf_sync();
+  float m_cta[G], l_cta[G];
+#pragma unroll
+  for (int g = 0; g < G; ++g) {
+    m_cta[g] = -RF_INF;
+    l_cta[g] = 0.f;
+#pragma unroll
+    for (int w = 0; w < RF_PA_WARPS; ++w) m_cta[g] = rf_fmax(m_cta[g], wm_s[g][w]);
+#pragma unroll
+    for (int w = 0; w < RF_PA_WARPS; ++w)
+      if (wl_s[g][w] > 0.f) l_cta[g] += rf_exp2(wm_s[g][w] - m_cta[g]) * wl_s[g][w];
   }
   for (int w = 0; w < RF_PA_WARPS; ++w) {
-    if (warp == w && (VPR >= RF_WARP || lane < VPR)) {
+    if (warp == w && lane < LPR) {
 #pragma unroll
-      for (int g = 0; g < G; ++g)
+      for (int g = 0; g < G; ++g) {
+        const float scale_w = l_part_scale(m_run[g], m_cta[g]);
 #pragma unroll
-        for (int e = 0; e < PV; ++e) out_s[g][vcol * PV + e] += acc[g][e];
+        for (int e = 0; e < CPL * PV; ++e)
+          out_s[g][vchunk0 * PV + e] += scale_w * acc[g][e];
+      }
     }
     rf_sync();
   }
   for (int i = tid; i < nh * D; i += RF_PA_THREADS) {
     const int g = i / D, d = i % D;
-    float l = 0.f;
-#pragma unroll
-    for (int w = 0; w < RF_PA_WARPS; ++w) l += red_s[g][w];
     const rf_i64 head = (rf_i64)seq * num_q_heads + q0 + g;
     if (num_partitions == 1) {
-      out[head * D + d] = E::from_float(l > 0.f ? out_s[g][d] / l : 0.f);
+      out[head * D + d] = E::from_float(l_cta[g] > 0.f ? out_s[g][d] / l_cta[g] : 0.f);
     } else {
       const rf_i64 slot = head * num_partitions + part;
       part_out[slot * D + d] = out_s[g][d];
       if (d == 0) {
-        part_ml[slot * 2] = m_run[g];
-        part_ml[slot * 2 + 1] = l;
+        part_ml[slot * 2] = m_cta[g];
+        part_ml[slot * 2 + 1] = l_cta[g];
       }
     }
   }
