@@ -40,6 +40,31 @@ RF_DEVICE void rf_copy_commit() { asm volatile("cp.async.commit_group;" ::: "mem
 template <int pending>
 RF_DEVICE void rf_copy_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(pending) : "memory"); }
 #define RF_DYNAMIC_SHARED(type, name) extern __shared__ __align__(16) type name[]
+#define RF_HAVE_MMA 1
+RF_DEVICE float rf_shfl(float v, int src) { return __shfl_sync(0xffffffffu, v, src); }
+// Four 8x8 tiles of 16-bit values from shared memory; lane i gives row i % 8 of tile i / 8.
+RF_DEVICE void rf_ldmatrix_x4(unsigned (&r)[4], const void* smem_row) {
+  unsigned addr;
+  asm volatile("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }"
+               : "=r"(addr) : "l"(smem_row));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
+}
+// d += a (16x16, row-major) * b (16x8, column-major), float32 accumulate; KIND 1 = fp16,
+// 2 = bf16 inputs.
+template <int KIND>
+RF_DEVICE void rf_mma16816(float (&d)[4], const unsigned (&a)[4], const unsigned (&b)[2]) {
+  if (KIND == 2)
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, "
+                 "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+  else
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, "
+                 "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
 
 #elif defined(__HIP__) || defined(__HIPCC_RTC__) || defined(__AMDGCN__)
 #define RF_AMD 1
@@ -117,6 +142,7 @@ struct alignas(16) rf_float4 { float x, y, z, w; };
 struct rf_f32 {
   typedef float storage;
   static constexpr int PER_VEC = 4;
+  static constexpr int TENSOR_KIND = 0;  // no 16-bit tensor-core path
   RF_DEVICE static void unpack(const rf_vec16& v, float* out) {
     out[0] = __builtin_bit_cast(float, v.x); out[1] = __builtin_bit_cast(float, v.y);
     out[2] = __builtin_bit_cast(float, v.z); out[3] = __builtin_bit_cast(float, v.w);
@@ -125,10 +151,11 @@ struct rf_f32 {
   RF_DEVICE static float to_float(storage s) { return s; }
 };
 
-template <float (*CONVERT)(unsigned short), unsigned short (*BACK)(float)>
+template <float (*CONVERT)(unsigned short), unsigned short (*BACK)(float), int KIND>
 struct rf_16bit {
   typedef unsigned short storage;
   static constexpr int PER_VEC = 8;
+  static constexpr int TENSOR_KIND = KIND;  // 1 = fp16, 2 = bf16 (rf_mma16816)
   RF_DEVICE static void unpack(const rf_vec16& v, float* out) {
     const unsigned words[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
@@ -140,8 +167,8 @@ struct rf_16bit {
   RF_DEVICE static storage from_float(float f) { return BACK(f); }
   RF_DEVICE static float to_float(storage s) { return CONVERT(s); }
 };
-typedef rf_16bit<rf_half_to_float, rf_float_to_half> rf_f16;
-typedef rf_16bit<rf_bf16_to_float, rf_float_to_bf16> rf_bf16;
+typedef rf_16bit<rf_half_to_float, rf_float_to_half, 1> rf_f16;
+typedef rf_16bit<rf_bf16_to_float, rf_float_to_bf16, 2> rf_bf16;
 
 // Sum or max over one warp/wavefront; every lane gets the result.
 RF_DEVICE float rf_warp_sum(float v) {

@@ -126,6 +126,26 @@ RF_DEVICE void paged_attention(
   rf_sync();
   if (start < end) issue(0);
 
+#if defined(RF_HAVE_MMA)
+  // Tensor-core QK for 16-bit caches: S^T[16 tokens x 8 heads] = K[16 x D] . Q^T[D x 8] per
+  // warp and m-tile, K by ldmatrix from the swizzled stage, Q^T fragments held in registers
+  // (heads past the group are zero); scores are scaled after the product.
+  constexpr bool TENSOR = E::TENSOR_KIND != 0 && G >= 4;  // CUDA cores are as fast below
+  constexpr int KSTEPS = D / 16, MROWS = WROWS < 16 ? WROWS : 16;
+  constexpr int MTILES = WROWS < 16 ? 1 : WROWS / 16;
+  unsigned qb[TENSOR ? KSTEPS : 1][2];
+  if (TENSOR) {
+    const int head = lane / 4, k0 = (lane % 4) * 2;
+    const typename E::storage* qrow = q + ((rf_i64)seq * num_q_heads + q0 + head) * D;
+#pragma unroll
+    for (int ks = 0; ks < (TENSOR ? KSTEPS : 1); ++ks)
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int d = ks * 16 + half * 8 + k0;
+        qb[ks][half] = head < nh ? (unsigned)qrow[d] | ((unsigned)qrow[d + 1] << 16) : 0u;
+      }
+  }
+#endif
   const int vrow0 = warp * WROWS + lane / LPR, vchunk0 = (lane % LPR) * CPL;
   float acc[G][CPL * PV], m_run[G], l_part[G];
 #pragma unroll
@@ -151,44 +171,113 @@ RF_DEVICE void paged_attention(
     const rf_vec16* k_s = stage_s + (stage * 2 + 0) * T * VPR;
     const rf_vec16* v_s = stage_s + (stage * 2 + 1) * T * VPR;
 
-    // scores: TPT threads per token, each over CHUNKS chunks, then summed across them
-    const int tok = t0 + my_row;
-    float s[G], s_odd[G];  // two accumulators: chunks alternate, halving the FMA chains
+#if defined(RF_HAVE_MMA)
+    if constexpr (TENSOR) {
+      float sc[MTILES][4];
+      const int row_in = (lane % 8) + 8 * ((lane / 8) % 2);
 #pragma unroll
-    for (int g = 0; g < G; ++g) s[g] = s_odd[g] = 0.f;
+      for (int mt = 0; mt < MTILES; ++mt) {
+        sc[mt][0] = sc[mt][1] = sc[mt][2] = sc[mt][3] = 0.f;
+        const int row = warp * WROWS + mt * 16 + row_in % MROWS;
 #pragma unroll
-    for (int c = 0; c < CHUNKS; ++c) {
-      const int j = my_chunk0 + c;
-      float k[PV];
-      E::unpack(k_s[my_row * VPR + Tile::swizzle(my_row, j)], k);
+        for (int ks = 0; ks < KSTEPS; ++ks) {
+          unsigned a[4];
+          rf_ldmatrix_x4(a, &k_s[row * VPR + Tile::swizzle(row, ks * 2 + lane / 16)]);
+          rf_mma16816<E::TENSOR_KIND>(sc[mt], a, qb[ks]);
+        }
+      }
+      // thread holds rows lane/4 (+8) of each m-tile, heads h0 = (lane%4)*2 and h0 + 1
+      const int h0 = (lane % 4) * 2;
+      float mx[2] = {-RF_INF, -RF_INF};
+#pragma unroll
+      for (int mt = 0; mt < MTILES; ++mt)
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          const int row = warp * WROWS + mt * 16 + lane / 4 + 8 * r;
+          const bool valid = (r == 0 || MROWS == 16) && t0 + row < end;
+#pragma unroll
+          for (int hh = 0; hh < 2; ++hh) {
+            sc[mt][r * 2 + hh] = valid ? sc[mt][r * 2 + hh] * qscale : -RF_INF;
+            mx[hh] = rf_fmax(mx[hh], sc[mt][r * 2 + hh]);
+          }
+        }
+#pragma unroll
+      for (int m = 4; m < 32; m <<= 1) {
+        mx[0] = rf_fmax(mx[0], rf_shfl_xor(mx[0], m));
+        mx[1] = rf_fmax(mx[1], rf_shfl_xor(mx[1], m));
+      }
+      float m_new[G];
 #pragma unroll
       for (int g = 0; g < G; ++g) {
-        float dot = 0.f;
+        m_new[g] = rf_fmax(m_run[g], rf_shfl(g % 2 ? mx[1] : mx[0], g / 2));
+        const float alpha = m_run[g] == -RF_INF ? 0.f : rf_exp2(m_run[g] - m_new[g]);
+        l_part[g] *= alpha;
+        m_run[g] = m_new[g];
 #pragma unroll
-        for (int e = 0; e < PV; e += 4) {
-          const rf_float4 qv = *reinterpret_cast<const rf_float4*>(&q_s[g][j * PV + e]);
-          dot += qv.x * k[e] + qv.y * k[e + 1] + qv.z * k[e + 2] + qv.w * k[e + 3];
-        }
-        if (c & 1) s_odd[g] += dot; else s[g] += dot;
+        for (int e = 0; e < CPL * PV; ++e) acc[g][e] *= alpha;
       }
-    }
 #pragma unroll
-    for (int g = 0; g < G; ++g) s[g] += s_odd[g];
-    // online softmax over this warp's rows (every lane of the warp gets the same max)
-    const bool leader = tid % TPT == 0;
+      for (int hh = 0; hh < 2; ++hh) {
+        const int h = h0 + hh;
+        float m_h = -RF_INF;
 #pragma unroll
-    for (int g = 0; g < G; ++g) {
+        for (int g = 0; g < G; ++g) m_h = g == h ? m_new[g] : m_h;
+        float sum = 0.f;
 #pragma unroll
-      for (int m = 1; m < TPT; m <<= 1) s[g] += rf_shfl_xor(s[g], m);
-      if (tok >= end) s[g] = -RF_INF;
-      const float m_new = rf_fmax(m_run[g], rf_warp_max(s[g]));
-      const float alpha = m_run[g] == -RF_INF ? 0.f : rf_exp2(m_run[g] - m_new);
-      const float p = tok < end ? rf_exp2(s[g] - m_new) : 0.f;
-      if (leader) p_s[g][my_row] = p;
-      l_part[g] = l_part[g] * alpha + (leader ? p : 0.f);
-      m_run[g] = m_new;
+        for (int mt = 0; mt < MTILES; ++mt)
 #pragma unroll
-      for (int e = 0; e < CPL * PV; ++e) acc[g][e] *= alpha;
+          for (int r = 0; r < 2; ++r) {
+            const int row = warp * WROWS + mt * 16 + lane / 4 + 8 * r;
+            const float x = sc[mt][r * 2 + hh];
+            const float p = x == -RF_INF ? 0.f : rf_exp2(x - m_h);
+            if (h < G && (r == 0 || MROWS == 16)) p_s[h][row] = p;
+            sum += p;
+          }
+#pragma unroll
+        for (int g = 0; g < G; ++g) l_part[g] += g == h ? sum : 0.f;
+      }
+    } else
+#endif
+    {
+      // scores: TPT threads per token, each over CHUNKS chunks, then summed across them
+      const int tok = t0 + my_row;
+      float s[G], s_odd[G];  // two accumulators: chunks alternate, halving the FMA chains
+#pragma unroll
+      for (int g = 0; g < G; ++g) s[g] = s_odd[g] = 0.f;
+#pragma unroll
+      for (int c = 0; c < CHUNKS; ++c) {
+        const int j = my_chunk0 + c;
+        float k[PV];
+        E::unpack(k_s[my_row * VPR + Tile::swizzle(my_row, j)], k);
+#pragma unroll
+        for (int g = 0; g < G; ++g) {
+          float dot = 0.f;
+#pragma unroll
+          for (int e = 0; e < PV; e += 4) {
+            const rf_float4 qv = *reinterpret_cast<const rf_float4*>(&q_s[g][j * PV + e]);
+            dot += qv.x * k[e] + qv.y * k[e + 1] + qv.z * k[e + 2] + qv.w * k[e + 3];
+          }
+          if (c & 1) s_odd[g] += dot; else s[g] += dot;
+        }
+      }
+#pragma unroll
+      for (int g = 0; g < G; ++g) s[g] += s_odd[g];
+      // online softmax over this warp's rows (every lane of the warp gets the same max)
+      const bool leader = tid % TPT == 0;
+#pragma unroll
+      for (int g = 0; g < G; ++g) {
+#pragma unroll
+        for (int m = 1; m < TPT; m <<= 1) s[g] += rf_shfl_xor(s[g], m);
+        if (tok >= end) s[g] = -RF_INF;
+        const float m_new = rf_fmax(m_run[g], rf_warp_max(s[g]));
+        const float alpha = m_run[g] == -RF_INF ? 0.f : rf_exp2(m_run[g] - m_new);
+        const float p = tok < end ? rf_exp2(s[g] - m_new) : 0.f;
+        if (leader) p_s[g][my_row] = p;
+        l_part[g] = l_part[g] * alpha + (leader ? p : 0.f);
+        m_run[g] = m_new;
+#pragma unroll
+        for (int e = 0; e < CPL * PV; ++e) acc[g][e] *= alpha;
+      }
     }
     rf_syncwarp();
     // values: lane owns chunks [vchunk0, vchunk0 + CPL) of rows vrow0, vrow0 + VSTEP, ...
