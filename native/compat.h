@@ -50,6 +50,14 @@ RF_DEVICE void rf_ldmatrix_x4(unsigned (&r)[4], const void* smem_row) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
 }
+// The same four tiles, each transposed (for an operand stored the other way round).
+RF_DEVICE void rf_ldmatrix_x4_trans(unsigned (&r)[4], const void* smem_row) {
+  unsigned addr;
+  asm volatile("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }"
+               : "=r"(addr) : "l"(smem_row));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
+}
 // d += a (16x16, row-major) * b (16x8, column-major), float32 accumulate; KIND 1 = fp16,
 // 2 = bf16 inputs.
 template <int KIND>

@@ -104,10 +104,13 @@ RF_DEVICE void paged_attention(
     for (int it = 0; it < T * VPR / RF_PA_THREADS; ++it) {
       const int piece = it * RF_PA_THREADS + tid, row = piece / VPR, j = piece % VPR;
       const rf_i64 offset = row_s[stage][row];
+      const int at = row * VPR + Tile::swizzle(row, j);
       if (offset >= 0) {
-        const int at = row * VPR + Tile::swizzle(row, j);
         rf_copy16_async(k_dst + at, reinterpret_cast<const rf_vec16*>(k_cache + offset) + j);
         rf_copy16_async(v_dst + at, reinterpret_cast<const rf_vec16*>(v_cache + offset) + j);
+      } else {  // past the end: zeros, so products over whole 16-row tiles stay finite
+        k_dst[at] = rf_vec16{0u, 0u, 0u, 0u};
+        v_dst[at] = rf_vec16{0u, 0u, 0u, 0u};
       }
     }
     rf_copy_commit();
@@ -131,6 +134,10 @@ RF_DEVICE void paged_attention(
   // warp and m-tile, K by ldmatrix from the swizzled stage, Q^T fragments held in registers
   // (heads past the group are zero); scores are scaled after the product.
   constexpr bool TENSOR = E::TENSOR_KIND != 0 && G >= 4;  // CUDA cores are as fast below
+#else
+  constexpr bool TENSOR = false;
+#endif
+#if defined(RF_HAVE_MMA)
   constexpr int KSTEPS = D / 16, MROWS = WROWS < 16 ? WROWS : 16;
   constexpr int MTILES = WROWS < 16 ? 1 : WROWS / 16;
   unsigned qb[TENSOR ? KSTEPS : 1][2];
@@ -148,6 +155,14 @@ RF_DEVICE void paged_attention(
 #endif
   const int vrow0 = warp * WROWS + lane / LPR, vchunk0 = (lane % LPR) * CPL;
   float acc[G][CPL * PV], m_run[G], l_part[G];
+#if defined(RF_HAVE_MMA)
+  // Tensor-core PV: O^T[16 dims x 8 heads] per dim tile; this lane holds dims lane/4 (+8)
+  // and heads (lane%4)*2 (+1) of each.
+  constexpr int DTILES = D / 16;
+  float acc2[TENSOR ? DTILES : 1][4];
+#pragma unroll
+  for (int dt = 0; dt < (TENSOR ? DTILES : 1); ++dt) acc2[dt][0] = acc2[dt][1] = acc2[dt][2] = acc2[dt][3] = 0.f;
+#endif
 #pragma unroll
   for (int g = 0; g < G; ++g) {
     m_run[g] = -RF_INF;
@@ -206,15 +221,22 @@ RF_DEVICE void paged_attention(
         mx[0] = rf_fmax(mx[0], rf_shfl_xor(mx[0], m));
         mx[1] = rf_fmax(mx[1], rf_shfl_xor(mx[1], m));
       }
-      float m_new[G];
+      float m_new[G], alpha_h[2] = {1.f, 1.f};
 #pragma unroll
       for (int g = 0; g < G; ++g) {
         m_new[g] = rf_fmax(m_run[g], rf_shfl(g % 2 ? mx[1] : mx[0], g / 2));
         const float alpha = m_run[g] == -RF_INF ? 0.f : rf_exp2(m_run[g] - m_new[g]);
         l_part[g] *= alpha;
         m_run[g] = m_new[g];
+        alpha_h[0] = g == (lane % 4) * 2 ? alpha : alpha_h[0];
+        alpha_h[1] = g == (lane % 4) * 2 + 1 ? alpha : alpha_h[1];
+      }
 #pragma unroll
-        for (int e = 0; e < CPL * PV; ++e) acc[g][e] *= alpha;
+      for (int dt = 0; dt < DTILES; ++dt) {
+        acc2[dt][0] *= alpha_h[0];
+        acc2[dt][1] *= alpha_h[1];
+        acc2[dt][2] *= alpha_h[0];
+        acc2[dt][3] *= alpha_h[1];
       }
 #pragma unroll
       for (int hh = 0; hh < 2; ++hh) {
@@ -280,6 +302,32 @@ RF_DEVICE void paged_attention(
       }
     }
     rf_syncwarp();
+#if defined(RF_HAVE_MMA)
+    if constexpr (TENSOR) {  // O^T += V^T[16 dims x 16 tokens] . P^T[16 tokens x 8 heads]
+      const int head = lane / 4, k0 = (lane % 4) * 2;
+#pragma unroll
+      for (int mt = 0; mt < MTILES; ++mt) {
+        const int base = warp * WROWS + mt * 16;
+        unsigned b[2];
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          const int k = k0 + half * 8;
+          const bool ok = head < G && k < MROWS;
+          const unsigned lo = E::from_float(ok ? p_s[head < G ? head : 0][base + k] : 0.f);
+          const unsigned hi = E::from_float(ok ? p_s[head < G ? head : 0][base + k + 1] : 0.f);
+          b[half] = lo | (hi << 16);
+        }
+        const int row = base + ((lane % 8) + 8 * (lane / 16)) % MROWS;
+#pragma unroll
+        for (int dt = 0; dt < DTILES; ++dt) {
+          unsigned a[4];
+          rf_ldmatrix_x4_trans(a, &v_s[row * VPR + Tile::swizzle(row, dt * 2 + (lane / 8) % 2)]);
+          rf_mma16816<E::TENSOR_KIND>(acc2[dt], a, b);
+        }
+      }
+    } else
+#endif
+    {
     // values: lane owns chunks [vchunk0, vchunk0 + CPL) of rows vrow0, vrow0 + VSTEP, ...
     const int rows = end - t0 < T ? end - t0 : T;
     for (int r = vrow0; r < (warp + 1) * WROWS; r += VSTEP) {
@@ -297,6 +345,7 @@ RF_DEVICE void paged_attention(
         }
       }
     }
+    }
     if (tid < T) row_s[stage][tid] = ahead;
     rf_sync();  // the stage is rewritten by the issue two tiles on
   }
@@ -305,10 +354,12 @@ RF_DEVICE void paged_attention(
   // after another into out_s
 #pragma unroll
   for (int g = 0; g < G; ++g) {
+    if constexpr (!TENSOR) {
 #pragma unroll
-    for (int m = LPR; m < RF_WARP; m <<= 1)
+      for (int m = LPR; m < RF_WARP; m <<= 1)
 #pragma unroll
-      for (int e = 0; e < CPL * PV; ++e) acc[g][e] += rf_shfl_xor(acc[g][e], m);
+        for (int e = 0; e < CPL * PV; ++e) acc[g][e] += rf_shfl_xor(acc[g][e], m);
+    }
     const float l = rf_warp_sum(l_part[g]);
     if (lane == 0) {
       wm_s[g][warp] = m_run[g];
@@ -328,6 +379,30 @@ RF_DEVICE void paged_attention(
       if (wl_s[g][w] > 0.f) l_cta[g] += rf_exp2(wm_s[g][w] - m_cta[g]) * wl_s[g][w];
   }
   for (int w = 0; w < RF_PA_WARPS; ++w) {
+#if defined(RF_HAVE_MMA)
+    if constexpr (TENSOR) {
+      if (warp == w) {
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+          const int h = (lane % 4) * 2 + hh;
+          float m_w = -RF_INF, m_c = 0.f;
+#pragma unroll
+          for (int g = 0; g < G; ++g) {
+            m_w = g == h ? m_run[g] : m_w;
+            m_c = g == h ? m_cta[g] : m_c;
+          }
+          const float scale_w = l_part_scale(m_w, m_c);
+#pragma unroll
+          for (int dt = 0; dt < DTILES; ++dt)
+#pragma unroll
+            for (int r = 0; r < 2; ++r)
+              if (h < G) out_s[h][dt * 16 + lane / 4 + 8 * r] += scale_w * acc2[dt][r * 2 + hh];
+        }
+      }
+      rf_sync();
+      continue;
+    }
+#endif
     if (warp == w && lane < LPR) {
 #pragma unroll
       for (int g = 0; g < G; ++g) {
