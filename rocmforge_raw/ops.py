@@ -96,17 +96,32 @@ class _Uploads:
 
 
 # --- paged attention ---------------------------------------------------------------------
-def plan_partitions(num_ctas: int, max_len: int, slots: int) -> tuple[int, int]:
-    """(tokens per partition, number of partitions) for a launch of ``num_ctas`` CTAs before
-    splitting, on a device that runs ``slots`` CTAs at once: split long contexts into as many
-    partitions as fill one whole wave (a partial second wave costs as much as a full one),
-    keeping partitions at least 256 tokens and a multiple of the tile."""
+def plan_partitions(num_ctas: int, max_len: int, slots: int, mean_len: float | None = None
+                    ) -> tuple[int, int]:
+    """(tokens per partition, number of partitions) for ``num_ctas`` CTAs before splitting on
+    a device that runs ``slots`` CTAs at once.
+
+    A launch costs whole waves, so the split is the smallest one whose last wave is (within
+    2 %) as full as any split can make it. Partitions stay at least 1024 tokens when the
+    device is already full without splitting (short partitions cost more than they save)
+    and 256 tokens otherwise. In a ragged batch (longest > 1.5 x mean) the longest sequences
+    are cut into pieces of about half the mean length so they do not set the pace.
+    """
     if max_len <= 0:
         return THREADS, 1
-    parts = max(1, slots // max(num_ctas, 1))
-    parts = min(parts, max(1, math.ceil(max_len / 256)))
+    num_ctas = max(num_ctas, 1)
+    shortest = 256 if num_ctas < slots else 1024
+    most = max(1, min(MAX_PARTITIONS, max_len // shortest))
+
+    def fullness(parts: int) -> float:
+        waves = num_ctas * parts / max(slots, 1)
+        return waves / math.ceil(waves)
+
+    best = max(fullness(p) for p in range(1, most + 1))
+    parts = next(p for p in range(1, most + 1) if fullness(p) >= best - 0.02)
+    if mean_len and max_len > 1.5 * mean_len:
+        parts = min(max(parts, math.ceil(2 * max_len / mean_len)), most)
     tokens = THREADS * math.ceil(math.ceil(max_len / parts) / THREADS)
-    tokens = max(tokens, THREADS * math.ceil(max_len / (THREADS * MAX_PARTITIONS)))
     return tokens, math.ceil(max_len / tokens)
 
 
@@ -191,7 +206,8 @@ def paged_attention(out: DeviceArray, query: DeviceArray, k_cache: DeviceArray,
     shared = ATTENTION_SHARED_BYTES[query.backend.name]
     if num_partitions is None:
         slots = kernel.max_active_blocks(THREADS, shared) * _multiprocessors(query)
-        tokens, parts = plan_partitions(grid_x * num_seqs, max_len, slots)
+        mean_len = float(lens.mean()) if lens is not None and lens.size else None
+        tokens, parts = plan_partitions(grid_x * num_seqs, max_len, slots, mean_len)
     else:
         parts = max(1, min(int(num_partitions), MAX_PARTITIONS))
         tokens = THREADS * math.ceil(max(max_len, 1) / (parts * THREADS))

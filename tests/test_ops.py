@@ -224,10 +224,16 @@ def test_bad_slots_and_pairs_raise(backend):
         ops.copy_blocks(slab, np.array([[1, 2], [2, 3]], np.int64))
 
 
-def test_partition_plan_fills_one_wave_and_no_more():
-    assert ops.plan_partitions(num_ctas=600, max_len=4096, slots=528)[1] == 1
-    tokens, parts = ops.plan_partitions(num_ctas=8, max_len=32768, slots=528)
-    assert parts > 1 and parts * 8 <= 528 and tokens * parts >= 32768
-    assert tokens % ops.THREADS == 0
-    assert ops.plan_partitions(128, 8192, 528)[1] == 4
+def test_partition_plan_wastes_as_little_of_the_last_wave_as_it_can():
+    # 512 CTAs on 396 slots: 1 part leaves the second wave 29 % full, 3 parts fill 3.9 waves
+    assert ops.plan_partitions(num_ctas=512, max_len=4096, slots=396)[1] == 3
+    tokens, parts = ops.plan_partitions(num_ctas=8, max_len=32768, slots=396)
+    assert 40 <= parts <= 49 and tokens * parts >= 32768 and tokens % ops.THREADS == 0
+    assert ops.plan_partitions(2048, 512, 396)[1] == 1  # short contexts are not split
     assert ops.plan_partitions(8, 10**7, 528)[1] <= ops.MAX_PARTITIONS
+
+
+def test_ragged_batches_split_their_longest_sequences():
+    assert ops.plan_partitions(512, 8192, 396, mean_len=8000)[1] == 3
+    tokens, parts = ops.plan_partitions(512, 8192, 396, mean_len=4096)
+    assert parts == 4 and tokens == 2048
