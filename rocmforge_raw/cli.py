@@ -79,7 +79,7 @@ def cmd_soak(args: argparse.Namespace) -> int:
     backend = get_backend(args.backend)
     seconds = args.seconds if args.minutes is None else 60 * args.minutes
     config = SoakConfig(seconds=seconds, inject_leak=args.inject_leak, out_dir=args.out,
-                        warmup_fraction=args.warmup,
+                        warmup_fraction=args.warmup, workloads=tuple(args.workloads),
                         max_device_drift_bytes=int(args.max_device_drift_mib * 2**20),
                         max_rss_drift_bytes=int(args.max_rss_drift_mib * 2**20))
     result = run_soak(backend, args.device, config, args.seed)
@@ -148,6 +148,9 @@ def main(argv: list[str] | None = None) -> int:
     soak.add_argument("--minutes", type=float, default=None)
     soak.add_argument("--out", default="soak-out", help="folder for soak.csv/json/png")
     soak.add_argument("--inject-leak", action="store_true", help="leak one buffer per cycle")
+    soak.add_argument("--workloads", nargs="+", default=["buffers", "cache", "modules"],
+                      choices=["buffers", "cache", "modules"],
+                      help="which churn to run (buffers, cache, modules)")
     soak.add_argument("--warmup", type=float, default=0.25,
                       help="fraction of the run left out of the drift fit")
     soak.add_argument("--max-device-drift-mib", type=float, default=1.0)

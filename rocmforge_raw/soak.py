@@ -40,6 +40,7 @@ class SoakConfig:
     max_rss_drift_bytes: int = 8 * MiB
     inject_leak: bool = False
     out_dir: str = "soak-out"
+    workloads: tuple[str, ...] = ("buffers", "cache", "modules")
 
 
 @dataclass
@@ -74,8 +75,10 @@ class _Workload:
     """One cycle of churn; everything it creates is released before the next cycle, except
     the long-lived cache, scheduler and pool, released in ``close``."""
 
-    def __init__(self, backend: Backend, device: int, rng: np.random.Generator) -> None:
+    def __init__(self, backend: Backend, device: int, rng: np.random.Generator,
+                 workloads: tuple[str, ...]) -> None:
         self.backend, self.device, self.rng = backend, device, rng
+        self.workloads = workloads
         self.pool = MemoryPool(device, backend)
         dtype = "float32" if backend.name == "host" else "bfloat16"
         self.cache = KvCache(CacheConfig(2, 2, 64, 16, 64, dtype), device, backend)
@@ -87,15 +90,16 @@ class _Workload:
 
     def cycle(self, leak_into: list[HipBuffer] | None) -> None:
         rng = self.rng
-        for _ in range(8):  # (a) buffers
+        for _ in range(8 if "buffers" in self.workloads else 0):  # (a) buffers
             size = int(rng.integers(1, 4 * MiB))
             with HipBuffer(size, self.device, self.backend) as buf:
                 buf.fill(int(rng.integers(256)), 0, min(size, 4096))
             HipBuffer(size, pool=self.pool).close()
         if rng.random() < 0.05:
             self.pool.free_all()
-        self._cache_step()  # (b) cache with kernels
-        if self.module_image is not None:  # (c) module load / launch / unload
+        if "cache" in self.workloads:
+            self._cache_step()  # (b) cache with kernels
+        if self.module_image is not None and "modules" in self.workloads:  # (c) modules
             with Module(self.module_image, self.device, self.backend) as mod, \
                     HipBuffer(4096, self.device, self.backend) as buf:
                 mod.function("rf_fill_f32")(4, 256, buf, 1.0, 1024)
@@ -151,7 +155,11 @@ def run_soak(backend: Backend, device: int, config: SoakConfig,
     baseline = memory_stats()["live_buffers"]
     gpu = backend.name != "host"
     rows: list[tuple[float, int, int, int | None, int]] = []
-    workload = _Workload(backend, device, np.random.default_rng(seed))
+    unknown = set(config.workloads) - {"buffers", "cache", "modules"}
+    if unknown:
+        raise ValueError(f"unknown soak workloads {sorted(unknown)}: use buffers, cache, "
+                         "modules")
+    workload = _Workload(backend, device, np.random.default_rng(seed), config.workloads)
     leaked: list[HipBuffer] = []
     start = time.monotonic()
     next_sample, cycles = start, 0
