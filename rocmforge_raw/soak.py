@@ -109,7 +109,8 @@ class _Workload:
 
     def _cache_step(self) -> None:
         rng, sched, cache = self.rng, self.sched, self.cache
-        for _ in range(int(rng.integers(0, 3))):
+        # arrivals only while the queue is short: a soak must not grow its own backlog
+        for _ in range(int(rng.integers(0, 3)) if len(sched.waiting) < 32 else 0):
             sched.submit(Request(self.next_request, int(rng.integers(1, 300)),
                                  int(rng.integers(1, 40))))
             self.next_request += 1
