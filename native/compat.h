@@ -29,11 +29,16 @@ RF_DEVICE unsigned short rf_float_to_half(float f) {
 typedef unsigned long long rf_u64;
 typedef long long rf_i64;
 // 16-byte global -> shared copies that complete asynchronously (sm_80+: cp.async), in groups.
-RF_DEVICE void rf_copy16_async(void* smem, const void* gmem) {
+// The 32-bit shared-memory address of a generic pointer into shared memory.
+RF_DEVICE unsigned rf_smem_addr(const void* smem) {
   unsigned addr;
   asm volatile("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }"
                : "=r"(addr) : "l"(smem));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(addr), "l"(gmem) : "memory");
+  return addr;
+}
+RF_DEVICE void rf_copy16_async(void* smem, const void* gmem) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(rf_smem_addr(smem)),
+               "l"(gmem) : "memory");
 }
 RF_DEVICE void rf_copy_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
 // Wait until at most `pending` committed groups are still in flight.
@@ -42,21 +47,16 @@ RF_DEVICE void rf_copy_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(pen
 #define RF_DYNAMIC_SHARED(type, name) extern __shared__ __align__(16) type name[]
 #define RF_HAVE_MMA 1
 RF_DEVICE float rf_shfl(float v, int src) { return __shfl_sync(0xffffffffu, v, src); }
-// Four 8x8 tiles of 16-bit values from shared memory; lane i gives row i % 8 of tile i / 8.
+// Four 8x8 tiles of 16-bit values from shared memory (transposed with TRANS); lane i gives
+// the address of row i % 8 of tile i / 8.
+template <bool TRANS>
 RF_DEVICE void rf_ldmatrix_x4(unsigned (&r)[4], const void* smem_row) {
-  unsigned addr;
-  asm volatile("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }"
-               : "=r"(addr) : "l"(smem_row));
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
-}
-// The same four tiles, each transposed (for an operand stored the other way round).
-RF_DEVICE void rf_ldmatrix_x4_trans(unsigned (&r)[4], const void* smem_row) {
-  unsigned addr;
-  asm volatile("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }"
-               : "=r"(addr) : "l"(smem_row));
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
+  if (TRANS)
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(rf_smem_addr(smem_row)));
+  else
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(rf_smem_addr(smem_row)));
 }
 // d += a (16x16, row-major) * b (16x8, column-major), float32 accumulate; KIND 1 = fp16,
 // 2 = bf16 inputs.

@@ -197,7 +197,7 @@ RF_DEVICE void paged_attention(
 #pragma unroll
         for (int ks = 0; ks < KSTEPS; ++ks) {
           unsigned a[4];
-          rf_ldmatrix_x4(a, &k_s[row * VPR + Tile::swizzle(row, ks * 2 + lane / 16)]);
+          rf_ldmatrix_x4<false>(a, &k_s[row * VPR + Tile::swizzle(row, ks * 2 + lane / 16)]);
           rf_mma16816<E::TENSOR_KIND>(sc[mt], a, qb[ks]);
         }
       }
@@ -321,7 +321,7 @@ RF_DEVICE void paged_attention(
 #pragma unroll
         for (int dt = 0; dt < DTILES; ++dt) {
           unsigned a[4];
-          rf_ldmatrix_x4_trans(a, &v_s[row * VPR + Tile::swizzle(row, dt * 2 + (lane / 8) % 2)]);
+          rf_ldmatrix_x4<true>(a, &v_s[row * VPR + Tile::swizzle(row, dt * 2 + (lane / 8) % 2)]);
           rf_mma16816<E::TENSOR_KIND>(acc2[dt], a, b);
         }
       }
