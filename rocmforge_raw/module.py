@@ -11,6 +11,7 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import os
+import sys
 import threading
 import weakref
 from dataclasses import dataclass
@@ -150,8 +151,6 @@ class Module:
 
 
 def _unload(backend: Backend, handle: Any, device: int, pid: int) -> None:
-    import sys
-
     if os.getpid() == pid and not sys.is_finalizing():
         try:
             backend.module_unload(handle, device)
