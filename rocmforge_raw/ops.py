@@ -8,6 +8,7 @@ for the launch) or ``DeviceArray``s (read back once for validation when ``check=
 
 from __future__ import annotations
 
+import ctypes
 import math
 import threading
 from typing import Any
@@ -56,8 +57,6 @@ def host_view(array: DeviceArray) -> np.ndarray:
     """A NumPy array over a host-backend DeviceArray's memory (no copy)."""
     if array.backend.name != "host":
         raise ValueError(f"host_view needs host memory, not {array.backend.name}")
-    import ctypes
-
     raw = (ctypes.c_char * array.nbytes).from_address(array.ptr) if array.nbytes else b""
     return np.frombuffer(raw, array.dtype).reshape(array.shape)
 
