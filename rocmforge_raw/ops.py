@@ -129,8 +129,7 @@ class Workspace:
     allocation per launch. Grows on demand (after the device finishes with the old one);
     ``close()`` frees it. Use one per stream."""
 
-    def __init__(self, device: int | None = None, backend: Any = None) -> None:
-        self.device, self.backend = device, backend
+    def __init__(self) -> None:
         self._lock = threading.Lock()
         self._buffer: HipBuffer | None = None
 
