@@ -9,13 +9,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-import ml_dtypes
 import numpy as np
 
-DTYPES = {"float16": np.dtype(np.float16), "bfloat16": np.dtype(ml_dtypes.bfloat16),
-          "float32": np.dtype(np.float32)}
-HEAD_DIMS = (64, 128, 256)
-BLOCK_SIZES = (8, 16, 32, 64, 128)
+from ..ops import BLOCK_SIZES, HEAD_DIMS
+from ..ops import DTYPES as KERNEL_DTYPES
+
+#: What the kernels support, by name: float16, bfloat16, float32.
+DTYPES = {dtype.name: dtype for dtype in KERNEL_DTYPES}
 #: Element indices in the kernels are signed 64-bit; block ids are int32.
 MAX_SLAB_ELEMENTS = (1 << 63) - 1
 MAX_BLOCKS = (1 << 31) - 1
