@@ -203,7 +203,8 @@ def paged_attention(out: DeviceArray, query: DeviceArray, k_cache: DeviceArray,
     kernel = module.function(f"rf_paged_attention_{name}_d{head_dim}_g{group}")
     shared = ATTENTION_SHARED_BYTES[query.backend.name]
     if num_partitions is None:
-        slots = kernel.max_active_blocks(THREADS, shared) * _multiprocessors(query)
+        multiprocessors = query.backend.cached_properties(query.device).multiprocessors
+        slots = kernel.max_active_blocks(THREADS, shared) * multiprocessors
         mean_len = float(lens.mean()) if lens is not None and lens.size else None
         tokens, parts = plan_partitions(grid_x * num_seqs, max_len, slots, mean_len)
     else:
@@ -229,16 +230,6 @@ def paged_attention(out: DeviceArray, query: DeviceArray, k_cache: DeviceArray,
             module.function(f"rf_paged_attention_reduce_{name}_d{head_dim}").launch(
                 (num_q_heads, num_seqs), THREADS, out, part_out, part_ml, i32(num_q_heads),
                 i32(parts), stream=stream)
-
-
-def _multiprocessors(like: DeviceArray) -> int:
-    key = (like.backend.name, like.device)
-    if key not in _MULTIPROCESSORS:
-        _MULTIPROCESSORS[key] = like.backend.properties(like.device).multiprocessors
-    return _MULTIPROCESSORS[key]
-
-
-_MULTIPROCESSORS: dict[tuple[str, int], int] = {}
 
 
 def _check_tables(tables: np.ndarray, lens: np.ndarray, num_seqs: int, num_blocks: int,

@@ -96,12 +96,16 @@ class Backend(ABC):
     ) -> None:
         """Launch with ``params_addr`` the address of a ``void*[]`` of argument addresses."""
 
-    def capacity(self, device: int) -> int:
-        """Total bytes of ``device`` (cached): no allocation larger than this can succeed."""
-        cache = self.__dict__.setdefault("_capacity", {})
+    def cached_properties(self, device: int) -> DeviceProperties:
+        """``properties(device)``, asked once per device (they do not change)."""
+        cache = self.__dict__.setdefault("_properties", {})
         if device not in cache:
-            cache[device] = self.properties(device).total_bytes
+            cache[device] = self.properties(device)
         return cache[device]
+
+    def capacity(self, device: int) -> int:
+        """Total bytes of ``device``: no allocation larger than this can succeed."""
+        return self.cached_properties(device).total_bytes
 
     @abstractmethod
     def max_active_blocks(self, function: Any, threads: int, shared_bytes: int) -> int:
