@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -27,6 +26,7 @@ from ..errors import CacheFullError
 from ..stream import Stream
 from .block_pool import NULL_BLOCK, BlockPool
 from .config import CacheConfig
+from .records import FinishedRecords
 
 
 @dataclass(frozen=True)
@@ -59,7 +59,6 @@ class KvCache:
                  finished_ttl_s: float = 600.0, clock: Callable[[], float] = time.monotonic
                  ) -> None:
         self.config, self.strict, self.clock = config, strict, clock
-        self.max_finished, self.finished_ttl_s = max_finished, finished_ttl_s
         self._lock = threading.RLock()
         buf = HipBuffer(config.total_bytes, device, backend)  # checks size before allocating
         self.slab = DeviceArray(buf, config.dtype, config.slab_shape)
@@ -79,7 +78,7 @@ class KvCache:
         self._seqs: dict[Hashable, int] = {}  # seq id -> row
         self._version = 0  # bumped whenever a sequence gets or gives up its row
         self._rows_memo: tuple[int, list[Hashable], np.ndarray, bool] | None = None
-        self._finished: OrderedDict[Hashable, tuple[float, int]] = OrderedDict()
+        self._finished = FinishedRecords(max_finished, finished_ttl_s, clock)
         self.num_preemptions = self.num_cow_copies = self.peak_used_blocks = 0
 
     # --- lifecycle ---------------------------------------------------------------------------
@@ -233,9 +232,7 @@ class KvCache:
         with self._lock:
             tokens = int(self._lens[self._row(seq_id)])
             released = self._release(seq_id)
-            self._finished[seq_id] = (self.clock(), tokens)
-            self._finished.move_to_end(seq_id)
-            self._prune_finished()
+            self._finished.add(seq_id, (self.clock(), tokens))
             return released
 
     def remove(self, seq_id: Hashable) -> int:
@@ -257,8 +254,7 @@ class KvCache:
     def finished(self) -> dict[Hashable, tuple[float, int]]:
         """Recently finished ids → (finish time, tokens), bounded by count and age."""
         with self._lock:
-            self._prune_finished()
-            return dict(self._finished)
+            return self._finished.snapshot()
 
     # --- device views ------------------------------------------------------------------------
     def k_cache(self, layer: int) -> DeviceArray:
@@ -297,7 +293,7 @@ class KvCache:
             used, usable = self.pool.num_used, self.config.num_blocks - 1
             rows = self._rows(list(self._seqs))
             slack = int((self._nblocks[rows] * self.config.block_size - self._lens[rows]).sum())
-            self._prune_finished()
+            self._finished.prune()
             return {
                 "num_blocks": usable, "free_blocks": self.pool.num_free, "used_blocks": used,
                 "usage": used / usable, "peak_used_blocks": self.peak_used_blocks,
@@ -433,9 +429,3 @@ class KvCache:
 
     def _note_usage(self) -> None:
         self.peak_used_blocks = max(self.peak_used_blocks, self.pool.num_used)
-
-    def _prune_finished(self) -> None:
-        horizon = self.clock() - self.finished_ttl_s
-        while self._finished and (len(self._finished) > self.max_finished
-                                  or next(iter(self._finished.values()))[0] < horizon):
-            self._finished.popitem(last=False)

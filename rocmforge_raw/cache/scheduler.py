@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import threading
 import time
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from .kv_cache import KvCache
+from .records import FinishedRecords
 
 
 @dataclass
@@ -65,11 +66,10 @@ class Scheduler:
                  finished_ttl_s: float = 600.0, clock: Callable[[], float] = time.monotonic
                  ) -> None:
         self.cache, self.max_running, self.clock = cache, max_running, clock
-        self.max_finished, self.finished_ttl_s = max_finished, finished_ttl_s
         self._lock = threading.Lock()
         self.waiting: deque[Request] = deque()
         self.running: dict[Hashable, Request] = {}
-        self._finished: OrderedDict[Hashable, FinishedRequest] = OrderedDict()
+        self._finished = FinishedRecords(max_finished, finished_ttl_s, clock)
         self.num_preemptions = 0
 
     def submit(self, request: Request) -> None:
@@ -115,17 +115,15 @@ class Scheduler:
                 if request.done:
                     self.cache.finish(request.request_id)
                     del self.running[request.request_id]
-                    self._finished[request.request_id] = FinishedRequest(
+                    self._finished.add(request.request_id, FinishedRequest(
                         request.request_id, self.clock(), request.prompt_tokens,
-                        request.generated, request.preemptions)
+                        request.generated, request.preemptions))
                     done.append(request)
-            self._prune()
             return done
 
     def finished(self) -> dict[Hashable, FinishedRequest]:
         with self._lock:
-            self._prune()
-            return dict(self._finished)
+            return self._finished.snapshot()
 
     @property
     def idle(self) -> bool:
@@ -140,9 +138,3 @@ class Scheduler:
                 self.num_preemptions += 1
                 self.waiting.appendleft(request)
                 plan.preempted.append(request)
-
-    def _prune(self) -> None:
-        horizon = self.clock() - self.finished_ttl_s
-        while self._finished and (len(self._finished) > self.max_finished
-                                  or next(iter(self._finished.values())).finished_at < horizon):
-            self._finished.popitem(last=False)
