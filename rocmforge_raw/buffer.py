@@ -57,14 +57,19 @@ class _Registry:
         self.live: dict[weakref.ref, tuple] = {}
         self.live_bytes = self.peak_bytes = self.num_allocs = self.num_frees = 0
         self.track_stacks = os.environ.get("RF_TRACK_STACKS", "") not in ("", "0")
+        self._callback = self.release  # bound once: every buffer's weakref calls it
 
-    def add(self, buf: HipBuffer, free_fn: Callable[[int, int], None] | None) -> weakref.ref:
+    def add(self, buf: HipBuffer, nbytes: int, device: int, ptr: int,
+            free_fn: Callable[[int, int], None] | None) -> weakref.ref:
+        """Register root buffer ``buf`` (``nbytes`` at ``ptr`` on ``device``); return its ref.
+
+        ``free_fn(ptr, device)`` runs once, when the ref is released or ``buf`` dies."""
         stack = traceback.format_stack()[:-2] if self.track_stacks else None
-        ref = weakref.ref(buf, self.release)
-        record = (buf.nbytes, buf.device, buf.backend.name, free_fn, buf._ptr, _pid, stack)
+        ref = weakref.ref(buf, self._callback)
+        record = (nbytes, device, buf.backend.name, free_fn, ptr, _pid, stack)
         with self._lock:
             self.live[ref] = record
-            self.live_bytes += buf.nbytes
+            self.live_bytes += nbytes
             self.num_allocs += 1
             if self.live_bytes > self.peak_bytes:
                 self.peak_bytes = self.live_bytes
@@ -157,11 +162,12 @@ class HipBuffer:
                  backend: str | Backend | None = None, *, pool: MemoryPool | None = None) -> None:
         if type(nbytes) is not int or nbytes < 0:
             nbytes = _index(nbytes, "nbytes")
-        if pool is None and _default_pool is not None and _default_pool.serves(backend, device):
-            pool = _default_pool
+        if pool is None:
+            if _default_pool is not None and _default_pool.serves(backend, device):
+                pool = _default_pool
+        elif (backend is not None or device is not None) and not pool.serves(backend, device):
+            raise ValueError(f"{pool!r} cannot allocate on backend {backend} device {device}")
         if pool is not None:
-            if not pool.serves(backend, device):
-                raise ValueError(f"{pool!r} cannot allocate on backend {backend} device {device}")
             self.backend, self.device = pool.backend, pool.device
         else:
             self.backend = get_backend(backend)
@@ -180,7 +186,7 @@ class HipBuffer:
             self._ptr, free_fn = pool.allocate(nbytes), pool.free
         else:
             self._ptr, free_fn = self.backend.malloc(nbytes, self.device), self.backend.free
-        self._ref = _registry.add(self, free_fn)
+        self._ref = _registry.add(self, nbytes, self.device, self._ptr, free_fn)
 
     @classmethod
     def from_numpy(cls, array: Any, device: int | None = None,
@@ -207,7 +213,7 @@ class HipBuffer:
 
     @property
     def closed(self) -> bool:
-        return self._view_closed or self.root._ref not in _registry.live
+        return self._view_closed or self.root._ref is None
 
     @property
     def ptr(self) -> int:
@@ -218,7 +224,9 @@ class HipBuffer:
     def close(self) -> None:
         """Free the memory now (root) or stop using it (view). Idempotent."""
         if self._parent is None:
-            _registry.release(self._ref)
+            ref, self._ref = self._ref, None  # the dropped ref's callback never runs
+            if ref is not None:
+                _registry.release(ref)
         else:
             self._view_closed = True
 

@@ -100,7 +100,11 @@ class MemoryPool:
             if size is None:
                 raise ValueError(f"pointer {ptr:#x} was not allocated by this pool, or was "
                                  "freed already")
-            self._cache.setdefault(size, []).append(ptr)
+            blocks = self._cache.get(size)
+            if blocks is None:
+                self._cache[size] = [ptr]
+            else:
+                blocks.append(ptr)
             self._cached += size
 
     def _free_cached(self) -> None:
