@@ -1,6 +1,8 @@
 """Benchmarks behind ``rocmforge-raw bench``: allocation round trips, copy bandwidth, attention.
 
-GPU timings use device events around each run, after warm-up, and report medians. Attention
+GPU timings use device events around each run, after warm-up, and report medians; each run is
+queued behind a hold kernel so the events time device work, and the host's enqueue time is
+reported beside it. Attention
 inputs are random (never zeros) with block tables in random page order; bytes count the K and
 V actually read (once per kv-head group) plus q and out.
 """
@@ -19,6 +21,7 @@ import numpy as np
 from . import ops
 from .array import DeviceArray
 from .buffer import HipBuffer
+from .module import load_kernels
 from .pool import MemoryPool
 from .runtime import Backend, bare_alloc_free
 from .stream import Event
@@ -41,9 +44,11 @@ def median_us(fn: Callable[[], Any], iters: int, warmup: int = 10) -> float:
 
 def bench_alloc(backend: Backend, device: int, iters: int = 2000) -> list[dict[str, Any]]:
     """Alloc+free round trips: bare binding calls, raw HipBuffer, pooled HipBuffer, and the
-    pool's own allocate/free, for 256 B, 1 MiB and 64 MiB."""
+    pool's own allocate/free, for 256 B, 1 MiB and 64 MiB; CuPy's pool alongside, as a
+    reference, where CuPy is installed for this GPU (``cupy_pooled_us``, else None)."""
     backend.set_device(device)
     pool = MemoryPool(device, backend)
+    cupy_malloc = _cupy_pool_malloc(backend, device)
     rows = []
     for size in (256, MiB, 64 * MiB):
         n = iters if size < 64 * MiB else max(iters // 10, 50)
@@ -51,29 +56,66 @@ def bench_alloc(backend: Backend, device: int, iters: int = 2000) -> list[dict[s
         raw = median_us(lambda s=size: HipBuffer(s, device, backend).close(), n)
         pooled = median_us(lambda s=size: HipBuffer(s, pool=pool).close(), n)
         pool_only = median_us(lambda s=size: pool.free(pool.allocate(s)), n)
+        # CuPy's MemoryPointer returns its block to the pool when it dies, i.e. at once
+        cupy = None if cupy_malloc is None else median_us(lambda s=size: cupy_malloc(s), n)
         rows.append({"bytes": size, "bare_us": bare, "raw_us": raw, "raw_over_bare": raw / bare,
-                     "pooled_us": pooled, "pool_allocate_free_us": pool_only})
+                     "pooled_us": pooled, "pool_allocate_free_us": pool_only,
+                     "cupy_pooled_us": cupy})
     pool.free_all()
     return rows
 
 
+def _cupy_pool_malloc(backend: Backend, device: int) -> Callable[[int], Any] | None:
+    """A fresh CuPy memory pool's ``malloc`` on ``device``, if CuPy drives this backend."""
+    if backend.name not in ("cuda", "hip"):
+        return None
+    try:
+        import cupy
+    except Exception:  # not installed, or built for another GPU stack
+        return None
+    if (backend.name == "hip") != bool(cupy.cuda.runtime.is_hip):
+        return None
+    cupy.cuda.Device(device).use()
+    return cupy.cuda.MemoryPool().malloc
+
+
+@dataclass(frozen=True)
+class Timing:
+    """Medians of one timed region: device time (ms) and the host's time to enqueue it (µs)."""
+
+    ms: float
+    host_us: float
+
+
 def time_ms(backend: Backend, device: int, fn: Callable[[], Any], iters: int, warmup: int = 5
-            ) -> float:
-    """Median device time of ``fn`` in milliseconds, each run between two events."""
+            ) -> Timing:
+    """Median device time of ``fn`` between two events, and its median host enqueue time.
+
+    Each run is queued behind ``rf_hold_ns``, which keeps the device busy for twice the host
+    enqueue time, so the device reaches the first event only once the whole region is queued:
+    the events time device work, not the host's launch overhead (reported as ``host_us``)."""
+    clock = time.perf_counter_ns
+    enqueue = []
     for _ in range(warmup):
+        begin = clock()
         fn()
-    backend.synchronize(device)
+        enqueue.append(clock() - begin)
+        backend.synchronize(device)
+    hold = load_kernels("basic", device, backend).function("rf_hold_ns")
     start, end = Event(device, backend), Event(device, backend)
-    samples = []
+    samples, enqueue = [], enqueue[len(enqueue) // 2:]
     for _ in range(iters):
+        hold.launch(1, 32, np.uint64(2 * statistics.median(enqueue) + 20_000))
         start.record()
+        begin = clock()
         fn()
+        enqueue.append(clock() - begin)
         end.record()
         end.synchronize()
         samples.append(end.elapsed_ms_since(start))
     start.close()
     end.close()
-    return statistics.median(samples)
+    return Timing(statistics.median(samples), statistics.median(enqueue) / 1e3)
 
 
 def fill_random(buf: HipBuffer, rng: np.random.Generator, dtype: Any) -> None:
@@ -96,7 +138,7 @@ def copy_bandwidth(backend: Backend, device: int, nbytes: int = GiB, iters: int 
     rng = np.random.default_rng(0)
     with HipBuffer(nbytes, device, backend) as src, HipBuffer(nbytes, device, backend) as dst:
         fill_random(src, rng, np.float32)
-        ms = time_ms(backend, device, lambda: dst.copy_from(src), iters)
+        ms = time_ms(backend, device, lambda: dst.copy_from(src), iters).ms
     return 2 * nbytes / (ms * 1e-3) / 1e9
 
 
@@ -150,14 +192,15 @@ def bench_attention(backend: Backend, device: int, copy_gbs: float, iters: int =
 
         args = (out, q, k, v, d_tables, d_lens)
         workspace = ops.Workspace()
-        ms = time_ms(backend, device, lambda a=args, w=workspace: ops.paged_attention(
+        timing = time_ms(backend, device, lambda a=args, w=workspace: ops.paged_attention(
             *a, check=False, num_partitions=num_partitions, workspace=w), iters)
         workspace.close()
+        ms = timing.ms
         chunks = math.ceil(shape.q_heads // shape.kv_heads / ops.GROUP_SIZES[-1])
         kv_bytes = int(lens.sum()) * shape.kv_heads * head_dim * dtype.itemsize * 2 * chunks
         nbytes = kv_bytes + 2 * q.nbytes
         gbs = nbytes / (ms * 1e-3) / 1e9
-        rows.append({**asdict(shape), "ms": ms, "gb_per_s": gbs,
+        rows.append({**asdict(shape), "ms": ms, "host_us": timing.host_us, "gb_per_s": gbs,
                      "pct_of_copy": 100 * gbs / copy_gbs, "target_pct": TARGETS.get(shape.name),
                      "bytes": nbytes})
         for array in (k, v, q, out, d_tables, d_lens):

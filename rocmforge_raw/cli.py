@@ -98,6 +98,10 @@ def cmd_soak(args: argparse.Namespace) -> int:
     return 0 if result.passed else 1
 
 
+def _us(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     from . import bench
 
@@ -109,17 +113,19 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.alloc or everything:
         rows = result["alloc"] = bench.bench_alloc(backend, args.device, args.iters * 40)
         lines.append(f"{'bytes':>10} {'bare us':>9} {'raw us':>9} {'raw/bare':>9} "
-                     f"{'pooled us':>10} {'pool a+f us':>12}")
+                     f"{'pooled us':>10} {'pool a+f us':>12} {'cupy pool us':>13}")
         lines += [f"{r['bytes']:>10} {r['bare_us']:9.2f} {r['raw_us']:9.2f} "
                   f"{r['raw_over_bare']:9.2f} {r['pooled_us']:10.2f} "
-                  f"{r['pool_allocate_free_us']:12.2f}" for r in rows]
+                  f"{r['pool_allocate_free_us']:12.2f} {_us(r['cupy_pooled_us']):>13}"
+                  for r in rows]
     if (args.attention or everything) and backend.name != "host":
         copy = result["copy_gb_per_s"] = bench.copy_bandwidth(backend, args.device)
         rows = result["attention"] = bench.bench_attention(backend, args.device, copy, args.iters)
         lines.append(f"copy bandwidth: {copy:.0f} GB/s (read + write, 1 GiB device copy)")
-        lines.append(f"{'shape':5} {'ms':>8} {'GB/s':>8} {'% copy':>7} {'target':>7}")
+        lines.append(f"{'shape':5} {'ms':>8} {'GB/s':>8} {'% copy':>7} {'target':>7} "
+                     f"{'host us':>8}")
         lines += [f"{r['name']:5} {r['ms']:8.3f} {r['gb_per_s']:8.0f} {r['pct_of_copy']:6.1f}% "
-                  f"{r['target_pct']:6}%" for r in rows]
+                  f"{r['target_pct']:6}% {r['host_us']:8.1f}" for r in rows]
     elif args.attention:
         lines.append("attention bench needs a GPU backend (host runs the NumPy reference)")
     if args.cache or everything:
