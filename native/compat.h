@@ -44,6 +44,13 @@ RF_DEVICE void rf_copy_commit() { asm volatile("cp.async.commit_group;" ::: "mem
 // Wait until at most `pending` committed groups are still in flight.
 template <int pending>
 RF_DEVICE void rf_copy_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(pending) : "memory"); }
+// A device clock in nanoseconds (the global timer: one time base for every multiprocessor).
+RF_DEVICE rf_u64 rf_clock_ns() {
+  rf_u64 t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+RF_DEVICE void rf_nap() { __nanosleep(1000); }
 #define RF_DYNAMIC_SHARED(type, name) extern __shared__ __align__(16) type name[]
 #define RF_HAVE_MMA 1
 RF_DEVICE float rf_shfl(float v, int src) { return __shfl_sync(0xffffffffu, v, src); }
@@ -124,6 +131,15 @@ RF_DEVICE void rf_copy16_async(void* smem, const void* gmem) {
 RF_DEVICE void rf_copy_commit() {}
 template <int pending>
 RF_DEVICE void rf_copy_wait() {}
+// The 100 MHz real-time counter in nanoseconds (a message on gfx11, an instruction before).
+RF_DEVICE rf_u64 rf_clock_ns() {
+#if defined(__GFX11__) || defined(__GFX12__)
+  return __builtin_amdgcn_s_sendmsg_rtnl(0x83) * 10;  // MSG_RTN_GET_REALTIME
+#else
+  return __builtin_amdgcn_s_memrealtime() * 10;
+#endif
+}
+RF_DEVICE void rf_nap() { __builtin_amdgcn_s_sleep(127); }
 #define RF_DYNAMIC_SHARED(type, name) extern __attribute__((shared)) type name[]
 
 #else

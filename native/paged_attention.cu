@@ -18,8 +18,9 @@
 #define RF_PA_WARPS (RF_PA_THREADS / RF_WARP)
 #define RF_PA_MAX_PARTITIONS 512
 #define RF_LOG2E 1.4426950408889634f
-// Bytes of one pipeline stage (K + V of one tile); two stages are double-buffered in dynamic
-// shared memory, so launches pass 2 * RF_PA_STAGE_BYTES (ops.py keeps the same numbers).
+// Bytes of one pipeline stage (K + V of one tile) and the number of stages in dynamic shared
+// memory: launches pass RF_PA_STAGES * RF_PA_STAGE_BYTES (ops.py keeps the same numbers).
+// AMD copies synchronously, so more than two stages would only cost shared memory there.
 #ifndef RF_PA_STAGE_BYTES
 #if defined(RF_AMD)
 #define RF_PA_STAGE_BYTES 16384
@@ -27,7 +28,10 @@
 #define RF_PA_STAGE_BYTES 32768
 #endif
 #endif
-#ifndef RF_PA_MIN_BLOCKS
+#ifndef RF_PA_STAGES
+#define RF_PA_STAGES 2
+#endif
+#ifndef RF_PA_MIN_BLOCKS  // CTAs per multiprocessor the register budget is fitted to
 #define RF_PA_MIN_BLOCKS 3
 #endif
 
@@ -47,6 +51,17 @@ struct rf_pa_tile {
   // 16-byte chunk j of row r lives at chunk j ^ key(r, j) of that row: the 8 lanes of one
   // shared-memory phase then touch 8 different bank groups, for QK, V and the copies alike.
   RF_DEVICE static int swizzle(int row, int j) { return j ^ ((row * TPT + j / 8) & 7); }
+};
+
+// Whether QK and PV run on tensor cores (mma.sync, NVIDIA sm_80+): for 16-bit caches with
+// four heads or more per group (CUDA cores are as fast below) and 8 rows or more per warp.
+template <class E, int G, int WROWS>
+struct rf_pa_tensor_cores {
+#if defined(RF_HAVE_MMA)
+  static constexpr bool value = E::TENSOR_KIND != 0 && G >= 4 && WROWS >= 8;
+#else
+  static constexpr bool value = false;
+#endif
 };
 
 template <class E, int D, int G>
@@ -69,11 +84,16 @@ RF_DEVICE void paged_attention(
   static_assert(CHUNKS * TPT == VPR && T * TPT == RF_PA_THREADS, "tile shape");
   static_assert(WROWS * TPT == RF_WARP, "a warp's QK rows are its V rows");
 
-  RF_DYNAMIC_SHARED(rf_vec16, stage_s);  // [2 stages][K, V][T rows][VPR chunks]
-  RF_SHARED __attribute__((aligned(16))) float q_s[G][D];
+  constexpr int STAGES = RF_PA_STAGES;
+  static_assert(STAGES >= 2, "the pipeline needs two stages at least");
+  RF_DYNAMIC_SHARED(rf_vec16, stage_s);  // [STAGES][K, V][T rows][VPR chunks]
+  constexpr bool TENSOR = rf_pa_tensor_cores<E, G, WROWS>::value;
+  RF_SHARED __attribute__((aligned(16))) float q_s[TENSOR ? 1 : G][D];  // CUDA-core QK only
   RF_SHARED float p_s[G][T];
   RF_SHARED float wm_s[G][RF_PA_WARPS], wl_s[G][RF_PA_WARPS];  // per-warp max and sum
-  RF_SHARED float out_s[G][D];
+  // the combined output reuses the stages, which are idle once the last tile is consumed
+  float (*out_s)[D] = reinterpret_cast<float (*)[D]>(stage_s);
+  static_assert(G * D * 4 <= STAGES * RF_PA_STAGE_BYTES, "out_s fits in the stages");
 
   const int tid = (int)rf_tid(), lane = tid % RF_WARP, warp = tid / RF_WARP;
   const int seq = (int)rf_bid_y(), part = (int)rf_bid_z();
@@ -89,7 +109,7 @@ RF_DEVICE void paged_attention(
   // Copies are coalesced: piece p = it * THREADS + tid of a tile is chunk p % VPR of row
   // p / VPR, so a warp reads whole rows. Row offsets (elements into the cache; -1 past the
   // end) come from row_s, filled one tile ahead of the copy that uses them.
-  RF_SHARED rf_i64 row_s[2][T];
+  RF_SHARED rf_i64 row_s[STAGES][T];
   const int my_row = tid / TPT, my_chunk0 = (tid % TPT) * CHUNKS;  // QK share of a tile
   auto row_offset = [&](int tile_start) -> rf_i64 {  // offset of row `tid` of a tile
     const int tok = tile_start + tid;
@@ -113,31 +133,29 @@ RF_DEVICE void paged_attention(
         v_dst[at] = rf_vec16{0u, 0u, 0u, 0u};
       }
     }
-    rf_copy_commit();
   };
 
-  if (tid < T) {
-    row_s[0][tid] = row_offset(start);
-    row_s[1][tid] = row_offset(start + T);
-  }
-  for (int i = tid; i < G * D; i += RF_PA_THREADS) {
-    const int g = i / D, d = i % D;
-    q_s[g][d] = g < nh ? E::to_float(q[((rf_i64)seq * num_q_heads + q0 + g) * D + d]) * qscale
-                       : 0.f;
-    out_s[g][d] = 0.f;
-  }
+  if (tid < T)
+#pragma unroll
+    for (int st = 0; st < STAGES; ++st) row_s[st][tid] = row_offset(start + st * T);
+  if constexpr (!TENSOR)
+    for (int i = tid; i < G * D; i += RF_PA_THREADS) {
+      const int g = i / D, d = i % D;
+      q_s[g][d] = g < nh ? E::to_float(q[((rf_i64)seq * num_q_heads + q0 + g) * D + d]) * qscale
+                         : 0.f;
+    }
   rf_sync();
-  if (start < end) issue(0);
+  // prologue: tiles 0 .. STAGES-2 in flight; one commit group per tile, empty past the end
+#pragma unroll
+  for (int st = 0; st < STAGES - 1; ++st) {
+    if (start + st * T < end) issue(st);
+    rf_copy_commit();
+  }
 
 #if defined(RF_HAVE_MMA)
-  // Tensor-core QK for 16-bit caches: S^T[16 tokens x 8 heads] = K[16 x D] . Q^T[D x 8] per
-  // warp and m-tile, K by ldmatrix from the swizzled stage, Q^T fragments held in registers
-  // (heads past the group are zero); scores are scaled after the product.
-  constexpr bool TENSOR = E::TENSOR_KIND != 0 && G >= 4;  // CUDA cores are as fast below
-#else
-  constexpr bool TENSOR = false;
-#endif
-#if defined(RF_HAVE_MMA)
+  // Tensor-core QK: S^T[16 tokens x 8 heads] = K[16 x D] . Q^T[D x 8] per warp and m-tile, K
+  // by ldmatrix from the swizzled stage, Q^T fragments held in registers (heads past the
+  // group are zero); scores are scaled after the product.
   constexpr int KSTEPS = D / 16, MROWS = WROWS < 16 ? WROWS : 16;
   constexpr int MTILES = WROWS < 16 ? 1 : WROWS / 16;
   unsigned qb[TENSOR ? KSTEPS : 1][2];
@@ -172,16 +190,14 @@ RF_DEVICE void paged_attention(
   }
 
   int stage = 0;
-  for (int t0 = start; t0 < end; t0 += T, stage ^= 1) {
-    // keep one tile in flight: issue tile t0 + T, then wait for tile t0 only; the block
-    // ids of tile t0 + 2T load meanwhile and land in row_s[stage] at the end of this tile
-    const rf_i64 ahead = row_offset(t0 + 2 * T);
-    if (t0 + T < end) {
-      issue(stage ^ 1);
-      rf_copy_wait<1>();
-    } else {
-      rf_copy_wait<0>();
-    }
+  for (int t0 = start; t0 < end; t0 += T, stage = stage + 1 == STAGES ? 0 : stage + 1) {
+    // keep STAGES-1 tiles in flight: issue tile t0 + (STAGES-1)T into the stage freed by the
+    // previous tile, then wait for tile t0 only; the block ids of tile t0 + STAGES*T load
+    // meanwhile and land in row_s[stage] at the end of this tile
+    const rf_i64 ahead = row_offset(t0 + STAGES * T);
+    if (t0 + (STAGES - 1) * T < end) issue(stage == 0 ? STAGES - 1 : stage - 1);
+    rf_copy_commit();
+    rf_copy_wait<STAGES - 1>();
     rf_sync();
     const rf_vec16* k_s = stage_s + (stage * 2 + 0) * T * VPR;
     const rf_vec16* v_s = stage_s + (stage * 2 + 1) * T * VPR;
@@ -192,14 +208,17 @@ RF_DEVICE void paged_attention(
       const int row_in = (lane % 8) + 8 * ((lane / 8) % 2);
 #pragma unroll
       for (int mt = 0; mt < MTILES; ++mt) {
+        float odd[4] = {0.f, 0.f, 0.f, 0.f};  // odd k-steps: two chains of dependent mma
         sc[mt][0] = sc[mt][1] = sc[mt][2] = sc[mt][3] = 0.f;
         const int row = warp * WROWS + mt * 16 + row_in % MROWS;
 #pragma unroll
         for (int ks = 0; ks < KSTEPS; ++ks) {
           unsigned a[4];
           rf_ldmatrix_x4<false>(a, &k_s[row * VPR + Tile::swizzle(row, ks * 2 + lane / 16)]);
-          rf_mma16816<E::TENSOR_KIND>(sc[mt], a, qb[ks]);
+          rf_mma16816<E::TENSOR_KIND>(ks % 2 ? odd : sc[mt], a, qb[ks]);
         }
+#pragma unroll
+        for (int e = 0; e < 4; ++e) sc[mt][e] += odd[e];
       }
       // thread holds rows lane/4 (+8) of each m-tile, heads h0 = (lane%4)*2 and h0 + 1
       const int h0 = (lane % 4) * 2;
@@ -351,7 +370,8 @@ RF_DEVICE void paged_attention(
   }
 
   // combine: a warp's row groups by shuffles; then warps, rescaled to the CTA's max, one
-  // after another into out_s
+  // after another into out_s (the loop's last barrier has freed the stages it lives in)
+  for (int i = tid; i < G * D; i += RF_PA_THREADS) out_s[i / D][i % D] = 0.f;
 #pragma unroll
   for (int g = 0; g < G; ++g) {
     if constexpr (!TENSOR) {

@@ -9,6 +9,7 @@ for the launch) or ``DeviceArray``s (read back once for validation when ``check=
 from __future__ import annotations
 
 import ctypes
+import functools
 import math
 import threading
 from typing import Any
@@ -29,7 +30,7 @@ BLOCK_SIZES = (8, 16, 32, 64, 128)
 THREADS = 128  # RF_PA_THREADS: also the tokens of one tile, and partition granularity
 MAX_PARTITIONS = 512  # RF_PA_MAX_PARTITIONS
 GROUP_SIZES = (1, 2, 4, 8)  # query heads one CTA serves (template G)
-#: Dynamic shared memory of the attention kernel: two pipeline stages (RF_PA_STAGE_BYTES).
+#: Dynamic shared memory of the attention kernel: RF_PA_STAGES x RF_PA_STAGE_BYTES.
 ATTENTION_SHARED_BYTES = {"cuda": 2 * 32768, "hip": 2 * 16384}
 
 
@@ -111,17 +112,24 @@ def plan_partitions(num_ctas: int, max_len: int, slots: int, mean_len: float | N
     num_ctas = max(num_ctas, 1)
     shortest = 256 if num_ctas < slots else 1024
     most = max(1, min(MAX_PARTITIONS, max_len // shortest))
-
-    def fullness(parts: int) -> float:
-        waves = num_ctas * parts / max(slots, 1)
-        return waves / math.ceil(waves)
-
-    best = max(fullness(p) for p in range(1, most + 1))
-    parts = next(p for p in range(1, most + 1) if fullness(p) >= best - 0.02)
+    parts = _fullest_split(num_ctas, max(slots, 1), most)
     if mean_len and max_len > 1.5 * mean_len:
         parts = min(max(parts, math.ceil(2 * max_len / mean_len)), most)
     tokens = THREADS * math.ceil(math.ceil(max_len / parts) / THREADS)
     return tokens, math.ceil(max_len / tokens)
+
+
+@functools.lru_cache(maxsize=4096)
+def _fullest_split(num_ctas: int, slots: int, most: int) -> int:
+    """The smallest split in [1, most] whose last wave is within 2 % of the fullest (cached:
+    a decode loop asks the same few questions every step)."""
+
+    def fullness(parts: int) -> float:
+        waves = num_ctas * parts / slots
+        return waves / math.ceil(waves)
+
+    best = max(fullness(p) for p in range(1, most + 1))
+    return next(p for p in range(1, most + 1) if fullness(p) >= best - 0.02)
 
 
 class Workspace:

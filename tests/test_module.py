@@ -14,7 +14,7 @@ from rocmforge_raw import module
 from rocmforge_raw.errors import DeviceError, KernelNotAvailableError
 
 KERNELS = {
-    "basic": ["rf_fill_f32", "rf_scale_f32"],
+    "basic": ["rf_fill_f32", "rf_scale_f32", "rf_hold_ns"],
     "cache_ops": ["rf_reshape_and_cache", "rf_copy_blocks"],
     "paged_attention": [
         f"rf_paged_attention{kind}_{dt}_d{d}{g}"

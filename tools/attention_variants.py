@@ -1,7 +1,8 @@
 """Bench tuning builds of paged_attention side by side on one GPU.
 
 Loads each ``.variants/NAME.cubin`` (see tools/build_variants.sh) in place of the packaged
-object and runs the reference shapes; prints one row per variant and shape. Usage:
+object and runs the reference shapes; prints one row per variant and shape. A name ending in
+``_sSTAGESxBYTES`` sets the dynamic shared memory of the launch to match. Usage:
     python3 tools/attention_variants.py [--iters 30] [--partitions 1 2 4]
 """
 
@@ -10,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 from pathlib import Path
 
 from rocmforge_raw import bench, module, ops
@@ -28,8 +30,9 @@ def main() -> None:
     results = []
     for path in sorted(Path(".variants").glob("*.cubin")):
         module._loaded[("cuda", 0, "paged_attention")] = module.Module(path, 0, backend)
-        if "_s" in path.stem:  # NAME_sBYTES: built with -DRF_PA_STAGE_BYTES=BYTES
-            ops.ATTENTION_SHARED_BYTES["cuda"] = 2 * int(path.stem.rsplit("_s", 1)[1])
+        stages = re.search(r"_s(\d+)x(\d+)$", path.stem)  # NAME_sSTAGESxBYTES
+        if stages:  # built with -DRF_PA_STAGES=STAGES -DRF_PA_STAGE_BYTES=BYTES
+            ops.ATTENTION_SHARED_BYTES["cuda"] = int(stages[1]) * int(stages[2])
         for parts in [None, *args.partitions]:
             rows = bench.bench_attention(backend, 0, copy, args.iters, num_partitions=parts)
             for r in rows:

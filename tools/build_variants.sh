@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Tuning builds of paged_attention for sm_90 (bench shapes only) into .variants/NAME.cubin.
-# Usage: tools/build_variants.sh NAME "-DRF_PA_KB=8 -DRF_PA_VU=4" [NAME FLAGS ...]
+# Usage: tools/build_variants.sh NAME_s3x16384 "-DRF_PA_STAGES=3 -DRF_PA_STAGE_BYTES=16384" ...
+# (a name ending in _sSTAGESxBYTES tells tools/attention_variants.py the shared memory size)
 set -euo pipefail
 mkdir -p .variants
 while [ $# -ge 2 ]; do

@@ -19,7 +19,6 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
 
 _SUCCESS = cu.CUresult.CUDA_SUCCESS
 _OOM = cu.CUresult.CUDA_ERROR_OUT_OF_MEMORY
-_MAX_STATIC_SHARED = 48 * 1024
 
 
 def _describe(status: Any) -> tuple[str, str]:
@@ -186,9 +185,10 @@ class CudaBackend(Backend):
         return check("cuModuleGetFunction", cu.cuModuleGetFunction(module, name.encode()))
 
     def _allow_shared(self, function: Any, shared_bytes: int) -> None:
-        """Opt ``function`` in to ``shared_bytes`` of dynamic shared memory (above 48 KiB)."""
+        """Opt ``function`` in to ``shared_bytes`` of dynamic shared memory: needed once its
+        static plus dynamic shared memory passes 48 KiB, harmless below."""
         key = (int(function), shared_bytes)
-        if shared_bytes > _MAX_STATIC_SHARED and key not in self._shared_raised:
+        if shared_bytes and key not in self._shared_raised:
             attr = cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
             check("cuFuncSetAttribute", cu.cuFuncSetAttribute(function, attr, shared_bytes))
             self._shared_raised.add(key)
