@@ -51,6 +51,10 @@ RF_DEVICE rf_u64 rf_clock_ns() {
   return t;
 }
 RF_DEVICE void rf_nap() { __nanosleep(1000); }
+// Device-scope ordering between CTAs: a fence, a relaxed counter, and a load past L1.
+RF_DEVICE void rf_fence_device() { __threadfence(); }
+RF_DEVICE int rf_atomic_add_device(int* p, int v) { return atomicAdd(p, v); }
+RF_DEVICE float rf_load_cg(const float* p) { return __ldcg(p); }
 #define RF_DYNAMIC_SHARED(type, name) extern __shared__ __align__(16) type name[]
 #define RF_HAVE_MMA 1
 RF_DEVICE float rf_shfl(float v, int src) { return __shfl_sync(0xffffffffu, v, src); }
@@ -140,6 +144,13 @@ RF_DEVICE rf_u64 rf_clock_ns() {
 #endif
 }
 RF_DEVICE void rf_nap() { __builtin_amdgcn_s_sleep(127); }
+// The agent-scope fence also invalidates this CU's L1, so plain loads after it see other
+// workgroups' published writes.
+RF_DEVICE void rf_fence_device() { __builtin_amdgcn_fence(__ATOMIC_SEQ_CST, "agent"); }
+RF_DEVICE int rf_atomic_add_device(int* p, int v) {
+  return __atomic_fetch_add(p, v, __ATOMIC_RELAXED);
+}
+RF_DEVICE float rf_load_cg(const float* p) { return *p; }
 #define RF_DYNAMIC_SHARED(type, name) extern __attribute__((shared)) type name[]
 
 #else

@@ -11,12 +11,12 @@
 // token (q broadcast from shared memory), softmaxed online in float32 (base-2 exponent, q
 // pre-scaled by scale*log2(e)), then V is accumulated with each thread owning one 16-byte
 // column chunk. With one partition the CTA writes `out`; with several, it writes unnormalised
-// partial outputs plus (max, sum) and rf_paged_attention_reduce_* combines them.
+// partial outputs plus (max, sum), and the last CTA of its head group to finish combines them
+// (a per-group counter in `counters`, zero between launches: each launch resets what it uses).
 #include "compat.h"
 
 #define RF_PA_THREADS 128
 #define RF_PA_WARPS (RF_PA_THREADS / RF_WARP)
-#define RF_PA_MAX_PARTITIONS 512
 #define RF_LOG2E 1.4426950408889634f
 // Bytes of one pipeline stage (K + V of one tile) and the number of stages in dynamic shared
 // memory: launches pass RF_PA_STAGES * RF_PA_STAGE_BYTES (ops.py keeps the same numbers).
@@ -64,10 +64,42 @@ struct rf_pa_tensor_cores {
 #endif
 };
 
+// Combines the partitions of one (sequence, query head) with one warp:
+// out = sum_p w_p o_p / sum_p w_p l_p with w_p = 2^(m_p - max_p m_p), from the unnormalised
+// partial outputs `po` [parts][D] and their (max, sum) pairs `ml` [parts][2] that other CTAs
+// wrote (read past L1, after the caller's device-scope fence). Lane owns dims lane + k*WARP.
+template <class E, int D>
+RF_DEVICE void combine_partitions(typename E::storage* __restrict__ out, const float* po,
+                                  const float* ml, int parts, int lane) {
+  constexpr int PER = D / RF_WARP;
+  float m = -RF_INF;
+  for (int p = lane; p < parts; p += RF_WARP) m = rf_fmax(m, rf_load_cg(ml + 2 * p));
+  m = rf_warp_max(m);
+  float total = 0.f, o[PER];
+  for (int p = lane; p < parts; p += RF_WARP) {
+    const float l = rf_load_cg(ml + 2 * p + 1);
+    total += l > 0.f ? rf_exp2(rf_load_cg(ml + 2 * p) - m) * l : 0.f;
+  }
+  total = rf_warp_sum(total);
+#pragma unroll
+  for (int e = 0; e < PER; ++e) o[e] = 0.f;
+#pragma unroll 4
+  for (int p = 0; p < parts; ++p) {
+    const float l = rf_load_cg(ml + 2 * p + 1);
+    const float w = l > 0.f ? rf_exp2(rf_load_cg(ml + 2 * p) - m) : 0.f;
+#pragma unroll
+    for (int e = 0; e < PER; ++e) o[e] += w * rf_load_cg(po + (rf_i64)p * D + lane + e * RF_WARP);
+  }
+  const float inv = total > 0.f ? 1.f / total : 0.f;
+#pragma unroll
+  for (int e = 0; e < PER; ++e) out[lane + e * RF_WARP] = E::from_float(o[e] * inv);
+}
+
 template <class E, int D, int G>
 RF_DEVICE void paged_attention(
     typename E::storage* __restrict__ out, float* __restrict__ part_out,
-    float* __restrict__ part_ml, const typename E::storage* __restrict__ q,
+    float* __restrict__ part_ml, int* __restrict__ counters,
+    const typename E::storage* __restrict__ q,
     const typename E::storage* __restrict__ k_cache,
     const typename E::storage* __restrict__ v_cache, const int* __restrict__ block_tables,
     const int* __restrict__ seq_lens, float scale, int num_q_heads, int num_kv_heads,
@@ -448,88 +480,45 @@ RF_DEVICE void paged_attention(
       }
     }
   }
-}
-
-// Combines the partitions of one (sequence, query head): out = sum_p w_p o_p / sum_p w_p l_p
-// with w_p = 2^(m_p - max_p m_p). Grid (num_q_heads, num_seqs), RF_PA_THREADS threads: each
-// thread sums every LANES-th partition of one 4-float column, then the lanes are added up.
-template <class E, int D>
-RF_DEVICE void paged_attention_reduce(typename E::storage* __restrict__ out,
-                                      const float* __restrict__ part_out,
-                                      const float* __restrict__ part_ml, int num_q_heads,
-                                      int num_partitions) {
-  constexpr int COLS = D / 4, LANES = RF_PA_THREADS / COLS;
-  RF_SHARED float w_s[RF_PA_MAX_PARTITIONS];
-  RF_SHARED float red_s[RF_PA_WARPS];
-  RF_SHARED __attribute__((aligned(16))) float sum_s[LANES][D];
-  const int tid = (int)rf_tid(), lane = tid % RF_WARP, warp = tid / RF_WARP;
-  const rf_i64 head = (rf_i64)rf_bid_y() * num_q_heads + rf_bid_x();
-  const float* ml = part_ml + head * num_partitions * 2;
-  float m = -RF_INF;
-  for (int p = tid; p < num_partitions; p += RF_PA_THREADS) m = rf_fmax(m, ml[2 * p]);
-  m = rf_warp_max(m);
-  if (lane == 0) red_s[warp] = m;
+  if (num_partitions == 1) return;
+  // The last CTA of this (sequence, head group) to finish combines every partition: each CTA
+  // publishes its partials (fence, then one count per CTA); the one that counts last resets
+  // the counter for the next launch and reads the others' partials after a fence.
+  RF_SHARED int last_s;
+  rf_fence_device();
   rf_sync();
-  m = red_s[0];
-#pragma unroll
-  for (int w = 1; w < RF_PA_WARPS; ++w) m = rf_fmax(m, red_s[w]);
-  float total = 0.f;
-  for (int p = tid; p < num_partitions; p += RF_PA_THREADS) {
-    const float l = ml[2 * p + 1], w = l > 0.f ? rf_exp2(ml[2 * p] - m) : 0.f;
-    w_s[p] = w;
-    total += w * l;
+  if (tid == 0) {
+    int* counter = counters + (rf_i64)seq * num_kv_heads * chunks + rf_bid_x();
+    last_s = rf_atomic_add_device(counter, 1) == num_partitions - 1;
+    if (last_s) *counter = 0;
   }
-  total = rf_warp_sum(total);
   rf_sync();
-  if (lane == 0) red_s[warp] = total;
-  rf_sync();
-  total = 0.f;
-#pragma unroll
-  for (int w = 0; w < RF_PA_WARPS; ++w) total += red_s[w];
-  const int col = tid % COLS, first = tid / COLS;
-  const rf_float4* po = reinterpret_cast<const rf_float4*>(part_out + head * num_partitions * D);
-  rf_float4 o = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll 4
-  for (int p = first; p < num_partitions; p += LANES) {
-    const rf_float4 x = po[(rf_i64)p * COLS + col];
-    const float w = w_s[p];
-    o.x += w * x.x; o.y += w * x.y; o.z += w * x.z; o.w += w * x.w;
-  }
-  *reinterpret_cast<rf_float4*>(&sum_s[first][col * 4]) = o;
-  rf_sync();
-  const float inv = total > 0.f ? 1.f / total : 0.f;
-  for (int d = tid; d < D; d += RF_PA_THREADS) {
-    float acc = 0.f;
-#pragma unroll
-    for (int l = 0; l < LANES; ++l) acc += sum_s[l][d];
-    out[head * D + d] = E::from_float(acc * inv);
+  if (!last_s) return;
+  rf_fence_device();
+  for (int g = warp; g < nh; g += RF_PA_WARPS) {
+    const rf_i64 head = (rf_i64)seq * num_q_heads + q0 + g;
+    combine_partitions<E, D>(out + head * D, part_out + head * num_partitions * D,
+                             part_ml + head * num_partitions * 2, num_partitions, lane);
   }
 }
 
 #define RF_PA_KERNEL(NAME, E, D, G)                                                            \
   RF_KERNEL_OCCUPANCY(RF_PA_THREADS, RF_PA_MIN_BLOCKS) rf_paged_attention_##NAME##_d##D##_g##G(                           \
-      E::storage* out, float* part_out, float* part_ml, const E::storage* q,                   \
+      E::storage* out, float* part_out, float* part_ml, int* counters, const E::storage* q,    \
       const E::storage* k_cache, const E::storage* v_cache, const int* block_tables,           \
       const int* seq_lens, float scale, int num_q_heads, int num_kv_heads, int max_blocks,     \
       int block_shift, int partition_tokens, int num_partitions) {                             \
-    paged_attention<E, D, G>(out, part_out, part_ml, q, k_cache, v_cache, block_tables,       \
+    paged_attention<E, D, G>(out, part_out, part_ml, counters, q, k_cache, v_cache,           \
+                             block_tables,                                                     \
                              seq_lens, scale, num_q_heads, num_kv_heads, max_blocks,           \
                              block_shift, partition_tokens, num_partitions);                   \
-  }
-
-#define RF_PA_REDUCE(NAME, E, D)                                                               \
-  RF_KERNEL(RF_PA_THREADS) rf_paged_attention_reduce_##NAME##_d##D(                           \
-      E::storage* out, const float* part_out, const float* part_ml, int num_q_heads,           \
-      int num_partitions) {                                                                    \
-    paged_attention_reduce<E, D>(out, part_out, part_ml, num_q_heads, num_partitions);        \
   }
 
 #define RF_PA_HEAD_DIM(NAME, E, D)                                                             \
   RF_PA_KERNEL(NAME, E, D, 1)                                                                  \
   RF_PA_KERNEL(NAME, E, D, 2)                                                                  \
   RF_PA_KERNEL(NAME, E, D, 4)                                                                  \
-  RF_PA_KERNEL(NAME, E, D, 8)                                                                  \
-  RF_PA_REDUCE(NAME, E, D)
+  RF_PA_KERNEL(NAME, E, D, 8)
 
 #define RF_PA_DTYPE(NAME, E)                                                                   \
   RF_PA_HEAD_DIM(NAME, E, 64)                                                                  \
@@ -537,9 +526,8 @@ RF_DEVICE void paged_attention_reduce(typename E::storage* __restrict__ out,
   RF_PA_HEAD_DIM(NAME, E, 256)
 
 #ifdef RF_PA_BENCH_ONLY  // tuning builds: just what the bench shapes use
-RF_PA_KERNEL(f16, rf_f16, 128, 4) RF_PA_KERNEL(f16, rf_f16, 128, 1) RF_PA_REDUCE(f16, rf_f16, 128)
+RF_PA_KERNEL(f16, rf_f16, 128, 4) RF_PA_KERNEL(f16, rf_f16, 128, 1)
 RF_PA_KERNEL(bf16, rf_bf16, 128, 4) RF_PA_KERNEL(bf16, rf_bf16, 128, 8)
-RF_PA_REDUCE(bf16, rf_bf16, 128)
 #else
 RF_PA_DTYPE(f16, rf_f16)
 RF_PA_DTYPE(bf16, rf_bf16)

@@ -66,7 +66,8 @@ class _Uploads:
     """Device copies of host metadata for one launch; freed once the stream has passed it."""
 
     def __init__(self, like: DeviceArray, stream: Stream | None) -> None:
-        self.like, self.stream, self.buffers = like, stream, []
+        self.like, self.stream = like, stream
+        self.buffers: list[HipBuffer | Workspace] = []
 
     def __call__(self, values: Any, host: np.ndarray) -> DeviceArray:
         if isinstance(values, DeviceArray):
@@ -76,11 +77,11 @@ class _Uploads:
         self.buffers.append(array.buffer.root)
         return array
 
-    def scratch(self, nbytes: int) -> HipBuffer:
-        """A device buffer for this launch only."""
-        buf = HipBuffer(nbytes, self.like.device, self.like.backend)
-        self.buffers.append(buf)
-        return buf
+    def workspace(self) -> Workspace:
+        """Split-K scratch for this launch only."""
+        work = Workspace()
+        self.buffers.append(work)
+        return work
 
     def __enter__(self) -> _Uploads:
         return self
@@ -133,28 +134,41 @@ def _fullest_split(num_ctas: int, slots: int, most: int) -> int:
 
 
 class Workspace:
-    """Split-K scratch that lives across calls: pass one to ``paged_attention`` to avoid an
-    allocation per launch. Grows on demand (after the device finishes with the old one);
-    ``close()`` frees it. Use one per stream."""
+    """Split-K scratch that lives across calls: pass one to ``paged_attention`` to avoid
+    allocations per launch. Holds the partial outputs and the per-group counters through
+    which the last CTA of a group finds out it is last (zero between launches: each launch
+    resets the counters it uses). Grows on demand, after the device finishes with the old
+    buffers; ``close()`` frees them. Use one per stream."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._buffer: HipBuffer | None = None
+        self._partials: HipBuffer | None = None
+        self._counters: HipBuffer | None = None
 
-    def get(self, nbytes: int, like: DeviceArray) -> HipBuffer:
+    def get(self, nbytes: int, counters: int, like: DeviceArray) -> tuple[HipBuffer, HipBuffer]:
+        """(``nbytes`` of partials, ``counters`` zeroed int32 counters) on ``like``'s device."""
         with self._lock:
-            if self._buffer is None or self._buffer.nbytes < nbytes:
-                if self._buffer is not None:
-                    like.backend.synchronize(like.device)
-                    self._buffer.close()
-                self._buffer = HipBuffer(nbytes, like.device, like.backend)
-            return self._buffer
+            self._partials = self._fit(self._partials, nbytes, like)
+            if self._counters is None or self._counters.nbytes < 4 * counters:
+                self._counters = self._fit(self._counters, 4 * counters, like)
+                self._counters.fill(0)
+            return self._partials, self._counters
+
+    @staticmethod
+    def _fit(buf: HipBuffer | None, nbytes: int, like: DeviceArray) -> HipBuffer:
+        if buf is not None and buf.nbytes >= nbytes:
+            return buf
+        if buf is not None:
+            like.backend.synchronize(like.device)
+            buf.close()
+        return HipBuffer(nbytes, like.device, like.backend)
 
     def close(self) -> None:
         with self._lock:
-            if self._buffer is not None:
-                self._buffer.close()
-                self._buffer = None
+            for buf in (self._partials, self._counters):
+                if buf is not None:
+                    buf.close()
+            self._partials = self._counters = None
 
 
 def paged_attention(out: DeviceArray, query: DeviceArray, k_cache: DeviceArray,
@@ -221,23 +235,19 @@ def paged_attention(out: DeviceArray, query: DeviceArray, k_cache: DeviceArray,
     with _Uploads(query, stream) as upload:
         d_tables = upload(block_tables, tables)
         d_lens = upload(seq_lens, lens)
-        part_out = part_ml = 0
+        part_out = part_ml = counters = 0
         if parts > 1:
             heads = num_seqs * num_q_heads * parts
-            nbytes = heads * (head_dim + 2) * 4
-            work = workspace.get(nbytes, query) if workspace is not None else upload.scratch(
-                nbytes)
-            part_out, part_ml = work.ptr, work.ptr + heads * head_dim * 4
+            partials, counts = (workspace or upload.workspace()).get(
+                heads * (head_dim + 2) * 4, grid_x * num_seqs, query)
+            part_out, part_ml = partials.ptr, partials.ptr + heads * head_dim * 4
+            counters = counts.ptr
         i32 = np.int32
         kernel.launch(
-            (grid_x, num_seqs, parts), THREADS, out, part_out, part_ml, query, k_cache, v_cache,
-            d_tables, d_lens, np.float32(scale), i32(num_q_heads), i32(num_kv_heads),
-            i32(max_blocks), i32(block_size.bit_length() - 1), i32(tokens), i32(parts),
-            shared_bytes=shared, stream=stream)
-        if parts > 1:
-            module.function(f"rf_paged_attention_reduce_{name}_d{head_dim}").launch(
-                (num_q_heads, num_seqs), THREADS, out, part_out, part_ml, i32(num_q_heads),
-                i32(parts), stream=stream)
+            (grid_x, num_seqs, parts), THREADS, out, part_out, part_ml, counters, query,
+            k_cache, v_cache, d_tables, d_lens, np.float32(scale), i32(num_q_heads),
+            i32(num_kv_heads), i32(max_blocks), i32(block_size.bit_length() - 1), i32(tokens),
+            i32(parts), shared_bytes=shared, stream=stream)
 
 
 def _check_tables(tables: np.ndarray, lens: np.ndarray, num_seqs: int, num_blocks: int,

@@ -17,9 +17,8 @@ KERNELS = {
     "basic": ["rf_fill_f32", "rf_scale_f32", "rf_hold_ns"],
     "cache_ops": ["rf_reshape_and_cache", "rf_copy_blocks"],
     "paged_attention": [
-        f"rf_paged_attention{kind}_{dt}_d{d}{g}"
-        for dt in ("f16", "bf16", "f32") for d in (64, 128, 256)
-        for kind, gs in (("", ("_g1", "_g2", "_g4", "_g8")), ("_reduce", ("",))) for g in gs
+        f"rf_paged_attention_{dt}_d{d}_g{g}"
+        for dt in ("f16", "bf16", "f32") for d in (64, 128, 256) for g in (1, 2, 4, 8)
     ],
 }
 TARGETS = {"sm_80": "cubin", "sm_90": "cubin", "gfx90a": "hsaco", "gfx942": "hsaco",

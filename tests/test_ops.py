@@ -85,15 +85,20 @@ def test_split_k_agrees_with_one_partition_on_gpu(gpu, rng, parts):
     assert relative_error(got, want) < 1e-5
 
 
-def test_a_reused_workspace_grows_and_is_freed_by_close(gpu, rng):
+def test_a_reused_workspace_grows_keeps_its_counters_zero_and_is_freed_by_close(gpu, rng):
     workspace = ops.Workspace()
-    for parts in (2, 40, 3):
-        got, want = run_attention(gpu, rng, np.float16, 64, 16, 8, [900, 2000],
+    # (partitions, seq_lens, kv heads): the counters in use change shape from call to call
+    calls = ((2, [900, 2000], 2), (40, [900, 2000, 50, 3000], 1), (3, [900], 4),
+             (40, [2000, 700], 2))
+    for parts, lens, kv_heads in calls:
+        got, want = run_attention(gpu, rng, np.float16, 64, 16, 8, lens, num_kv_heads=kv_heads,
                                   num_partitions=parts, workspace=workspace)
         assert relative_error(got, want) < 1e-2
-    assert workspace._buffer is not None and workspace._buffer.nbytes >= 2 * 16 * 40 * 66 * 4
+        counters = workspace._counters.to_numpy(np.int32)
+        assert not counters.any(), f"counters left set after {parts} partitions: {counters}"
+    assert workspace._partials.nbytes >= 4 * 8 * 40 * (64 + 2) * 4
     workspace.close()
-    assert workspace._buffer is None
+    assert workspace._partials is None and workspace._counters is None
 
 
 def test_mixed_group_sizes_beyond_eight_on_gpu(gpu, rng):
