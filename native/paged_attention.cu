@@ -6,13 +6,15 @@
 //
 // One CTA handles (kv head, group of up to G query heads sharing it, sequence, partition):
 // every K/V element of the partition is read once for the whole group. K and V move through
-// shared memory in tiles, double-buffered with asynchronous copies (cp.async on NVIDIA), so
-// the next tile is in flight while this one computes. Each tile is scored by TPT threads per
-// token (q broadcast from shared memory), softmaxed online in float32 (base-2 exponent, q
-// pre-scaled by scale*log2(e)), then V is accumulated with each thread owning one 16-byte
-// column chunk. With one partition the CTA writes `out`; with several, it writes unnormalised
-// partial outputs plus (max, sum), and the last CTA of its head group to finish combines them
-// (a per-group counter in `counters`, zero between launches: each launch resets what it uses).
+// shared memory in tiles of RF_PA_STAGES pipeline stages, filled with asynchronous copies
+// (cp.async on NVIDIA) while earlier tiles compute. Each warp owns a fixed share of every
+// tile's rows: it copies them, scores them (tensor cores for 16-bit caches with 4+ heads per
+// group, else TPT threads per token with q from shared memory), keeps its own online softmax
+// in float32 (base-2 exponent) and accumulates their V, so the loop has warp barriers only;
+// the warps are combined once at the end. With one partition the CTA writes `out`; with
+// several, it writes unnormalised partial outputs plus (max, sum), and the last CTA of its
+// head group to finish combines them (a per-group counter in `counters`, zero between
+// launches: each launch resets what it uses).
 #include "compat.h"
 
 #define RF_PA_THREADS 128
@@ -107,8 +109,8 @@ RF_DEVICE void paged_attention(
   typedef rf_pa_tile<E, D> Tile;
   constexpr int PV = E::PER_VEC, T = Tile::TOKENS, VPR = Tile::VPR, TPT = Tile::TPT;
   constexpr int CHUNKS = Tile::CHUNKS;
-  // Each warp owns WROWS rows of every tile, for QK, softmax and V alike, with its own online
-  // softmax state: no block-wide barrier inside a tile but the one that publishes the copy.
+  // Each warp owns WROWS rows of every tile, for the copy, QK, softmax and V alike, with its
+  // own online softmax state: no block-wide barrier inside the loop.
   constexpr int WROWS = T / RF_PA_WARPS;
   constexpr int LPR = VPR < RF_WARP ? VPR : RF_WARP;  // V: lanes per row
   constexpr int CPL = VPR / LPR;                       // V: chunks per lane
@@ -138,23 +140,26 @@ RF_DEVICE void paged_attention(
   const float qscale = scale * RF_LOG2E;
   const int* table = block_tables + (rf_i64)seq * max_blocks;
 
-  // Copies are coalesced: piece p = it * THREADS + tid of a tile is chunk p % VPR of row
-  // p / VPR, so a warp reads whole rows. Row offsets (elements into the cache; -1 past the
-  // end) come from row_s, filled one tile ahead of the copy that uses them.
+  // Each warp copies its own rows of every tile, so a tile needs warp barriers only. Copies
+  // are coalesced: piece p = it * WARP + lane of the warp's rows is chunk p % VPR of row
+  // row0 + p / VPR. Row offsets (elements into the cache; -1 past the end) come from row_s,
+  // which lane l fills for row row0 + l one tile ahead of the copy that uses them.
   RF_SHARED rf_i64 row_s[STAGES][T];
   const int my_row = tid / TPT, my_chunk0 = (tid % TPT) * CHUNKS;  // QK share of a tile
-  auto row_offset = [&](int tile_start) -> rf_i64 {  // offset of row `tid` of a tile
-    const int tok = tile_start + tid;
-    if (tid >= T || tok >= end) return -1;
+  static_assert(WROWS * VPR % RF_WARP == 0 && WROWS <= RF_WARP, "copy shape");
+  const int row0 = warp * WROWS;
+  auto row_offset = [&](int tile_start) -> rf_i64 {  // offset of row row0 + lane of a tile
+    const int tok = tile_start + row0 + lane;
+    if (lane >= WROWS || tok >= end) return -1;
     const rf_i64 blk = table[tok >> block_shift];
     return ((blk * num_kv_heads + kvh) * block_size + (tok & (block_size - 1))) * D;
   };
-  auto issue = [&](int stage) {  // async copy of one tile, K and V, into `stage`
+  auto issue = [&](int stage) {  // async copy of this warp's rows of a tile into `stage`
     rf_vec16* k_dst = stage_s + (stage * 2 + 0) * T * VPR;
     rf_vec16* v_dst = stage_s + (stage * 2 + 1) * T * VPR;
 #pragma unroll
-    for (int it = 0; it < T * VPR / RF_PA_THREADS; ++it) {
-      const int piece = it * RF_PA_THREADS + tid, row = piece / VPR, j = piece % VPR;
+    for (int it = 0; it < WROWS * VPR / RF_WARP; ++it) {
+      const int piece = it * RF_WARP + lane, row = row0 + piece / VPR, j = piece % VPR;
       const rf_i64 offset = row_s[stage][row];
       const int at = row * VPR + Tile::swizzle(row, j);
       if (offset >= 0) {
@@ -167,9 +172,9 @@ RF_DEVICE void paged_attention(
     }
   };
 
-  if (tid < T)
+  if (lane < WROWS)
 #pragma unroll
-    for (int st = 0; st < STAGES; ++st) row_s[st][tid] = row_offset(start + st * T);
+    for (int st = 0; st < STAGES; ++st) row_s[st][row0 + lane] = row_offset(start + st * T);
   if constexpr (!TENSOR)
     for (int i = tid; i < G * D; i += RF_PA_THREADS) {
       const int g = i / D, d = i % D;
@@ -230,7 +235,7 @@ RF_DEVICE void paged_attention(
     if (t0 + (STAGES - 1) * T < end) issue(stage == 0 ? STAGES - 1 : stage - 1);
     rf_copy_commit();
     rf_copy_wait<STAGES - 1>();
-    rf_sync();
+    rf_syncwarp();  // the warp's copies of tile t0 are visible to all its lanes
     const rf_vec16* k_s = stage_s + (stage * 2 + 0) * T * VPR;
     const rf_vec16* v_s = stage_s + (stage * 2 + 1) * T * VPR;
 
@@ -397,12 +402,13 @@ RF_DEVICE void paged_attention(
       }
     }
     }
-    if (tid < T) row_s[stage][tid] = ahead;
-    rf_sync();  // the stage is rewritten by the issue two tiles on
+    if (lane < WROWS) row_s[stage][row0 + lane] = ahead;
+    rf_syncwarp();  // the warp's rows of this stage are rewritten by its next issue
   }
+  rf_sync();  // every warp is done with the stages (out_s lives there)
 
   // combine: a warp's row groups by shuffles; then warps, rescaled to the CTA's max, one
-  // after another into out_s (the loop's last barrier has freed the stages it lives in)
+  // after another into out_s
   for (int i = tid; i < G * D; i += RF_PA_THREADS) out_s[i / D][i % D] = 0.f;
 #pragma unroll
   for (int g = 0; g < G; ++g) {

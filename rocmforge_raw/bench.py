@@ -142,6 +142,19 @@ def copy_bandwidth(backend: Backend, device: int, nbytes: int = GiB, iters: int 
     return 2 * nbytes / (ms * 1e-3) / 1e9
 
 
+def read_bandwidth(backend: Backend, device: int, nbytes: int = GiB, iters: int = 50) -> float:
+    """Device read-only bandwidth in GB/s: ``rf_read_bytes`` over ``nbytes`` of random data
+    (attention only reads its cache, so this is its other natural ceiling)."""
+    kernel = load_kernels("basic", device, backend).function("rf_read_bytes")
+    blocks = 8 * backend.cached_properties(device).multiprocessors
+    rng = np.random.default_rng(1)
+    with HipBuffer(nbytes, device, backend) as src, HipBuffer(4, device, backend) as sink:
+        fill_random(src, rng, np.float32)
+        args = (src, nbytes // 16, blocks * 256, np.uint32(0x9E3779B9), sink)
+        ms = time_ms(backend, device, lambda: kernel.launch(blocks, 256, *args), iters).ms
+    return nbytes / (ms * 1e-3) / 1e9
+
+
 @dataclass(frozen=True)
 class Shape:
     """One reference decode shape (head_dim 128, block 16, random page order)."""

@@ -120,12 +120,17 @@ def cmd_bench(args: argparse.Namespace) -> int:
                   for r in rows]
     if (args.attention or everything) and backend.name != "host":
         copy = result["copy_gb_per_s"] = bench.copy_bandwidth(backend, args.device)
+        read = result["read_gb_per_s"] = bench.read_bandwidth(backend, args.device)
         rows = result["attention"] = bench.bench_attention(backend, args.device, copy, args.iters)
-        lines.append(f"copy bandwidth: {copy:.0f} GB/s (read + write, 1 GiB device copy)")
+        for r in rows:
+            r["pct_of_read"] = 100 * r["gb_per_s"] / read
+        lines.append(f"copy bandwidth: {copy:.0f} GB/s (read + write, 1 GiB device copy); "
+                     f"read bandwidth: {read:.0f} GB/s (1 GiB read-only)")
         lines.append(f"{'shape':5} {'ms':>8} {'GB/s':>8} {'% copy':>7} {'target':>7} "
-                     f"{'host us':>8}")
+                     f"{'% read':>7} {'host us':>8}")
         lines += [f"{r['name']:5} {r['ms']:8.3f} {r['gb_per_s']:8.0f} {r['pct_of_copy']:6.1f}% "
-                  f"{r['target_pct']:6}% {r['host_us']:8.1f}" for r in rows]
+                  f"{r['target_pct']:6}% {r['pct_of_read']:6.1f}% {r['host_us']:8.1f}"
+                  for r in rows]
     elif args.attention:
         lines.append("attention bench needs a GPU backend (host runs the NumPy reference)")
     if args.cache or everything:

@@ -14,7 +14,7 @@ from rocmforge_raw import module
 from rocmforge_raw.errors import DeviceError, KernelNotAvailableError
 
 KERNELS = {
-    "basic": ["rf_fill_f32", "rf_scale_f32", "rf_hold_ns"],
+    "basic": ["rf_fill_f32", "rf_scale_f32", "rf_hold_ns", "rf_read_bytes"],
     "cache_ops": ["rf_reshape_and_cache", "rf_copy_blocks"],
     "paged_attention": [
         f"rf_paged_attention_{dt}_d{d}_g{g}"

@@ -1,0 +1,33 @@
+"""The GPU bench's own measurements: the hold kernel, the bandwidth references, a shape row."""
+
+import time
+
+import pytest
+
+from rocmforge_raw import bench
+
+MiB = 1 << 20
+
+
+def test_device_time_excludes_the_hosts_enqueue_time(gpu):
+    # 3 ms of host work and no device work: the hold kernel covers the host time, so the
+    # events around the region see (almost) nothing, and host_us sees the 3 ms
+    timing = bench.time_ms(gpu, 0, lambda: time.sleep(0.003), iters=5, warmup=2)
+    assert timing.ms < 0.5 and timing.host_us > 2500
+
+
+def test_read_and_copy_bandwidths_are_consistent(gpu):
+    read = bench.read_bandwidth(gpu, 0, nbytes=256 * MiB, iters=5)
+    copy = bench.copy_bandwidth(gpu, 0, nbytes=256 * MiB, iters=5)
+    # a read kernel that skipped its loads would be far above any copy; one that read a
+    # byte at a time far below
+    assert 0.3 * copy < read < 3 * copy
+
+
+def test_an_attention_row_counts_the_bytes_it_read(gpu):
+    shape = bench.Shape("T", 3, 300, 8, 2, "f16")
+    (row,) = bench.bench_attention(gpu, 0, copy_gbs=1000.0, iters=3, shapes=(shape,))
+    kv_bytes = 3 * 300 * 2 * 128 * 2 * 2  # tokens x kv heads x head_dim x 2 bytes x (K, V)
+    assert row["bytes"] == kv_bytes + 2 * 3 * 8 * 128 * 2
+    assert row["ms"] > 0 and row["gb_per_s"] == pytest.approx(row["bytes"] / row["ms"] / 1e6)
+    assert row["pct_of_copy"] == pytest.approx(row["gb_per_s"] / 10)
