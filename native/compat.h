@@ -51,6 +51,34 @@ RF_DEVICE rf_u64 rf_clock_ns() {
   return t;
 }
 RF_DEVICE void rf_nap() { __nanosleep(1000); }
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && !defined(RF_NO_BULK)
+// sm_90 bulk copies (the copy engine) into shared memory, completing on an mbarrier
+// (RF_NO_BULK builds the sm_80 cp.async path instead, to test it on a Hopper GPU).
+#define RF_HAVE_BULK 1
+// One arrival (the expect_tx) per phase; makes the barrier visible to the copy engine.
+RF_DEVICE void rf_mbar_init(rf_u64* bar) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n\tfence.mbarrier_init.release.cluster;"
+               ::"r"(rf_smem_addr(bar)) : "memory");
+}
+// Arrives on `bar` and makes its current phase also wait for `bytes` of bulk copies.
+RF_DEVICE void rf_mbar_expect_tx(rf_u64* bar, unsigned bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;"
+               ::"r"(rf_smem_addr(bar)), "r"(bytes) : "memory");
+}
+// Waits until the phase with parity `phase` of `bar` has completed.
+RF_DEVICE void rf_mbar_wait(rf_u64* bar, unsigned phase) {
+  asm volatile("{\n\t.reg .pred done;\n\tRF_WAIT_%=:\n\t"
+               "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n\t"
+               "@!done bra RF_WAIT_%=;\n\t}" ::"r"(rf_smem_addr(bar)), "r"(phase) : "memory");
+}
+// Copies `bytes` (a multiple of 16, both ends 16-byte aligned) from `gmem` to `smem`.
+RF_DEVICE void rf_bulk_copy(void* smem, const void* gmem, unsigned bytes, rf_u64* bar) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes "
+               "[%0], [%1], %2, [%3];" ::"r"(rf_smem_addr(smem)), "l"(gmem), "r"(bytes),
+               "r"(rf_smem_addr(bar)) : "memory");
+}
+RF_DEVICE unsigned rf_warp_sum_u32(unsigned v) { return __reduce_add_sync(0xffffffffu, v); }
+#endif
 // Device-scope ordering between CTAs: a fence, a relaxed counter, and a load past L1.
 RF_DEVICE void rf_fence_device() { __threadfence(); }
 RF_DEVICE int rf_atomic_add_device(int* p, int v) { return atomicAdd(p, v); }

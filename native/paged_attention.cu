@@ -50,9 +50,12 @@ struct rf_pa_tile {
   static constexpr int VPR = ROW_BYTES / 16;                        // 16-byte chunks per row
   static constexpr int TPT = RF_PA_THREADS / TOKENS;                // threads per token (QK)
   static constexpr int CHUNKS = VPR / TPT;                          // chunks per thread (8)
-  // 16-byte chunk j of row r lives at chunk j ^ key(r, j) of that row: the 8 lanes of one
-  // shared-memory phase then touch 8 different bank groups, for QK, V and the copies alike.
-  RF_DEVICE static int swizzle(int row, int j) { return j ^ ((row * TPT + j / 8) & 7); }
+  // Rows are padded by one 16-byte chunk, so chunk j of row r sits r + j banks groups on:
+  // the 8 rows an ldmatrix reads, and the 8 chunks of a row a copy writes, are all in
+  // different bank groups. A row stays contiguous, so one bulk copy can fill it.
+  static constexpr int STRIDE = VPR + 1;                            // chunks per padded row
+  static constexpr int UNITS = TOKENS * STRIDE;                     // chunks of K (or V)
+  RF_DEVICE static int at(int row, int j) { return row * STRIDE + j; }
 };
 
 // Whether QK and PV run on tensor cores (mma.sync, NVIDIA sm_80+): for 16-bit caches with
@@ -154,14 +157,35 @@ RF_DEVICE void paged_attention(
     const rf_i64 blk = table[tok >> block_shift];
     return ((blk * num_kv_heads + kvh) * block_size + (tok & (block_size - 1))) * D;
   };
+#if defined(RF_HAVE_BULK)
+  // sm_90: lane c copies one whole row (K for c < WROWS, else V) with the bulk copy engine,
+  // completing on the warp's barrier of the stage; lane 0 tells it how many bytes to expect
+  RF_SHARED rf_u64 bar_s[STAGES][RF_PA_WARPS];
+  auto issue = [&](int stage) {
+    unsigned bytes = 0;
+    for (int c = lane; c < 2 * WROWS; c += RF_WARP) {
+      const int row = row0 + c % WROWS, kv = c / WROWS;
+      const rf_i64 offset = row_s[stage][row];
+      rf_vec16* dst = stage_s + (stage * 2 + kv) * Tile::UNITS + Tile::at(row, 0);
+      if (offset >= 0) {
+        rf_bulk_copy(dst, (kv ? v_cache : k_cache) + offset, Tile::ROW_BYTES, &bar_s[stage][warp]);
+        bytes += Tile::ROW_BYTES;
+      } else {  // past the end: zeros, so products over whole 16-row tiles stay finite
+        for (int j = 0; j < VPR; ++j) dst[j] = rf_vec16{0u, 0u, 0u, 0u};
+      }
+    }
+    bytes = rf_warp_sum_u32(bytes);
+    if (lane == 0) rf_mbar_expect_tx(&bar_s[stage][warp], bytes);
+  };
+#else
   auto issue = [&](int stage) {  // async copy of this warp's rows of a tile into `stage`
-    rf_vec16* k_dst = stage_s + (stage * 2 + 0) * T * VPR;
-    rf_vec16* v_dst = stage_s + (stage * 2 + 1) * T * VPR;
+    rf_vec16* k_dst = stage_s + (stage * 2 + 0) * Tile::UNITS;
+    rf_vec16* v_dst = stage_s + (stage * 2 + 1) * Tile::UNITS;
 #pragma unroll
     for (int it = 0; it < WROWS * VPR / RF_WARP; ++it) {
       const int piece = it * RF_WARP + lane, row = row0 + piece / VPR, j = piece % VPR;
       const rf_i64 offset = row_s[stage][row];
-      const int at = row * VPR + Tile::swizzle(row, j);
+      const int at = Tile::at(row, j);
       if (offset >= 0) {
         rf_copy16_async(k_dst + at, reinterpret_cast<const rf_vec16*>(k_cache + offset) + j);
         rf_copy16_async(v_dst + at, reinterpret_cast<const rf_vec16*>(v_cache + offset) + j);
@@ -170,11 +194,18 @@ RF_DEVICE void paged_attention(
         v_dst[at] = rf_vec16{0u, 0u, 0u, 0u};
       }
     }
+    rf_copy_commit();
   };
+#endif
 
   if (lane < WROWS)
 #pragma unroll
     for (int st = 0; st < STAGES; ++st) row_s[st][row0 + lane] = row_offset(start + st * T);
+#if defined(RF_HAVE_BULK)
+  if (lane == 0)
+#pragma unroll
+    for (int st = 0; st < STAGES; ++st) rf_mbar_init(&bar_s[st][warp]);
+#endif
   if constexpr (!TENSOR)
     for (int i = tid; i < G * D; i += RF_PA_THREADS) {
       const int g = i / D, d = i % D;
@@ -182,16 +213,14 @@ RF_DEVICE void paged_attention(
                          : 0.f;
     }
   rf_sync();
-  // prologue: tiles 0 .. STAGES-2 in flight; one commit group per tile, empty past the end
+  // prologue: tiles 0 .. STAGES-2 in flight (cp.async: one commit group per tile issued)
 #pragma unroll
-  for (int st = 0; st < STAGES - 1; ++st) {
+  for (int st = 0; st < STAGES - 1; ++st)
     if (start + st * T < end) issue(st);
-    rf_copy_commit();
-  }
 
 #if defined(RF_HAVE_MMA)
   // Tensor-core QK: S^T[16 tokens x 8 heads] = K[16 x D] . Q^T[D x 8] per warp and m-tile, K
-  // by ldmatrix from the swizzled stage, Q^T fragments held in registers (heads past the
+  // by ldmatrix from the padded stage, Q^T fragments held in registers (heads past the
   // group are zero); scores are scaled after the product.
   constexpr int KSTEPS = D / 16, MROWS = WROWS < 16 ? WROWS : 16;
   constexpr int MTILES = WROWS < 16 ? 1 : WROWS / 16;
@@ -226,18 +255,22 @@ RF_DEVICE void paged_attention(
     for (int e = 0; e < CPL * PV; ++e) acc[g][e] = 0.f;
   }
 
-  int stage = 0;
-  for (int t0 = start; t0 < end; t0 += T, stage = stage + 1 == STAGES ? 0 : stage + 1) {
+  int stage = 0, tile = 0;
+  for (int t0 = start; t0 < end; t0 += T, ++tile, stage = stage + 1 == STAGES ? 0 : stage + 1) {
     // keep STAGES-1 tiles in flight: issue tile t0 + (STAGES-1)T into the stage freed by the
     // previous tile, then wait for tile t0 only; the block ids of tile t0 + STAGES*T load
     // meanwhile and land in row_s[stage] at the end of this tile
     const rf_i64 ahead = row_offset(t0 + STAGES * T);
-    if (t0 + (STAGES - 1) * T < end) issue(stage == 0 ? STAGES - 1 : stage - 1);
-    rf_copy_commit();
-    rf_copy_wait<STAGES - 1>();
+    const bool more = t0 + (STAGES - 1) * T < end;
+    if (more) issue(stage == 0 ? STAGES - 1 : stage - 1);
+#if defined(RF_HAVE_BULK)
+    rf_mbar_wait(&bar_s[stage][warp], (tile / STAGES) & 1);
+#else
+    if (more) rf_copy_wait<STAGES - 1>(); else rf_copy_wait<0>();  // the tail drains
+#endif
     rf_syncwarp();  // the warp's copies of tile t0 are visible to all its lanes
-    const rf_vec16* k_s = stage_s + (stage * 2 + 0) * T * VPR;
-    const rf_vec16* v_s = stage_s + (stage * 2 + 1) * T * VPR;
+    const rf_vec16* k_s = stage_s + (stage * 2 + 0) * Tile::UNITS;
+    const rf_vec16* v_s = stage_s + (stage * 2 + 1) * Tile::UNITS;
 
 #if defined(RF_HAVE_MMA)
     if constexpr (TENSOR) {
@@ -251,7 +284,7 @@ RF_DEVICE void paged_attention(
 #pragma unroll
         for (int ks = 0; ks < KSTEPS; ++ks) {
           unsigned a[4];
-          rf_ldmatrix_x4<false>(a, &k_s[row * VPR + Tile::swizzle(row, ks * 2 + lane / 16)]);
+          rf_ldmatrix_x4<false>(a, &k_s[Tile::at(row, ks * 2 + lane / 16)]);
           rf_mma16816<E::TENSOR_KIND>(ks % 2 ? odd : sc[mt], a, qb[ks]);
         }
 #pragma unroll
@@ -324,9 +357,10 @@ RF_DEVICE void paged_attention(
       for (int g = 0; g < G; ++g) s[g] = s_odd[g] = 0.f;
 #pragma unroll
       for (int c = 0; c < CHUNKS; ++c) {
-        const int j = my_chunk0 + c;
+        // chunks rotate by thread, so the 8 lanes of a shared-memory phase hit 8 bank groups
+        const int j = my_chunk0 + (c + (tid % TPT) * (8 / TPT)) % CHUNKS;
         float k[PV];
-        E::unpack(k_s[my_row * VPR + Tile::swizzle(my_row, j)], k);
+        E::unpack(k_s[Tile::at(my_row, j)], k);
 #pragma unroll
         for (int g = 0; g < G; ++g) {
           float dot = 0.f;
@@ -377,7 +411,7 @@ RF_DEVICE void paged_attention(
 #pragma unroll
         for (int dt = 0; dt < DTILES; ++dt) {
           unsigned a[4];
-          rf_ldmatrix_x4<true>(a, &v_s[row * VPR + Tile::swizzle(row, dt * 2 + (lane / 8) % 2)]);
+          rf_ldmatrix_x4<true>(a, &v_s[Tile::at(row, dt * 2 + (lane / 8) % 2)]);
           rf_mma16816<E::TENSOR_KIND>(acc2[dt], a, b);
         }
       }
@@ -391,7 +425,7 @@ RF_DEVICE void paged_attention(
 #pragma unroll
         for (int cc = 0; cc < CPL; ++cc) {
           float v[PV];
-          E::unpack(v_s[r * VPR + Tile::swizzle(r, vchunk0 + cc)], v);
+          E::unpack(v_s[Tile::at(r, vchunk0 + cc)], v);
 #pragma unroll
           for (int g = 0; g < G; ++g) {
             const float p = p_s[g][r];

@@ -30,8 +30,16 @@ BLOCK_SIZES = (8, 16, 32, 64, 128)
 THREADS = 128  # RF_PA_THREADS: also the tokens of one tile, and partition granularity
 MAX_PARTITIONS = 512  # RF_PA_MAX_PARTITIONS
 GROUP_SIZES = (1, 2, 4, 8)  # query heads one CTA serves (template G)
-#: Dynamic shared memory of the attention kernel: RF_PA_STAGES x RF_PA_STAGE_BYTES.
-ATTENTION_SHARED_BYTES = {"cuda": 2 * 32768, "hip": 2 * 16384}
+#: The attention kernel's pipeline per backend: (RF_PA_STAGES, RF_PA_STAGE_BYTES).
+ATTENTION_STAGES = {"cuda": (2, 32768), "hip": (2, 16384)}
+
+
+def attention_shared_bytes(backend: str, row_bytes: int) -> int:
+    """Dynamic shared memory of the attention kernel whose K/V rows are ``row_bytes`` long:
+    its stages, each holding the K and V rows of a tile padded by 16 bytes per row."""
+    stages, stage_bytes = ATTENTION_STAGES[backend]
+    rows = stage_bytes // 2 // row_bytes
+    return stages * (stage_bytes + 2 * rows * 16)
 
 
 def _expect(array: Any, name: str, ndim: int, dtype: Any | None = None) -> None:
@@ -223,7 +231,7 @@ def paged_attention(out: DeviceArray, query: DeviceArray, k_cache: DeviceArray,
     module = load_kernels("paged_attention", query.device, query.backend)
     name = DTYPES[query.dtype]
     kernel = module.function(f"rf_paged_attention_{name}_d{head_dim}_g{group}")
-    shared = ATTENTION_SHARED_BYTES[query.backend.name]
+    shared = attention_shared_bytes(query.backend.name, head_dim * query.dtype.itemsize)
     if num_partitions is None:
         multiprocessors = query.backend.cached_properties(query.device).multiprocessors
         slots = kernel.max_active_blocks(THREADS, shared) * multiprocessors

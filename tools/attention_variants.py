@@ -2,7 +2,7 @@
 
 Loads each ``.variants/NAME.cubin`` (see tools/build_variants.sh) in place of the packaged
 object and runs the reference shapes; prints one row per variant and shape. A name ending in
-``_sSTAGESxBYTES`` sets the dynamic shared memory of the launch to match. Usage:
+``_sSTAGESxBYTES`` sets the pipeline (so the launch's shared memory) to match. Usage:
     python3 tools/attention_variants.py [--iters 30] [--partitions 1 2 4]
 """
 
@@ -32,7 +32,7 @@ def main() -> None:
         module._loaded[("cuda", 0, "paged_attention")] = module.Module(path, 0, backend)
         stages = re.search(r"_s(\d+)x(\d+)$", path.stem)  # NAME_sSTAGESxBYTES
         if stages:  # built with -DRF_PA_STAGES=STAGES -DRF_PA_STAGE_BYTES=BYTES
-            ops.ATTENTION_SHARED_BYTES["cuda"] = int(stages[1]) * int(stages[2])
+            ops.ATTENTION_STAGES["cuda"] = (int(stages[1]), int(stages[2]))
         for parts in [None, *args.partitions]:
             rows = bench.bench_attention(backend, 0, copy, args.iters, num_partitions=parts)
             for r in rows:
