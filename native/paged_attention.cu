@@ -245,7 +245,9 @@ RF_DEVICE void paged_attention(
   constexpr int DTILES = D / 16;
   float acc2[TENSOR ? DTILES : 1][4];
 #pragma unroll
-  for (int dt = 0; dt < (TENSOR ? DTILES : 1); ++dt) acc2[dt][0] = acc2[dt][1] = acc2[dt][2] = acc2[dt][3] = 0.f;
+  for (int dt = 0; dt < (TENSOR ? DTILES : 1); ++dt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) acc2[dt][e] = 0.f;
 #endif
 #pragma unroll
   for (int g = 0; g < G; ++g) {
@@ -543,15 +545,15 @@ RF_DEVICE void paged_attention(
 }
 
 #define RF_PA_KERNEL(NAME, E, D, G)                                                            \
-  RF_KERNEL_OCCUPANCY(RF_PA_THREADS, RF_PA_MIN_BLOCKS) rf_paged_attention_##NAME##_d##D##_g##G(                           \
+  RF_KERNEL_OCCUPANCY(RF_PA_THREADS, RF_PA_MIN_BLOCKS)                                         \
+  rf_paged_attention_##NAME##_d##D##_g##G(                                                     \
       E::storage* out, float* part_out, float* part_ml, int* counters, const E::storage* q,    \
       const E::storage* k_cache, const E::storage* v_cache, const int* block_tables,           \
       const int* seq_lens, float scale, int num_q_heads, int num_kv_heads, int max_blocks,     \
       int block_shift, int partition_tokens, int num_partitions) {                             \
     paged_attention<E, D, G>(out, part_out, part_ml, counters, q, k_cache, v_cache,           \
-                             block_tables,                                                     \
-                             seq_lens, scale, num_q_heads, num_kv_heads, max_blocks,           \
-                             block_shift, partition_tokens, num_partitions);                   \
+                             block_tables, seq_lens, scale, num_q_heads, num_kv_heads,         \
+                             max_blocks, block_shift, partition_tokens, num_partitions);       \
   }
 
 #define RF_PA_HEAD_DIM(NAME, E, D)                                                             \
