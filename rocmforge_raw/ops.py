@@ -27,7 +27,10 @@ DTYPES = {np.dtype(np.float16): "f16", np.dtype(ml_dtypes.bfloat16): "bf16",
           np.dtype(np.float32): "f32"}
 HEAD_DIMS = (64, 128, 256)
 BLOCK_SIZES = (8, 16, 32, 64, 128)
-THREADS = 128  # RF_PA_THREADS: also the tokens of one tile, and partition granularity
+THREADS = 128  # RF_PA_THREADS
+#: Partitions are a multiple of this many tokens (the kernel takes a partition at any token,
+#: so the plan can split a sequence into as many nearly equal pieces as fill the device).
+PARTITION_GRANULE = 16
 MAX_PARTITIONS = 512  # RF_PA_MAX_PARTITIONS
 GROUP_SIZES = (1, 2, 4, 8)  # query heads one CTA serves (template G)
 #: The attention kernel's pipeline per backend: (RF_PA_STAGES, RF_PA_STAGE_BYTES).
@@ -117,14 +120,14 @@ def plan_partitions(num_ctas: int, max_len: int, slots: int, mean_len: float | N
     are cut into pieces of about half the mean length so they do not set the pace.
     """
     if max_len <= 0:
-        return THREADS, 1
+        return PARTITION_GRANULE, 1
     num_ctas = max(num_ctas, 1)
     shortest = 256 if num_ctas < slots else 1024
     most = max(1, min(MAX_PARTITIONS, max_len // shortest))
     parts = _fullest_split(num_ctas, max(slots, 1), most)
     if mean_len and max_len > 1.5 * mean_len:
         parts = min(max(parts, math.ceil(2 * max_len / mean_len)), most)
-    tokens = THREADS * math.ceil(math.ceil(max_len / parts) / THREADS)
+    tokens = PARTITION_GRANULE * math.ceil(math.ceil(max_len / parts) / PARTITION_GRANULE)
     return tokens, math.ceil(max_len / tokens)
 
 
@@ -239,7 +242,7 @@ def paged_attention(out: DeviceArray, query: DeviceArray, k_cache: DeviceArray,
         tokens, parts = plan_partitions(grid_x * num_seqs, max_len, slots, mean_len)
     else:
         parts = max(1, min(int(num_partitions), MAX_PARTITIONS))
-        tokens = THREADS * math.ceil(max(max_len, 1) / (parts * THREADS))
+        tokens = PARTITION_GRANULE * math.ceil(max(max_len, 1) / (parts * PARTITION_GRANULE))
     with _Uploads(query, stream) as upload:
         d_tables = upload(block_tables, tables)
         d_lens = upload(seq_lens, lens)
