@@ -217,7 +217,7 @@ class HipBuffer:
 
     @property
     def ptr(self) -> int:
-        if self.closed:
+        if self._ref is None and self.closed:  # an open root has its ref: no walk needed
             raise BufferClosedError(f"{self!r} was closed; its memory is no longer valid")
         return self._ptr
 

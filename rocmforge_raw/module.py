@@ -11,6 +11,7 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import os
+import struct
 import sys
 import threading
 import weakref
@@ -28,39 +29,70 @@ PACKAGE_DIR = Path(__file__).resolve().parent
 KERNEL_DIR = PACKAGE_DIR / "kernels"
 SOURCE_DIR = PACKAGE_DIR / "native"
 
-_CTYPES = {
-    np.dtype(np.int8): ctypes.c_int8, np.dtype(np.uint8): ctypes.c_uint8,
-    np.dtype(np.int16): ctypes.c_int16, np.dtype(np.uint16): ctypes.c_uint16,
-    np.dtype(np.int32): ctypes.c_int32, np.dtype(np.uint32): ctypes.c_uint32,
-    np.dtype(np.int64): ctypes.c_int64, np.dtype(np.uint64): ctypes.c_uint64,
-    np.dtype(np.float32): ctypes.c_float, np.dtype(np.float64): ctypes.c_double,
-}
+#: struct codes of the NumPy scalar types a kernel argument may have
+_CODES = {np.int8: "b", np.uint8: "B", np.int16: "h", np.uint16: "H", np.int32: "i",
+          np.uint32: "I", np.int64: "q", np.uint64: "Q", np.float32: "f", np.float64: "d"}
 
 
-def _ctype_value(index: int, arg: Any) -> ctypes._SimpleCData:
-    if hasattr(arg, "ptr") and not isinstance(arg, (int, float)):  # HipBuffer, DeviceArray
-        return ctypes.c_uint64(arg.ptr)
-    if isinstance(arg, np.generic):
-        ctype = _CTYPES.get(arg.dtype)
-        if ctype is None:
-            raise TypeError(f"kernel argument {index}: unsupported scalar type {arg.dtype}")
-        return ctype(arg.item())
-    if isinstance(arg, bool):
-        raise TypeError(f"kernel argument {index}: pass booleans as np.int32, not bool")
-    if isinstance(arg, int):
+def _code_value(index: int, arg: Any) -> tuple[str, Any]:
+    """The struct code and value argument ``index`` passes as."""
+    kind = type(arg)
+    code = _CODES.get(kind)  # the common cases first: NumPy scalars, then ints
+    if code is not None:
+        return code, arg
+    if kind is int:
         if not -(1 << 63) <= arg < (1 << 64):
             raise OverflowError(f"kernel argument {index}: {arg} does not fit in 64 bits")
-        return ctypes.c_uint64(arg) if arg >= 0 else ctypes.c_int64(arg)
-    if isinstance(arg, float):
-        return ctypes.c_float(arg)
-    raise TypeError(f"kernel argument {index}: cannot pass {type(arg).__name__}")
+        return ("Q" if arg >= 0 else "q"), arg
+    if kind is float:
+        return "f", arg
+    if isinstance(arg, bool):
+        raise TypeError(f"kernel argument {index}: pass booleans as np.int32, not bool")
+    if isinstance(arg, np.generic):
+        raise TypeError(f"kernel argument {index}: unsupported scalar type {arg.dtype}")
+    if isinstance(arg, (int, float)):  # subclasses pass as the plain type
+        return _code_value(index, int(arg) if isinstance(arg, int) else float(arg))
+    ptr = getattr(arg, "ptr", None)  # HipBuffer, DeviceArray
+    if ptr is None:
+        raise TypeError(f"kernel argument {index}: cannot pass {kind.__name__}")
+    return "Q", ptr
 
 
-def pack_args(args: tuple[Any, ...]) -> tuple[Any, list[Any]]:
-    """The ``void*[]`` of argument addresses, and the values it points at (keep both alive)."""
-    values = [_ctype_value(i, a) for i, a in enumerate(args)]
-    array = (ctypes.c_void_p * max(len(values), 1))(*[ctypes.addressof(v) for v in values])
-    return array, values
+class KernelParams:
+    """A ``kernelParams`` array for one argument signature: each argument in its own 8-byte
+    slot of one buffer, and ``array`` holding the slots' addresses (``address``)."""
+
+    def __init__(self, codes: str) -> None:
+        count = max(len(codes), 1)
+        self.format = "=" + "".join(c + "x" * (8 - struct.calcsize(c)) for c in codes)
+        self.slots = ctypes.create_string_buffer(8 * count)
+        base = ctypes.addressof(self.slots)
+        self.array = (ctypes.c_void_p * count)(*[base + 8 * i for i in range(count)])
+        self.address = ctypes.addressof(self.array)
+
+    def pack(self, values: list[Any]) -> None:
+        struct.pack_into(self.format, self.slots, 0, *values)
+
+
+_packers = threading.local()
+
+
+def pack_args(args: tuple[Any, ...]) -> KernelParams:
+    """``args`` packed as kernelParams (ints and buffers as 64-bit values, floats as float32,
+    NumPy scalars as their own type) into this thread's buffer for their signature: valid
+    until this thread packs that signature again (a launch copies its arguments)."""
+    codes, values = [], []
+    for index, arg in enumerate(args):
+        code, value = _code_value(index, arg)
+        codes.append(code)
+        values.append(value)
+    signature = "".join(codes)
+    cache = _packers.__dict__.setdefault("by_signature", {})
+    params = cache.get(signature)
+    if params is None:
+        params = cache[signature] = KernelParams(signature)
+    params.pack(values)
+    return params
 
 
 @dataclass(frozen=True)
@@ -103,10 +135,9 @@ class Kernel:
                shared_bytes: int = 0, stream: Stream | None = None) -> None:
         config = LaunchConfig(_dims(grid), _dims(block), shared_bytes, stream)
         self.module._check_open()
-        params, _values = pack_args(args)
         self.module.backend.launch(
             self.handle, config.grid, config.block, config.shared_bytes,
-            None if stream is None else stream.handle, ctypes.addressof(params),
+            None if stream is None else stream.handle, pack_args(args).address,
         )
 
     __call__ = launch

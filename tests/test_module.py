@@ -25,13 +25,18 @@ TARGETS = {"sm_80": "cubin", "sm_90": "cubin", "gfx90a": "hsaco", "gfx942": "hsa
            "gfx1100": "hsaco"}
 
 
+def _slot(params, index, ctype):
+    return ctypes.cast(params.array[index], ctypes.POINTER(ctype))[0]
+
+
 def test_args_pack_as_addresses_of_typed_values():
-    params, values = module.pack_args((7, -3, 1.5, np.int32(-2), np.float64(0.25)))
-    types = [type(v) for v in values]
-    assert types == [ctypes.c_uint64, ctypes.c_int64, ctypes.c_float, ctypes.c_int32,
-                     ctypes.c_double]
-    assert ctypes.cast(params[3], ctypes.POINTER(ctypes.c_int32))[0] == -2
-    assert ctypes.cast(params[2], ctypes.POINTER(ctypes.c_float))[0] == 1.5
+    params = module.pack_args((7, -3, 1.5, np.int32(-2), np.float64(0.25), np.uint16(9)))
+    assert _slot(params, 0, ctypes.c_uint64) == 7 and _slot(params, 1, ctypes.c_int64) == -3
+    assert _slot(params, 2, ctypes.c_float) == 1.5 and _slot(params, 3, ctypes.c_int32) == -2
+    assert _slot(params, 4, ctypes.c_double) == 0.25 and _slot(params, 5, ctypes.c_uint16) == 9
+    assert all(params.array[i] % 8 == 0 for i in range(6)), "each argument 8-byte aligned"
+    again = module.pack_args((8, -4, 2.5, np.int32(5), np.float64(1.0), np.uint16(1)))
+    assert again is params and _slot(params, 3, ctypes.c_int32) == 5  # reused per signature
 
 
 @pytest.mark.parametrize("arg, error", [
@@ -45,8 +50,8 @@ def test_bad_kernel_arguments_name_the_argument(arg, error):
 
 def test_buffers_pass_as_their_device_address():
     with rf.HipBuffer(64, backend="host") as buf:
-        _, values = module.pack_args((buf.view(16),))
-        assert values[0].value == buf.ptr + 16
+        params = module.pack_args((buf.view(16),))
+        assert _slot(params, 0, ctypes.c_uint64) == buf.ptr + 16
 
 
 def test_launch_config_rejects_bad_dimensions():
