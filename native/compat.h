@@ -19,7 +19,11 @@ RF_DEVICE unsigned rf_bid_z() { return blockIdx.z; }
 RF_DEVICE void rf_sync() { __syncthreads(); }
 RF_DEVICE void rf_syncwarp() { __syncwarp(); }
 RF_DEVICE float rf_shfl_xor(float v, int mask) { return __shfl_xor_sync(0xffffffffu, v, mask); }
-RF_DEVICE float rf_exp2(float x) { float y; asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x)); return y; }
+RF_DEVICE float rf_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
 RF_DEVICE float rf_half_to_float(unsigned short h) {
   float f; asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h)); return f;
 }

@@ -123,7 +123,7 @@ RF_DEVICE void paged_attention(
 
   constexpr int STAGES = RF_PA_STAGES;
   static_assert(STAGES >= 2, "the pipeline needs two stages at least");
-  RF_DYNAMIC_SHARED(rf_vec16, stage_s);  // [STAGES][K, V][T rows][VPR chunks]
+  RF_DYNAMIC_SHARED(rf_vec16, stage_s);  // [STAGES][K, V][T rows][VPR + 1 chunks]
   constexpr bool TENSOR = rf_pa_tensor_cores<E, G, WROWS>::value;
   RF_SHARED __attribute__((aligned(16))) float q_s[TENSOR ? 1 : G][D];  // CUDA-core QK only
   RF_SHARED float p_s[G][T];
@@ -143,10 +143,9 @@ RF_DEVICE void paged_attention(
   const float qscale = scale * RF_LOG2E;
   const int* table = block_tables + (rf_i64)seq * max_blocks;
 
-  // Each warp copies its own rows of every tile, so a tile needs warp barriers only. Copies
-  // are coalesced: piece p = it * WARP + lane of the warp's rows is chunk p % VPR of row
-  // row0 + p / VPR. Row offsets (elements into the cache; -1 past the end) come from row_s,
-  // which lane l fills for row row0 + l one tile ahead of the copy that uses them.
+  // Each warp copies its own rows of every tile, so a tile needs warp barriers only. Row
+  // offsets (elements into the cache; -1 past the end) come from row_s, which lane l fills
+  // for row row0 + l one tile ahead of the copy that uses them.
   RF_SHARED rf_i64 row_s[STAGES][T];
   const int my_row = tid / TPT, my_chunk0 = (tid % TPT) * CHUNKS;  // QK share of a tile
   static_assert(WROWS * VPR % RF_WARP == 0 && WROWS <= RF_WARP, "copy shape");
@@ -168,7 +167,8 @@ RF_DEVICE void paged_attention(
       const rf_i64 offset = row_s[stage][row];
       rf_vec16* dst = stage_s + (stage * 2 + kv) * Tile::UNITS + Tile::at(row, 0);
       if (offset >= 0) {
-        rf_bulk_copy(dst, (kv ? v_cache : k_cache) + offset, Tile::ROW_BYTES, &bar_s[stage][warp]);
+        rf_bulk_copy(dst, (kv ? v_cache : k_cache) + offset, Tile::ROW_BYTES,
+                     &bar_s[stage][warp]);
         bytes += Tile::ROW_BYTES;
       } else {  // past the end: zeros, so products over whole 16-row tiles stay finite
         for (int j = 0; j < VPR; ++j) dst[j] = rf_vec16{0u, 0u, 0u, 0u};
@@ -178,7 +178,9 @@ RF_DEVICE void paged_attention(
     if (lane == 0) rf_mbar_expect_tx(&bar_s[stage][warp], bytes);
   };
 #else
-  auto issue = [&](int stage) {  // async copy of this warp's rows of a tile into `stage`
+  // cp.async (or, on AMD, plain) copies, coalesced: piece p = it * WARP + lane of the warp's
+  // rows is chunk p % VPR of row row0 + p / VPR
+  auto issue = [&](int stage) {
     rf_vec16* k_dst = stage_s + (stage * 2 + 0) * Tile::UNITS;
     rf_vec16* v_dst = stage_s + (stage * 2 + 1) * Tile::UNITS;
 #pragma unroll

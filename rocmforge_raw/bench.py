@@ -96,7 +96,7 @@ def time_ms(backend: Backend, device: int, fn: Callable[[], Any], iters: int, wa
     the events time device work, not the host's launch overhead (reported as ``host_us``)."""
     clock = time.perf_counter_ns
     enqueue = []
-    for _ in range(warmup):
+    for _ in range(max(warmup, 1)):  # one at least: the hold is sized from these
         begin = clock()
         fn()
         enqueue.append(clock() - begin)

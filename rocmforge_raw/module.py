@@ -1,7 +1,8 @@
 """Code objects: load (from bytes, a path, or the packaged kernels), look up, pack args, launch.
 
-Kernel arguments are packed once per launch into a ``void*[]`` of value addresses
-(``kernelParams``), the convention ``hipModuleLaunchKernel`` and ``cuLaunchKernel`` share.
+Kernel arguments are packed once per launch into one buffer of 8-byte slots with a ``void*[]``
+of the slots' addresses (``kernelParams``), the convention ``hipModuleLaunchKernel`` and
+``cuLaunchKernel`` share; both copy the arguments at launch, so the buffer is reused.
 Plain ``int`` arguments (and buffers) pass as 64-bit values, plain ``float`` as float32; NumPy
 scalars (``np.int32(3)``) pass with their own type.
 """

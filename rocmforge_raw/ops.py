@@ -31,7 +31,7 @@ THREADS = 128  # RF_PA_THREADS
 #: Partitions are a multiple of this many tokens (the kernel takes a partition at any token,
 #: so the plan can split a sequence into as many nearly equal pieces as fill the device).
 PARTITION_GRANULE = 16
-MAX_PARTITIONS = 512  # RF_PA_MAX_PARTITIONS
+MAX_PARTITIONS = 512  # most partitions a split uses (bounds the workspace)
 GROUP_SIZES = (1, 2, 4, 8)  # query heads one CTA serves (template G)
 #: The attention kernel's pipeline per backend: (RF_PA_STAGES, RF_PA_STAGE_BYTES).
 ATTENTION_STAGES = {"cuda": (2, 32768), "hip": (2, 16384)}
