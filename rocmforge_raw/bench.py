@@ -178,9 +178,10 @@ _DTYPES = {suffix: dtype for dtype, suffix in ops.DTYPES.items()}  # "bf16" -> b
 
 def bench_attention(backend: Backend, device: int, copy_gbs: float, iters: int = 50,
                     shapes: tuple[Shape, ...] = SHAPES, head_dim: int = 128,
-                    block_size: int = 16, num_partitions: int | None = None
-                    ) -> list[dict[str, Any]]:
-    """Event-timed paged attention for each shape: ms, GB/s and % of ``copy_gbs``."""
+                    block_size: int = 16, num_partitions: int | None = None,
+                    read_gbs: float | None = None) -> list[dict[str, Any]]:
+    """Event-timed paged attention for each shape: ms, GB/s, % of ``copy_gbs`` and, given
+    the read-only bandwidth ``read_gbs``, % of that (else None)."""
     rng = np.random.default_rng(1234)
     rows = []
     for shape in shapes:
@@ -215,6 +216,7 @@ def bench_attention(backend: Backend, device: int, copy_gbs: float, iters: int =
         gbs = nbytes / (ms * 1e-3) / 1e9
         rows.append({**asdict(shape), "ms": ms, "host_us": timing.host_us, "gb_per_s": gbs,
                      "pct_of_copy": 100 * gbs / copy_gbs, "target_pct": TARGETS.get(shape.name),
+                     "pct_of_read": 100 * gbs / read_gbs if read_gbs else None,
                      "bytes": nbytes})
         for array in (k, v, q, out, d_tables, d_lens):
             array.buffer.root.close()

@@ -121,9 +121,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if (args.attention or everything) and backend.name != "host":
         copy = result["copy_gb_per_s"] = bench.copy_bandwidth(backend, args.device)
         read = result["read_gb_per_s"] = bench.read_bandwidth(backend, args.device)
-        rows = result["attention"] = bench.bench_attention(backend, args.device, copy, args.iters)
-        for r in rows:
-            r["pct_of_read"] = 100 * r["gb_per_s"] / read
+        rows = result["attention"] = bench.bench_attention(backend, args.device, copy, args.iters,
+                                                           read_gbs=read)
         lines.append(f"copy bandwidth: {copy:.0f} GB/s (read + write, 1 GiB device copy); "
                      f"read bandwidth: {read:.0f} GB/s (1 GiB read-only)")
         lines.append(f"{'shape':5} {'ms':>8} {'GB/s':>8} {'% copy':>7} {'target':>7} "

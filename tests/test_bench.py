@@ -26,8 +26,10 @@ def test_read_and_copy_bandwidths_are_consistent(gpu):
 
 def test_an_attention_row_counts_the_bytes_it_read(gpu):
     shape = bench.Shape("T", 3, 300, 8, 2, "f16")
-    (row,) = bench.bench_attention(gpu, 0, copy_gbs=1000.0, iters=3, shapes=(shape,))
+    (row,) = bench.bench_attention(gpu, 0, copy_gbs=1000.0, iters=3, shapes=(shape,),
+                                   read_gbs=2000.0)
     kv_bytes = 3 * 300 * 2 * 128 * 2 * 2  # tokens x kv heads x head_dim x 2 bytes x (K, V)
     assert row["bytes"] == kv_bytes + 2 * 3 * 8 * 128 * 2
     assert row["ms"] > 0 and row["gb_per_s"] == pytest.approx(row["bytes"] / row["ms"] / 1e6)
     assert row["pct_of_copy"] == pytest.approx(row["gb_per_s"] / 10)
+    assert row["pct_of_read"] == pytest.approx(row["gb_per_s"] / 20)
