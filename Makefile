@@ -17,15 +17,36 @@ AMD_OBJS := $(foreach s,$(SOURCES),$(KDIR)/$(s).gfx90a.hsaco $(KDIR)/$(s).gfx942
                                    $(KDIR)/$(s).gfx1100.hsaco)
 HAVE_NVCC := $(shell command -v $(NVCC) 2>/dev/null)
 
-.PHONY: all demo test kernels kernels-nvidia kernels-amd toolchain venv bench soak lint clean
-all: kernels
+CORE_SRC := $(wildcard rocmforge_raw/*.pyx rocmforge_raw/runtime/*.pyx rocmforge_raw/runtime/*.pxd)
+CORE_STAMP := build/core.stamp
+
+.PHONY: all demo test core kernels kernels-nvidia kernels-amd toolchain pyheaders venv bench \
+        soak lint clean
+all: core kernels
 
 venv: $(PY)
-$(PY): pyproject.toml
+$(PY): pyproject.toml setup.py | pyheaders
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[test,cuda,plot,dev]'
 	touch $(PY)
+
+# Python's C headers, which the compiled core (Cython) builds against; installed when missing.
+pyheaders:
+	@if ! $(PYTHON) -c 'import os, sysconfig, sys; \
+	    sys.exit(not os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Python.h")))'; \
+	then \
+	  echo "installing python3-dev build-essential (Debian) ..."; \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq \
+	    python3-dev build-essential >/dev/null; \
+	fi
+
+# The compiled core (HipBuffer's base, registry, pool, allocators): rebuilt when a .pyx changes.
+core: $(CORE_STAMP)
+$(CORE_STAMP): $(CORE_SRC) setup.py $(PY)
+	$(PY) setup.py -q build_ext --inplace
+	@mkdir -p build && touch $@
 
 # AMD compilers and Debian's HIP runtime (libamdhip64), installed when missing.
 toolchain:
@@ -60,16 +81,16 @@ $(KDIR)/%.gfx942.hsaco: native/%.cu native/compat.h
 $(KDIR)/%.gfx1100.hsaco: native/%.cu native/compat.h
 	$(CLANG) -x hip --cuda-device-only --offload-arch=gfx1100 $(AMDFLAGS) -o $@ $<
 
-demo: $(PY) kernels
+demo: $(PY) core kernels
 	$(VENV)/bin/rocmforge-raw demo
 
-test: $(PY) kernels
+test: $(PY) core kernels
 	$(PY) -m pytest -q
 
-bench: $(PY) kernels
+bench: $(PY) core kernels
 	$(VENV)/bin/rocmforge-raw bench
 
-soak: $(PY) kernels
+soak: $(PY) core kernels
 	$(VENV)/bin/rocmforge-raw soak --seconds 60
 
 lint: $(PY)
@@ -77,4 +98,5 @@ lint: $(PY)
 
 clean:
 	rm -f $(KDIR)/*.cubin $(KDIR)/*.ptx $(KDIR)/*.hsaco
+	rm -f rocmforge_raw/*.so rocmforge_raw/*.c rocmforge_raw/runtime/*.so rocmforge_raw/runtime/*.c
 	rm -rf build *.egg-info .pytest_cache

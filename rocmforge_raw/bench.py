@@ -43,9 +43,11 @@ def median_us(fn: Callable[[], Any], iters: int, warmup: int = 10) -> float:
 
 
 def bench_alloc(backend: Backend, device: int, iters: int = 2000) -> list[dict[str, Any]]:
-    """Alloc+free round trips: bare binding calls, raw HipBuffer, pooled HipBuffer, and the
-    pool's own allocate/free, for 256 B, 1 MiB and 64 MiB; CuPy's pool alongside, as a
-    reference, where CuPy is installed for this GPU (``cupy_pooled_us``, else None)."""
+    """Alloc+free round trips for 256 B, 1 MiB and 64 MiB: the bare binding calls from Python
+    (``bare_us``), the same calls from C through the allocator HipBuffer uses (``c_us``: what
+    HipBuffer cannot go below), raw and pooled HipBuffer, and the pool's own allocate/free;
+    CuPy's pool alongside, as a reference, where CuPy is installed for this GPU
+    (``cupy_pooled_us``, else None)."""
     backend.set_device(device)
     pool = MemoryPool(device, backend)
     cupy_malloc = _cupy_pool_malloc(backend, device)
@@ -53,12 +55,14 @@ def bench_alloc(backend: Backend, device: int, iters: int = 2000) -> list[dict[s
     for size in (256, MiB, 64 * MiB):
         n = iters if size < 64 * MiB else max(iters // 10, 50)
         bare = median_us(lambda s=size: bare_alloc_free(backend, s), n)
+        c_path = median_us(lambda s=size: backend.allocator.round_trip(s, device), n)
         raw = median_us(lambda s=size: HipBuffer(s, device, backend).close(), n)
         pooled = median_us(lambda s=size: HipBuffer(s, pool=pool).close(), n)
         pool_only = median_us(lambda s=size: pool.free(pool.allocate(s)), n)
         # CuPy's MemoryPointer returns its block to the pool when it dies, i.e. at once
         cupy = None if cupy_malloc is None else median_us(lambda s=size: cupy_malloc(s), n)
-        rows.append({"bytes": size, "bare_us": bare, "raw_us": raw, "raw_over_bare": raw / bare,
+        rows.append({"bytes": size, "bare_us": bare, "c_us": c_path, "raw_us": raw,
+                     "raw_over_bare": raw / bare,
                      "pooled_us": pooled, "pool_allocate_free_us": pool_only,
                      "cupy_pooled_us": cupy})
     pool.free_all()

@@ -112,9 +112,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
     lines = [f"device: {backend.name}:{args.device} {result['device']}"]
     if args.alloc or everything:
         rows = result["alloc"] = bench.bench_alloc(backend, args.device, args.iters * 40)
-        lines.append(f"{'bytes':>10} {'bare us':>9} {'raw us':>9} {'raw/bare':>9} "
+        lines.append(f"{'bytes':>10} {'bare us':>9} {'C us':>9} {'raw us':>9} {'raw/bare':>9} "
                      f"{'pooled us':>10} {'pool a+f us':>12} {'cupy pool us':>13}")
-        lines += [f"{r['bytes']:>10} {r['bare_us']:9.2f} {r['raw_us']:9.2f} "
+        lines += [f"{r['bytes']:>10} {r['bare_us']:9.2f} {r['c_us']:9.2f} {r['raw_us']:9.2f} "
                   f"{r['raw_over_bare']:9.2f} {r['pooled_us']:10.2f} "
                   f"{r['pool_allocate_free_us']:12.2f} {_us(r['cupy_pooled_us']):>13}"
                   for r in rows]

@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
-# One call on the GPU machine: install the carried wheels (.whl), run the test suite on the
-# GPU, then the benchmarks. Logs go to $OUT. Usage: bash tools/device_run.sh [pytest args]
+# One call on the GPU machine: install the carried wheels (.whl), build the compiled core, run
+# the test suite on the GPU, then the benchmarks. Logs go to $OUT. Usage: bash tools/device_run.sh [pytest args]
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
   --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+python3 setup.py -q build_ext --inplace >/dev/null || exit 1  # the compiled core, for this Python
 OUT=${OUT:-/tmp/rf-out}
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv

@@ -11,7 +11,10 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any, ClassVar
+
+from ._alloc import Allocator, BackendAllocator
 
 
 @dataclass(frozen=True)
@@ -95,6 +98,16 @@ class Backend(ABC):
         shared_bytes: int, stream: Any, params_addr: int,
     ) -> None:
         """Launch with ``params_addr`` the address of a ``void*[]`` of argument addresses."""
+
+    @cached_property
+    def allocator(self) -> Allocator:
+        """What raw (unpooled) HipBuffers allocate through: ``make_allocator()``, made once."""
+        return self.make_allocator()
+
+    def make_allocator(self) -> Allocator:
+        """This backend's malloc/free for C callers: a subclass returns its C fast path; this
+        one calls ``malloc``/``free``."""
+        return BackendAllocator(self)
 
     def cached_properties(self, device: int) -> DeviceProperties:
         """``properties(device)``, asked once per device (they do not change)."""

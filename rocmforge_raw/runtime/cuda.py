@@ -10,6 +10,7 @@ import threading
 from typing import Any
 
 from ..errors import BackendUnavailableError, DeviceError, OutOfMemoryError
+from ._alloc import Allocator, CudaAllocator
 from .base import Backend, DeviceProperties, as_text, unwrap
 
 try:
@@ -56,9 +57,10 @@ class CudaBackend(Backend):
                         f"CUDA device {device} does not exist: {self._count} device(s) present"
                     )
                 handle = check("cuDeviceGet", cu.cuDeviceGet(device))
-                self._contexts[device] = check(
-                    "cuDevicePrimaryCtxRetain", cu.cuDevicePrimaryCtxRetain(handle)
-                )
+                context = check("cuDevicePrimaryCtxRetain", cu.cuDevicePrimaryCtxRetain(handle))
+                self._contexts[device] = context
+                if isinstance(self.allocator, CudaAllocator):
+                    self.allocator.set_context(device, int(context))
             return self._contexts[device]
 
     def _activate(self, device: int) -> None:
@@ -119,6 +121,14 @@ class CudaBackend(Backend):
         (status,) = cu.cuMemFree(ptr)
         if status != _SUCCESS:
             check("cuMemFree", (status,))
+
+    def make_allocator(self) -> Allocator:
+        try:
+            from cuda.bindings import cydriver
+
+            return CudaAllocator(self, self._count, cydriver.__pyx_capi__)
+        except (ImportError, AttributeError):  # a binding without a matching C layer
+            return super().make_allocator()
 
     def memcpy_htod(self, dst: int, src_host: int, nbytes: int, stream: Any = None) -> None:
         if stream is None:

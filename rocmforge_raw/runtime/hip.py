@@ -10,6 +10,7 @@ import threading
 from typing import Any
 
 from ..errors import BackendUnavailableError, DeviceError, OutOfMemoryError
+from ._alloc import Allocator, HipAllocator
 from .base import Backend, DeviceProperties, as_text, unwrap
 
 try:
@@ -102,6 +103,14 @@ class HipBackend(Backend):
         (status,) = hip.hipFree(ptr)
         if status != _SUCCESS:
             check("hipFree", (status,))
+
+    def make_allocator(self) -> Allocator:
+        try:
+            from rocm.bindings import cyhip
+
+            return HipAllocator(self, self._count, cyhip.__pyx_capi__)
+        except (ImportError, AttributeError):  # a binding without a matching C layer
+            return super().make_allocator()
 
     def _copy(self, dst: int, src: int, nbytes: int, kind: Any, stream: Any) -> None:
         if stream is None:

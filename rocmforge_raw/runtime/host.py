@@ -16,6 +16,7 @@ from typing import Any
 from cffi import FFI
 
 from ..errors import BackendUnavailableError, DeviceError, OutOfMemoryError
+from ._alloc import Allocator, HostAllocator
 from .base import Backend, DeviceProperties
 
 _ffi = FFI()
@@ -92,6 +93,9 @@ class HostBackend(Backend):
 
     def free(self, ptr: int, device: int) -> None:
         _libc.free(_void(ptr))
+
+    def make_allocator(self) -> Allocator:
+        return HostAllocator(self, ALIGNMENT)
 
     def memcpy_htod(self, dst: int, src_host: int, nbytes: int, stream: Any = None) -> None:
         _libc.memcpy(_void(dst), _void(src_host), nbytes)

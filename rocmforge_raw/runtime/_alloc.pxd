@@ -1,0 +1,14 @@
+# The C-level allocator interface shared by HipBuffer's core, MemoryPool and the backends'
+# fast paths. Pointers are uintptr_t device addresses, sizes are bytes.
+from libc.stdint cimport uintptr_t
+
+
+cdef class Allocator:
+    cdef readonly object backend
+    cdef uintptr_t alloc_ptr(self, size_t nbytes, int device) except 0
+    cdef int free_ptr(self, uintptr_t ptr, size_t nbytes, int device) except -1
+
+
+cdef class BackendAllocator(Allocator):
+    cdef bint fast_alloc(self, size_t nbytes, int device, uintptr_t* ptr) noexcept
+    cdef bint fast_free(self, uintptr_t ptr, int device) noexcept

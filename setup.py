@@ -1,0 +1,14 @@
+"""Builds the compiled core with Cython: the allocators (``runtime/_alloc``), HipBuffer's base
+type and registry (``_memory``) and ``MemoryPool`` (``pool``). Plain C against Python's
+headers only: the GPU fast paths take the bindings' C functions at run time, so neither cuda.h
+nor the ROCm headers are needed. Everything else is in pyproject.toml.
+"""
+
+from Cython.Build import cythonize
+from setuptools import Extension, setup
+
+MODULES = ("rocmforge_raw.runtime._alloc", "rocmforge_raw._memory", "rocmforge_raw.pool")
+
+extensions = [Extension(name, [name.replace(".", "/") + ".pyx"],
+                        extra_compile_args=["-O2", "-Wno-array-bounds"]) for name in MODULES]
+setup(ext_modules=cythonize(extensions, compiler_directives={"language_level": 3}, quiet=True))

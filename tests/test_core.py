@@ -1,0 +1,163 @@
+"""The compiled core: the allocators' C fast paths and their fallbacks, and the registry and
+pool under threads and under finalizers that run in the middle of their operations."""
+
+from __future__ import annotations
+
+import ctypes
+import gc
+import threading
+
+import numpy as np
+import pytest
+
+import rocmforge_raw as rf
+from rocmforge_raw.runtime._alloc import CudaAllocator, HipAllocator
+
+FAST_PATHS = {"host": "HostAllocator", "cuda": "CudaAllocator", "hip": "HipAllocator"}
+
+
+def test_raw_buffers_use_the_backends_c_allocator(backend):
+    assert type(backend.allocator).__name__ == FAST_PATHS[backend.name]
+    before = rf.memory_stats()
+    backend.allocator.round_trip(4096, backend.get_device())
+    assert rf.memory_stats() == before  # a bare round trip registers nothing
+
+
+def test_allocator_of_a_binding_without_the_c_function_is_refused():
+    with pytest.raises(ImportError, match="cuCtxGetCurrent is None"):
+        CudaAllocator(object(), 1, {})
+
+
+def test_allocator_of_a_binding_with_another_signature_is_refused():
+    new_capsule = ctypes.pythonapi.PyCapsule_New
+    new_capsule.restype, new_capsule.argtypes = ctypes.py_object, [
+        ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
+    name = ctypes.create_string_buffer(b"int (void)")  # alive as long as the capsule
+    capsule = new_capsule(ctypes.addressof(name), name, None)
+    with pytest.raises(ImportError, match=r"hipGetDevice is 'int \(void\)'.*enum hipError_t"):
+        HipAllocator(object(), 1, {"hipGetDevice": capsule})
+
+
+class _Recorder:
+    """Stands in for the hip backend, whose hardware is absent here: records the Python
+    fallback calls the allocator makes when its C fast path declines."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple] = []
+
+    def malloc(self, nbytes: int, device: int) -> int:
+        self.calls.append(("malloc", nbytes, device))
+        return 0x7000
+
+    def free(self, ptr: int, device: int) -> None:
+        self.calls.append(("free", ptr, device))
+
+
+def test_hip_fast_path_against_libamdhip64_without_a_device_falls_back():
+    cyhip = pytest.importorskip("rocm.bindings.cyhip")
+    try:
+        ctypes.CDLL("libamdhip64.so")
+    except OSError:
+        pytest.skip("libamdhip64 is not installed here (make test installs Debian's)")
+    if "hip" in [n for n, s in rf.available_backends().items() if s == "ok"]:
+        pytest.skip("an AMD GPU answers here")
+    recorder = _Recorder()
+    allocator = HipAllocator(recorder, 1, cyhip.__pyx_capi__)  # hip-python's real C layer
+    allocator.round_trip(256, 0)  # hipGetDevice fails here: both calls go to Python
+    assert recorder.calls == [("malloc", 256, 0), ("free", 0x7000, 0)]
+
+
+def test_cuda_allocation_in_a_thread_with_no_current_context(gpu):
+    # a new thread has no current context: the fast path declines, the backend activates
+    result = {}
+
+    def work() -> None:
+        with rf.HipBuffer.from_numpy(np.arange(1000, dtype=np.int32), backend=gpu) as buf:
+            result["data"] = buf.to_numpy(np.int32)
+        gpu.allocator.round_trip(1 << 20, 0)  # now current: served in C
+        result["ok"] = True
+
+    thread = threading.Thread(target=work)
+    thread.start()
+    thread.join()
+    assert result.get("ok") and np.array_equal(result["data"], np.arange(1000))
+
+
+def _assert_pool_consistent(pool: rf.MemoryPool, allocations: int) -> None:
+    stats = pool.stats()
+    assert stats["in_use_blocks"] == 0 and stats["in_use_bytes"] == 0
+    assert stats["reserved_bytes"] == stats["cached_bytes"]
+    assert stats["hits"] + stats["misses"] == allocations
+
+
+def test_pool_under_threads_never_hands_out_a_block_twice(backend):
+    pool = rf.MemoryPool(backend=backend)
+    live: dict[int, int] = {}  # pointer -> thread that holds it
+    guard = threading.Lock()
+    clashes = []
+    per_thread, threads = 1500, 8
+
+    def work(seed: int) -> None:
+        sizes = np.random.default_rng(seed).integers(1, 20000, per_thread)
+        held = []
+        for i, size in enumerate(sizes):
+            buf = rf.HipBuffer(int(size), pool=pool)
+            with guard:
+                if buf.ptr in live:
+                    clashes.append((buf.ptr, live[buf.ptr], seed))
+                live[buf.ptr] = seed
+            held.append(buf)
+            if len(held) > 4 or i == per_thread - 1:
+                for old in held:
+                    with guard:
+                        del live[old.ptr]
+                    old.close()
+                held.clear()
+
+    workers = [threading.Thread(target=work, args=(seed,)) for seed in range(threads)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    assert clashes == []
+    _assert_pool_consistent(pool, per_thread * threads)
+    pool.free_all()
+    assert pool.stats()["reserved_bytes"] == 0
+
+
+def test_finalizers_running_inside_pool_and_registry_operations_keep_them_consistent(
+        backend, rng):
+    # Buffers in reference cycles are freed by the cyclic GC, which a threshold of 1 runs at
+    # almost every allocation of a tracked object: inside HipBuffer's constructor, the
+    # registry's bookkeeping and the pool's, so their weakref callbacks re-enter both.
+    pool = rf.MemoryPool(backend=backend)
+    start = rf.memory_stats()
+    allocations = 3000
+    threshold = gc.get_threshold()
+    gc.set_threshold(1, 1, 1)
+    try:
+        for size in rng.integers(1, 50000, allocations):
+            buf = rf.HipBuffer(int(size), pool=pool)
+            cycle: list = [buf]
+            cycle.append(cycle)  # garbage only the cyclic GC frees
+        del buf, cycle
+    finally:
+        gc.set_threshold(*threshold)
+    gc.collect()
+    end = rf.memory_stats()
+    assert end["live_buffers"] == start["live_buffers"]
+    assert end["num_allocs"] - start["num_allocs"] == allocations
+    assert end["num_frees"] - start["num_frees"] == allocations
+    assert end["live_bytes"] == start["live_bytes"]
+    _assert_pool_consistent(pool, allocations)
+    pool.free_all()
+
+
+def test_pool_limit_must_be_a_byte_count(backend):
+    with pytest.raises(ValueError, match=r"pool limit must be between 0 and \d+ bytes, got -1"):
+        rf.MemoryPool(backend=backend, limit=-1)
+
+
+def test_pool_allocate_of_nothing_is_an_error(backend):
+    with pytest.raises(ValueError, match="nbytes > 0, got 0"):
+        rf.MemoryPool(backend=backend).allocate(0)
