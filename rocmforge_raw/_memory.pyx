@@ -73,7 +73,7 @@ cdef class _Registry:
         record.allocator, record.generation = allocator, _generation
         if self.track_stacks:
             record.stack = traceback.format_stack()  # compiled frames are not in it
-        ref = PyWeakref_NewRef(buf, _on_dead)
+        ref = PyWeakref_NewRef(buf, _on_dead_callback)
         self.live[ref] = record  # atomic from here on
         self.live_bytes += record.nbytes
         self.num_allocs += 1
@@ -124,6 +124,9 @@ registry = _registry
 
 def _on_dead(ref):
     _registry.release(ref)
+
+
+cdef object _on_dead_callback = _on_dead
 
 
 def _after_fork_in_child():
@@ -203,7 +206,7 @@ cdef class BufferCore:
         cdef Allocator allocator
         if pool is not None:
             allocator = <Allocator?>pool
-            self.backend, self.device = pool.backend, pool.device
+            self.backend, self.device = allocator.backend, allocator.device
         else:
             self.backend = get_backend(backend)
             self.device = self.backend.get_device() if device is None else device
@@ -213,7 +216,7 @@ cdef class BufferCore:
             raise OutOfMemoryError("HipBuffer", nbytes, free, total, 2,
                                    "larger than the device's memory")
         self.nbytes = nbytes
-        if nbytes:
+        if self.nbytes:
             self.addr = allocator.alloc_ptr(self.nbytes, self.device)
             try:
                 self.ref = _registry.add(self, allocator, self.addr)

@@ -29,17 +29,25 @@ from .stream import Event
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 
 
-def median_us(fn: Callable[[], Any], iters: int, warmup: int = 10) -> float:
-    """Median wall time of one call of ``fn`` in microseconds."""
-    for _ in range(warmup):
-        fn()
-    samples = []
+def medians_us(fns: dict[str, Callable[[], Any]], iters: int, chunk: int = 25,
+               warmup: int = 10) -> dict[str, float]:
+    """Median wall time of one call of each of ``fns`` in microseconds, measured in turns of
+    ``chunk`` calls each (the order rotating), so that drift in the machine (clocks, the
+    driver's state, other load) falls on all of them alike."""
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    samples: dict[str, list[int]] = {name: [] for name in fns}
+    names = list(fns)
     clock = time.perf_counter_ns
-    for _ in range(iters):
-        start = clock()
-        fn()
-        samples.append(clock() - start)
-    return statistics.median(samples) / 1e3
+    for turn in range(-(-iters // chunk)):
+        for name in names[turn % len(names):] + names[:turn % len(names)]:
+            fn, out = fns[name], samples[name]
+            for _ in range(chunk):
+                start = clock()
+                fn()
+                out.append(clock() - start)
+    return {name: statistics.median(values) / 1e3 for name, values in samples.items()}
 
 
 def bench_alloc(backend: Backend, device: int, iters: int = 2000) -> list[dict[str, Any]]:
@@ -54,17 +62,18 @@ def bench_alloc(backend: Backend, device: int, iters: int = 2000) -> list[dict[s
     rows = []
     for size in (256, MiB, 64 * MiB):
         n = iters if size < 64 * MiB else max(iters // 10, 50)
-        bare = median_us(lambda s=size: bare_alloc_free(backend, s), n)
-        c_path = median_us(lambda s=size: backend.allocator.round_trip(s, device), n)
-        raw = median_us(lambda s=size: HipBuffer(s, device, backend).close(), n)
-        pooled = median_us(lambda s=size: HipBuffer(s, pool=pool).close(), n)
-        pool_only = median_us(lambda s=size: pool.free(pool.allocate(s)), n)
-        # CuPy's MemoryPointer returns its block to the pool when it dies, i.e. at once
-        cupy = None if cupy_malloc is None else median_us(lambda s=size: cupy_malloc(s), n)
-        rows.append({"bytes": size, "bare_us": bare, "c_us": c_path, "raw_us": raw,
-                     "raw_over_bare": raw / bare,
-                     "pooled_us": pooled, "pool_allocate_free_us": pool_only,
-                     "cupy_pooled_us": cupy})
+        fns = {
+            "bare_us": lambda s=size: bare_alloc_free(backend, s),
+            "c_us": lambda s=size: backend.allocator.round_trip(s, device),
+            "raw_us": lambda s=size: HipBuffer(s, device, backend).close(),
+            "pooled_us": lambda s=size: HipBuffer(s, pool=pool).close(),
+            "pool_allocate_free_us": lambda s=size: pool.free(pool.allocate(s)),
+        }
+        if cupy_malloc is not None:  # its MemoryPointer goes back to its pool when it dies
+            fns["cupy_pooled_us"] = lambda s=size: cupy_malloc(s)
+        row: dict[str, Any] = {"bytes": size, "cupy_pooled_us": None, **medians_us(fns, n)}
+        row["raw_over_bare"] = row["raw_us"] / row["bare_us"]
+        rows.append(row)
     pool.free_all()
     return rows
 

@@ -54,20 +54,23 @@ def _release_cached(backend, int device, dict cache, pid):
 cdef class MemoryPool(Allocator):
     """Caches freed device blocks of one device for reuse. Thread-safe.
 
-    Invariant: ``reserved`` bytes = bytes of blocks in use + ``cached`` bytes; every block
-    is either in ``in_use`` (pointer -> size) or in ``cache[size]``, never both. Like the
-    registry, the pool is made thread-safe by the GIL: each step that reads and writes its
-    state runs no Python code and allocates no GC-tracked object, so it is atomic. Only the
-    calls to the device allocator may run Python code (its fallback path), and they happen
-    between steps: a block is reserved before it is asked for and un-reserved if that fails.
+    Invariant: ``reserved`` bytes = bytes of blocks lent out + ``cached`` bytes; a block is
+    either lent or in ``cache[size]``, never both. Blocks lent to HipBuffers are counted
+    (the registry frees each once); blocks lent through the Python ``allocate`` are also
+    kept in ``loose`` (pointer -> size), so that ``free`` can refuse a pointer it never lent.
+
+    Like the registry, the pool is made thread-safe by the GIL: each step that reads and
+    writes its state runs no Python code and allocates no GC-tracked object, so it is
+    atomic. Only the device allocator may run Python code (its fallback path), and it is
+    called between steps: a block is reserved before it is asked for, un-reserved if that
+    fails.
     """
-    cdef readonly int device
     cdef readonly object limit
     cdef readonly size_t hits, misses
     cdef Allocator upstream
     cdef dict cache   # size class -> [pointer, ...]
-    cdef dict in_use  # pointer -> size class
-    cdef size_t reserved, cached
+    cdef dict loose   # pointer -> size class, for blocks lent through ``allocate``
+    cdef size_t reserved, cached, lent
     cdef size_t cap   # limit in bytes (SIZE_MAX: none)
     cdef object _finalizer
     cdef object __weakref__
@@ -81,7 +84,7 @@ cdef class MemoryPool(Allocator):
         self.limit = limit
         self.cap = SIZE_MAX if limit is None else limit
         self.upstream = self.backend.allocator
-        self.cache, self.in_use = {}, {}
+        self.cache, self.loose = {}, {}
         self._finalizer = weakref.finalize(
             self, _release_cached, self.backend, self.device, self.cache, os.getpid())
         self._finalizer.atexit = False
@@ -93,18 +96,16 @@ cdef class MemoryPool(Allocator):
 
     cdef uintptr_t alloc_ptr(self, size_t nbytes, int device) except 0:
         cdef size_t size = size_class(nbytes)
-        cdef object key = size
-        blocks = self.cache.get(key)
+        blocks = self.cache.get(size)
         if blocks:  # a hit: one atomic step
-            ptr = (<list>blocks).pop()
             self.cached -= size
             self.hits += 1
-            self.in_use[ptr] = key
-            return ptr
-        cdef uintptr_t new = self.grow(size)
-        self.in_use[new] = key
+            self.lent += 1
+            return (<list>blocks).pop()
+        cdef uintptr_t ptr = self.grow(size)
         self.misses += 1
-        return new
+        self.lent += 1
+        return ptr
 
     cdef uintptr_t grow(self, size_t size) except 0:
         """A new block from the device, within the limit."""
@@ -125,16 +126,14 @@ cdef class MemoryPool(Allocator):
             raise
 
     cdef int free_ptr(self, uintptr_t ptr, size_t nbytes, int device) except -1:
-        key = self.in_use.pop(ptr, None)  # atomic from here on
-        if key is None:
-            raise ValueError(f"pointer {ptr:#x} was not allocated by this pool, or was "
-                             "freed already")
-        blocks = self.cache.get(key)
+        cdef size_t size = size_class(nbytes)
+        blocks = self.cache.get(size)  # atomic from here on
         if blocks is None:
-            self.cache[key] = [ptr]
+            self.cache[size] = [ptr]
         else:
             (<list>blocks).append(ptr)
-        self.cached += <size_t>key
+        self.cached += size
+        self.lent -= 1
         return 0
 
     cdef int free_cached(self) except -1:
@@ -150,14 +149,20 @@ cdef class MemoryPool(Allocator):
         return 0
 
     def allocate(self, nbytes):
-        """A device pointer to at least ``nbytes`` > 0 bytes."""
+        """A device pointer to at least ``nbytes`` > 0 bytes, for ``free`` to take back."""
         if nbytes <= 0:
             raise ValueError(f"a pool allocation needs nbytes > 0, got {nbytes}")
-        return self.alloc_ptr(nbytes, self.device)
+        ptr = self.alloc_ptr(nbytes, self.device)
+        self.loose[ptr] = nbytes
+        return ptr
 
     def free(self, ptr, device=None):
         """Return a block from ``allocate`` to the cache."""
-        self.free_ptr(ptr, 0, self.device)
+        nbytes = self.loose.pop(ptr, None)
+        if nbytes is None:
+            raise ValueError(f"pointer {ptr:#x} was not allocated by this pool's allocate(), "
+                             "or was freed already")
+        self.free_ptr(ptr, nbytes, self.device)
 
     def free_all(self):
         """Give every cached (not in-use) block back to the device."""
@@ -165,7 +170,7 @@ cdef class MemoryPool(Allocator):
 
     def stats(self):
         """Bytes reserved from the device, in use, cached; cache hits and misses; the limit."""
-        cdef size_t reserved = self.reserved, cached = self.cached, blocks = len(self.in_use)
+        cdef size_t reserved = self.reserved, cached = self.cached, blocks = self.lent
         cdef size_t hits = self.hits, misses = self.misses
         return {"reserved_bytes": reserved, "in_use_bytes": reserved - cached,
                 "cached_bytes": cached, "in_use_blocks": blocks, "hits": hits,

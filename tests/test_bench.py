@@ -1,4 +1,5 @@
-"""The GPU bench's own measurements: the hold kernel, the bandwidth references, a shape row."""
+"""The bench's own measurements: timing in turns, the alloc rows, the hold kernel, the bandwidth
+references, a shape row."""
 
 import time
 
@@ -33,3 +34,27 @@ def test_an_attention_row_counts_the_bytes_it_read(gpu):
     assert row["ms"] > 0 and row["gb_per_s"] == pytest.approx(row["bytes"] / row["ms"] / 1e6)
     assert row["pct_of_copy"] == pytest.approx(row["gb_per_s"] / 10)
     assert row["pct_of_read"] == pytest.approx(row["gb_per_s"] / 20)
+
+
+def test_medians_time_each_function_in_turns():
+    calls = {"slow": 0, "quick": 0}
+
+    def slow() -> None:
+        calls["slow"] += 1
+        time.sleep(300e-6)
+
+    def quick() -> None:
+        calls["quick"] += 1
+
+    medians = bench.medians_us({"slow": slow, "quick": quick}, iters=40, chunk=10, warmup=3)
+    assert calls == {"slow": 43, "quick": 43}
+    assert medians["slow"] >= 300 > medians["quick"]
+
+
+def test_alloc_rows_compare_hipbuffer_with_the_bare_calls(backend):
+    rows = bench.bench_alloc(backend, backend.get_device(), iters=60)
+    assert [r["bytes"] for r in rows] == [256, 1 << 20, 64 << 20]
+    for r in rows:
+        assert r["raw_over_bare"] == pytest.approx(r["raw_us"] / r["bare_us"])
+        assert all(r[k] > 0 for k in ("bare_us", "c_us", "raw_us", "pooled_us",
+                                      "pool_allocate_free_us"))

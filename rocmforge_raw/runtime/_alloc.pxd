@@ -5,6 +5,7 @@ from libc.stdint cimport uintptr_t
 
 cdef class Allocator:
     cdef readonly object backend
+    cdef readonly int device  # the one device it serves, or -1: any device of its backend
     cdef uintptr_t alloc_ptr(self, size_t nbytes, int device) except 0
     cdef int free_ptr(self, uintptr_t ptr, size_t nbytes, int device) except -1
 

@@ -20,7 +20,13 @@ cdef extern from "stdlib.h" nogil:
 
 
 cdef class Allocator:
-    """Hands out device pointers of at least ``nbytes`` > 0 bytes and takes them back."""
+    """Hands out device pointers of at least ``nbytes`` > 0 bytes and takes them back.
+
+    ``free_ptr`` is called once per pointer, with the ``nbytes`` and ``device`` it was
+    allocated with (HipBuffer's registry guarantees the once)."""
+
+    def __cinit__(self, *args, **kwargs):
+        self.device = -1
 
     cdef uintptr_t alloc_ptr(self, size_t nbytes, int device) except 0:
         raise NotImplementedError(f"{type(self).__name__} cannot allocate")
