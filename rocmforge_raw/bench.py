@@ -29,24 +29,26 @@ from .stream import Event
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 
 
-def medians_us(fns: dict[str, Callable[[], Any]], iters: int, chunk: int = 25,
+def medians_us(fns: dict[str, Callable[[], Any]], iters: int, batch: int = 10,
                warmup: int = 10) -> dict[str, float]:
-    """Median wall time of one call of each of ``fns`` in microseconds, measured in turns of
-    ``chunk`` calls each (the order rotating), so that drift in the machine (clocks, the
-    driver's state, other load) falls on all of them alike."""
+    """Median wall time of one call of each of ``fns`` in microseconds, over ``iters`` calls.
+
+    A sample is the mean of ``batch`` back-to-back calls, so that the clock's own cost (a
+    system call on some virtual machines: ~0.5 us) stays out of sub-microsecond results; the
+    functions take turns sample by sample, so that drift in the machine (clocks, the
+    driver's state, other load) falls on all of them alike. Each call includes one Python
+    call of the function itself."""
     for fn in fns.values():
         for _ in range(warmup):
             fn()
-    samples: dict[str, list[int]] = {name: [] for name in fns}
-    names = list(fns)
+    samples: dict[str, list[float]] = {name: [] for name in fns}
     clock = time.perf_counter_ns
-    for turn in range(-(-iters // chunk)):
-        for name in names[turn % len(names):] + names[:turn % len(names)]:
-            fn, out = fns[name], samples[name]
-            for _ in range(chunk):
-                start = clock()
+    for _ in range(-(-iters // batch)):
+        for name, fn in fns.items():
+            start = clock()
+            for _ in range(batch):
                 fn()
-                out.append(clock() - start)
+            samples[name].append((clock() - start) / batch)
     return {name: statistics.median(values) / 1e3 for name, values in samples.items()}
 
 

@@ -36,7 +36,7 @@ def test_an_attention_row_counts_the_bytes_it_read(gpu):
     assert row["pct_of_read"] == pytest.approx(row["gb_per_s"] / 20)
 
 
-def test_medians_time_each_function_in_turns():
+def test_medians_time_each_function_in_batches_and_turns():
     calls = {"slow": 0, "quick": 0}
 
     def slow() -> None:
@@ -46,7 +46,7 @@ def test_medians_time_each_function_in_turns():
     def quick() -> None:
         calls["quick"] += 1
 
-    medians = bench.medians_us({"slow": slow, "quick": quick}, iters=40, chunk=10, warmup=3)
+    medians = bench.medians_us({"slow": slow, "quick": quick}, iters=40, batch=10, warmup=3)
     assert calls == {"slow": 43, "quick": 43}
     assert medians["slow"] >= 300 > medians["quick"]
 
