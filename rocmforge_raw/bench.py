@@ -29,18 +29,20 @@ from .stream import Event
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 
 
-def medians_us(fns: dict[str, Callable[[], Any]], iters: int, batch: int = 10,
+def medians_us(fns: dict[str, Callable[[], Any]], iters: int, batch: int | None = None,
                warmup: int = 10) -> dict[str, float]:
     """Median wall time of one call of each of ``fns`` in microseconds, over ``iters`` calls.
 
-    A sample is the mean of ``batch`` back-to-back calls, so that the clock's own cost (a
-    system call on some virtual machines: ~0.5 us) stays out of sub-microsecond results; the
+    A sample is the mean of ``batch`` back-to-back calls (default: enough for 20 samples, at
+    most 100), so that the clock's own cost (a system call on some virtual machines) and the
+    caches the other functions cooled stay out of sub-microsecond results; the
     functions take turns sample by sample, so that drift in the machine (clocks, the
     driver's state, other load) falls on all of them alike. Each call includes one Python
     call of the function itself."""
     for fn in fns.values():
         for _ in range(warmup):
             fn()
+    batch = batch or max(1, min(100, iters // 20))
     samples: dict[str, list[float]] = {name: [] for name in fns}
     clock = time.perf_counter_ns
     for _ in range(-(-iters // batch)):

@@ -6,7 +6,11 @@ scheduler (add/append/fork/finish/preempt) with reshape_and_cache and paged_atte
 launches, (c) on GPUs, loading, launching and unloading a code object. Samples: library live
 bytes and buffers, device used bytes (mem_info, GPU only) and process RSS. PASS when live
 buffers return to their baseline after teardown and, after warm-up, the fitted drift (slope x
-post-warm-up duration) of device-used bytes and of RSS stays under the thresholds.
+post-warm-up duration) of device-used bytes and of RSS stays under the thresholds. The slope
+is Theil-Sen's (the median of the slopes between all pairs of samples): the driver's used
+bytes dip for single samples (module unloads, the pool between cycles) and a least-squares
+line tilts by a megabyte with where those dips happen to fall, while a leak lifts the whole
+series.
 ``inject_leak`` keeps one small buffer per cycle, which must FAIL.
 """
 
@@ -62,13 +66,16 @@ def _rss() -> int:
 
 
 def _drift(times: np.ndarray, values: np.ndarray, start: float) -> float:
-    """Least-squares slope of ``values`` after ``start``, times the span it covers."""
+    """Theil-Sen slope of ``values`` after ``start`` (bytes per second), times the span it
+    covers: robust to single-sample dips and spikes (up to ~29% of the samples)."""
     keep = times >= start
     if keep.sum() < 3:
         return 0.0
     t, v = times[keep], values[keep].astype(np.float64)
-    slope = np.polyfit(t - t[0], v, 1)[0]
-    return float(slope * (t[-1] - t[0]))
+    first, second = np.triu_indices(len(t), k=1)
+    dt = t[second] - t[first]
+    slopes = (v[second] - v[first])[dt > 0] / dt[dt > 0]
+    return float(np.median(slopes) * (t[-1] - t[0]))
 
 
 class _Workload:
@@ -191,11 +198,12 @@ def run_soak(backend: Backend, device: int, config: SoakConfig,
     leaked_on_purpose = len(leaked)
     for buf in leaked:  # judged already: give the planted leak back to the process
         buf.close()
-    times = np.array([r[0] for r in rows])
+    running = rows[:-1]  # the last sample is after teardown: it judges live buffers only
+    times = np.array([r[0] for r in running])
     warm = config.seconds * config.warmup_fraction
-    device_drift = _drift(times, np.array([r[3] for r in rows], np.float64), warm) if gpu \
+    device_drift = _drift(times, np.array([r[3] for r in running], np.float64), warm) if gpu \
         else None
-    rss_drift = _drift(times, np.array([r[4] for r in rows], np.float64), warm)
+    rss_drift = _drift(times, np.array([r[4] for r in running], np.float64), warm)
     reasons = []
     if final_live != baseline:
         reasons.append(f"live buffers: {final_live} after teardown, baseline {baseline} "

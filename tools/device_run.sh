@@ -18,6 +18,6 @@ if [ -n "${RF_DEMO_SOAK:-}" ]; then
   python3 -m rocmforge_raw.cli demo 2>&1 | tee "$OUT/demo.txt"
   python3 -m rocmforge_raw.cli soak --seconds "${RF_SOAK_SECONDS:-120}" --out "$OUT/soak" \
     2>&1 | tee "$OUT/soak.txt"
-  cp "$OUT"/soak/soak.png "$OUT"/soak/soak.json "$OUT"/ 2>/dev/null
+  cp "$OUT"/soak/soak.png "$OUT"/soak/soak.json "$OUT"/soak/soak.csv "$OUT"/ 2>/dev/null
   rm -rf "$OUT/soak"
 fi
