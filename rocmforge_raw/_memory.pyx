@@ -18,7 +18,6 @@ import operator
 import os
 import sys
 import traceback
-import weakref
 
 cimport cython
 from cpython.dict cimport PyDict_Values

@@ -17,10 +17,16 @@ FAST_PATHS = {"host": "HostAllocator", "cuda": "CudaAllocator", "hip": "HipAlloc
 
 
 def test_raw_buffers_use_the_backends_c_allocator(backend):
-    assert type(backend.allocator).__name__ == FAST_PATHS[backend.name]
-    before = rf.memory_stats()
-    backend.allocator.round_trip(4096, backend.get_device())
-    assert rf.memory_stats() == before  # a bare round trip registers nothing
+    allocator = backend.allocator
+    assert type(allocator).__name__ == FAST_PATHS[backend.name]
+    device = backend.get_device()
+    rf.HipBuffer(4096, device, backend).close()  # makes the device current in this thread
+    fallbacks, before = allocator.fallbacks, rf.memory_stats()
+    for nbytes in (1, 4096, 1 << 20):
+        allocator.round_trip(nbytes, device)
+        rf.HipBuffer(nbytes, device, backend).close()
+    assert allocator.fallbacks == fallbacks  # all served in C
+    assert rf.memory_stats()["num_allocs"] == before["num_allocs"] + 3  # round trips: unregistered
 
 
 def test_allocator_of_a_binding_without_the_c_function_is_refused():
@@ -65,6 +71,7 @@ def test_hip_fast_path_against_libamdhip64_without_a_device_falls_back():
     allocator = HipAllocator(recorder, 1, cyhip.__pyx_capi__)  # hip-python's real C layer
     allocator.round_trip(256, 0)  # hipGetDevice fails here: both calls go to Python
     assert recorder.calls == [("malloc", 256, 0), ("free", 0x7000, 0)]
+    assert allocator.fallbacks == 2
 
 
 def test_cuda_allocation_in_a_thread_with_no_current_context(gpu):
@@ -72,15 +79,18 @@ def test_cuda_allocation_in_a_thread_with_no_current_context(gpu):
     result = {}
 
     def work() -> None:
+        fallbacks = gpu.allocator.fallbacks
         with rf.HipBuffer.from_numpy(np.arange(1000, dtype=np.int32), backend=gpu) as buf:
             result["data"] = buf.to_numpy(np.int32)
+        result["first"] = gpu.allocator.fallbacks - fallbacks
         gpu.allocator.round_trip(1 << 20, 0)  # now current: served in C
-        result["ok"] = True
+        result["then"] = gpu.allocator.fallbacks - fallbacks
 
     thread = threading.Thread(target=work)
     thread.start()
     thread.join()
-    assert result.get("ok") and np.array_equal(result["data"], np.arange(1000))
+    assert np.array_equal(result["data"], np.arange(1000))
+    assert result["first"] == 1 and result["then"] == 1  # only the first allocation fell back
 
 
 def _assert_pool_consistent(pool: rf.MemoryPool, allocations: int) -> None:

@@ -11,5 +11,6 @@ cdef class Allocator:
 
 
 cdef class BackendAllocator(Allocator):
+    cdef readonly size_t fallbacks  # calls the C fast path left to the backend's Python method
     cdef bint fast_alloc(self, size_t nbytes, int device, uintptr_t* ptr) noexcept
     cdef bint fast_free(self, uintptr_t ptr, int device) noexcept

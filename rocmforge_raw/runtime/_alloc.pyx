@@ -57,10 +57,12 @@ cdef class BackendAllocator(Allocator):
         cdef uintptr_t ptr = 0
         if self.fast_alloc(nbytes, device, &ptr):
             return ptr
+        self.fallbacks += 1
         return self.backend.malloc(nbytes, device)
 
     cdef int free_ptr(self, uintptr_t ptr, size_t nbytes, int device) except -1:
         if not self.fast_free(ptr, device):
+            self.fallbacks += 1
             self.backend.free(ptr, device)
         return 0
 
@@ -120,13 +122,31 @@ cdef inline bint _ok(int status) noexcept:
     return False
 
 
-cdef class CudaAllocator(BackendAllocator):
+cdef class BindingAllocator(BackendAllocator):
+    """A GPU binding's C malloc/free, served only when ``is_current(device)``."""
+
+    cdef alloc_fn mem_alloc
+    cdef free_fn mem_free
+
+    cdef bint is_current(self, int device) noexcept:
+        return False
+
+    cdef bint fast_alloc(self, size_t nbytes, int device, uintptr_t* ptr) noexcept:
+        cdef void* out = NULL
+        if not self.is_current(device) or not _ok(self.mem_alloc(&out, nbytes)):
+            return False
+        ptr[0] = <uintptr_t>out
+        return True
+
+    cdef bint fast_free(self, uintptr_t ptr, int device) noexcept:
+        return self.is_current(device) and _ok(self.mem_free(<void*>ptr))
+
+
+cdef class CudaAllocator(BindingAllocator):
     """cuMemAlloc/cuMemFree, served only when the device's primary context is current in
     the calling thread (one cuCtxGetCurrent); the fast path never changes the context."""
 
     cdef get_pointer_fn current_context
-    cdef alloc_fn mem_alloc
-    cdef free_fn mem_free
     cdef list contexts  # per device: the retained primary context as an int, or 0
 
     def __init__(self, backend, int count, dict capi):
@@ -146,26 +166,14 @@ cdef class CudaAllocator(BackendAllocator):
         cdef void* now = NULL
         if not 0 <= device < len(self.contexts) or not _ok(self.current_context(&now)):
             return False
-        return <uintptr_t>now == <uintptr_t>self.contexts[device] and now != NULL
-
-    cdef bint fast_alloc(self, size_t nbytes, int device, uintptr_t* ptr) noexcept:
-        cdef void* out = NULL
-        if not self.is_current(device) or not _ok(self.mem_alloc(&out, nbytes)):
-            return False
-        ptr[0] = <uintptr_t>out
-        return True
-
-    cdef bint fast_free(self, uintptr_t ptr, int device) noexcept:
-        return self.is_current(device) and _ok(self.mem_free(<void*>ptr))
+        return now != NULL and <uintptr_t>now == <uintptr_t>self.contexts[device]
 
 
-cdef class HipAllocator(BackendAllocator):
+cdef class HipAllocator(BindingAllocator):
     """hipMalloc/hipFree, served only when ``device`` is current in the calling thread (one
     hipGetDevice); the fast path never changes the device. Mirrors ``CudaAllocator``."""
 
     cdef get_device_fn current_device
-    cdef alloc_fn mem_alloc
-    cdef free_fn mem_free
     cdef int count
 
     def __init__(self, backend, int count, dict capi):
@@ -182,13 +190,3 @@ cdef class HipAllocator(BackendAllocator):
         if not 0 <= device < self.count or not _ok(self.current_device(&now)):
             return False
         return now == device
-
-    cdef bint fast_alloc(self, size_t nbytes, int device, uintptr_t* ptr) noexcept:
-        cdef void* out = NULL
-        if not self.is_current(device) or not _ok(self.mem_alloc(&out, nbytes)):
-            return False
-        ptr[0] = <uintptr_t>out
-        return True
-
-    cdef bint fast_free(self, uintptr_t ptr, int device) noexcept:
-        return self.is_current(device) and _ok(self.mem_free(<void*>ptr))
