@@ -86,6 +86,7 @@ def get_backend(name: str | Backend | None = None) -> Backend:
         except Exception as exc:  # a binding that fails to load is "unavailable", with why
             _failures[name] = BackendUnavailableError(f"{name} backend failed to start: {exc}")
             raise _failures[name] from exc
+        _ = backend.allocator  # made here, under the lock: one per backend, whatever the threads
         _backends[name] = backend
         _classes.add(type(backend))
         return backend
