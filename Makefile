@@ -17,7 +17,8 @@ AMD_OBJS := $(foreach s,$(SOURCES),$(KDIR)/$(s).gfx90a.hsaco $(KDIR)/$(s).gfx942
                                    $(KDIR)/$(s).gfx1100.hsaco)
 HAVE_NVCC := $(shell command -v $(NVCC) 2>/dev/null)
 
-CORE_SRC := $(wildcard rocmforge_raw/*.pyx rocmforge_raw/runtime/*.pyx rocmforge_raw/runtime/*.pxd)
+CORE_SRC := $(wildcard rocmforge_raw/*.pyx rocmforge_raw/*.pxd rocmforge_raw/runtime/*.pyx \
+                       rocmforge_raw/runtime/*.pxd)
 CORE_STAMP := build/core.stamp
 
 .PHONY: all demo test core kernels kernels-nvidia kernels-amd toolchain pyheaders venv bench \
@@ -42,7 +43,7 @@ pyheaders:
 	    python3-dev build-essential >/dev/null; \
 	fi
 
-# The compiled core (HipBuffer's base, registry, pool, allocators): rebuilt when a .pyx changes.
+# The compiled core (HipBuffer, registry, pool, allocators): rebuilt when a .pyx changes.
 core: $(CORE_STAMP)
 $(CORE_STAMP): $(CORE_SRC) setup.py $(PY)
 	$(PY) setup.py -q build_ext --inplace

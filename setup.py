@@ -1,5 +1,5 @@
-"""Builds the compiled core with Cython: the allocators (``runtime/_alloc``), HipBuffer's base
-type and registry (``_memory``) and ``MemoryPool`` (``pool``). Plain C against Python's
+"""Builds the compiled core with Cython: the allocators (``runtime/_alloc``), the registry
+(``_registry``), ``HipBuffer`` (``buffer``) and ``MemoryPool`` (``pool``). Plain C against Python's
 headers only: the GPU fast paths take the bindings' C functions at run time, so neither cuda.h
 nor the ROCm headers are needed. Everything else is in pyproject.toml.
 """
@@ -7,7 +7,8 @@ nor the ROCm headers are needed. Everything else is in pyproject.toml.
 from Cython.Build import cythonize
 from setuptools import Extension, setup
 
-MODULES = ("rocmforge_raw.runtime._alloc", "rocmforge_raw._memory", "rocmforge_raw.pool")
+MODULES = ("rocmforge_raw.runtime._alloc", "rocmforge_raw._registry", "rocmforge_raw.buffer",
+           "rocmforge_raw.pool")
 
 extensions = [Extension(name, [name.replace(".", "/") + ".pyx"],
                         extra_compile_args=["-O2", "-Wno-array-bounds"]) for name in MODULES]

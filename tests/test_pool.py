@@ -81,3 +81,25 @@ def test_set_allocator_routes_new_buffers_through_the_pool(backend):
     raw = rf.HipBuffer(4000, backend=backend)
     assert pool.stats()["in_use_blocks"] == 0
     raw.close()
+
+
+def test_blocks_of_every_size_class_go_back_on_free_all(backend):
+    pool = rf.MemoryPool(backend=backend)
+    sizes = [(1 << k) + extra for k in range(9, 27) for extra in (-1, 0, 1, 3 << (k - 3))]
+    for nbytes in sizes:
+        rf.HipBuffer(nbytes, pool=pool).close()
+    stats = pool.stats()
+    assert stats["in_use_blocks"] == 0 and stats["misses"] == len(set(map(size_class, sizes)))
+    assert stats["reserved_bytes"] == stats["cached_bytes"] == sum(set(map(size_class, sizes)))
+    pool.free_all()
+    assert pool.stats()["reserved_bytes"] == pool.stats()["cached_bytes"] == 0
+
+
+def test_a_dropped_pool_gives_its_cached_blocks_back_to_the_device(gpu):
+    device = gpu.get_device()
+    pool = rf.MemoryPool(device, gpu)
+    rf.HipBuffer(256 << 20, pool=pool).close()  # cached: still held from the device
+    held = gpu.mem_info(device)[0]
+    del pool
+    gc.collect()
+    assert gpu.mem_info(device)[0] - held >= 256 << 20
