@@ -173,6 +173,10 @@ cdef class HipBuffer:
     def __exit__(self, *exc):
         self.close()
 
+    def __reduce__(self):
+        raise TypeError("a HipBuffer owns its device memory and cannot be copied or pickled: "
+                        "copy its bytes instead (to_numpy, from_numpy, copy_from)")
+
     @classmethod
     def from_numpy(cls, array: Any, device: int | None = None,
                    backend: str | Backend | None = None, *, pool: MemoryPool | None = None,

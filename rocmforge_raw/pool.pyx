@@ -216,5 +216,8 @@ cdef class MemoryPool(Allocator):
                 "cached_bytes": cached, "in_use_blocks": blocks, "hits": hits,
                 "misses": misses, "limit": self.limit}
 
+    def __reduce__(self):
+        raise TypeError("a MemoryPool owns device memory and cannot be copied or pickled")
+
     def __repr__(self):
         return f"<MemoryPool {self.backend.name}:{self.device} {self.stats()}>"

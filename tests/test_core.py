@@ -3,8 +3,10 @@ pool under threads and under finalizers that run in the middle of their operatio
 
 from __future__ import annotations
 
+import copy
 import ctypes
 import gc
+import pickle
 import threading
 
 import numpy as np
@@ -171,3 +173,13 @@ def test_pool_limit_must_be_a_byte_count(backend):
 def test_pool_allocate_of_nothing_is_an_error(backend):
     with pytest.raises(ValueError, match="nbytes > 0, got 0"):
         rf.MemoryPool(backend=backend).allocate(0)
+
+
+@pytest.mark.parametrize("duplicate", [copy.copy, copy.deepcopy, pickle.dumps])
+def test_owners_of_device_memory_cannot_be_duplicated(backend, duplicate):
+    pool = rf.MemoryPool(backend=backend)
+    with rf.HipBuffer(64, backend=backend) as buf:
+        with pytest.raises(TypeError, match="HipBuffer owns its device memory"):
+            duplicate(buf)
+        with pytest.raises(TypeError, match="MemoryPool owns device memory"):
+            duplicate(pool)
