@@ -36,14 +36,29 @@ def test_allocator_of_a_binding_without_the_c_function_is_refused():
         CudaAllocator(object(), 1, {})
 
 
-def test_allocator_of_a_binding_with_another_signature_is_refused():
+_NAMES: list = []  # capsule names must outlive their capsules
+
+
+def _capsule(signature: str) -> object:
+    """A capsule named like a binding's C function (pointing at its own name: never called)."""
     new_capsule = ctypes.pythonapi.PyCapsule_New
     new_capsule.restype, new_capsule.argtypes = ctypes.py_object, [
         ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
-    name = ctypes.create_string_buffer(b"int (void)")  # alive as long as the capsule
-    capsule = new_capsule(ctypes.addressof(name), name, None)
+    _NAMES.append(ctypes.create_string_buffer(signature.encode()))
+    return new_capsule(ctypes.addressof(_NAMES[-1]), _NAMES[-1], None)
+
+
+def test_allocator_of_a_binding_with_another_signature_is_refused():
     with pytest.raises(ImportError, match=r"hipGetDevice is 'int \(void\)'.*enum hipError_t"):
-        HipAllocator(object(), 1, {"hipGetDevice": capsule})
+        HipAllocator(object(), 1, {"hipGetDevice": _capsule("int (void)")})
+
+
+def test_allocator_accepts_the_older_hip_python_spelling_of_size_t():
+    # hip-python 6.x (module hip.chip) declares hipMalloc with "unsigned long" for size_t
+    capi = {"hipGetDevice": _capsule("enum hipError_t (int *)"),
+            "hipMalloc": _capsule("enum hipError_t (void **, unsigned long)"),
+            "hipFree": _capsule("enum hipError_t (void *)")}
+    assert HipAllocator(object(), 1, capi).fallbacks == 0
 
 
 class _Recorder:

@@ -106,12 +106,17 @@ ctypedef int (*get_device_fn)(int* out) noexcept
 
 
 cdef void* _function(dict capi, str name, str signature) except NULL:
-    """The C function ``name`` exported by a binding module, checked against ``signature``."""
+    """The C function ``name`` exported by a binding module, checked against ``signature``
+    (older bindings spell ``size_t`` as ``unsigned long``: the same type on LP64 systems)."""
     capsule = capi.get(name)
-    if capsule is None or not PyCapsule_IsValid(capsule, signature.encode()):
-        found = None if capsule is None else (<bytes>PyCapsule_GetName(capsule)).decode()
-        raise ImportError(f"the binding's {name} is {found!r}, not {signature!r}")
-    return PyCapsule_GetPointer(capsule, signature.encode())
+    spellings = [signature]
+    if "size_t" in signature and sizeof(unsigned long) == sizeof(size_t):
+        spellings.append(signature.replace("size_t", "unsigned long"))
+    for spelling in spellings:
+        if capsule is not None and PyCapsule_IsValid(capsule, spelling.encode()):
+            return PyCapsule_GetPointer(capsule, spelling.encode())
+    found = None if capsule is None else (<bytes>PyCapsule_GetName(capsule)).decode()
+    raise ImportError(f"the binding's {name} is {found!r}, not {signature!r}")
 
 
 cdef inline bint _ok(int status) noexcept:

@@ -105,10 +105,13 @@ class HipBackend(Backend):
             check("hipFree", (status,))
 
     def make_allocator(self) -> Allocator:
-        try:
-            from rocm.bindings import cyhip
+        try:  # hip-python's C layer: rocm.bindings.cyhip since 10.0, hip.chip before
+            try:
+                from rocm.bindings import cyhip as chip
+            except ImportError:
+                from hip import chip
 
-            return HipAllocator(self, self._count, cyhip.__pyx_capi__)
+            return HipAllocator(self, self._count, chip.__pyx_capi__)
         except (ImportError, AttributeError):  # a binding without a matching C layer
             return super().make_allocator()
 
