@@ -189,6 +189,9 @@ def test_process_exiting_with_live_buffers_exits_cleanly(backend):
         typed = rf.HipBuffer.from_numpy(np.arange(8.0), backend={backend.name!r}).typed(float)
         pool = rf.MemoryPool(backend={backend.name!r})
         pooled = rf.HipBuffer(1000, pool=pool)
+        rf.HipBuffer(5000, pool=pool).close()  # a cached block, given back only by the pool
+        cycle = [rf.HipBuffer(64, pool=rf.MemoryPool(backend={backend.name!r}))]
+        cycle.append(cycle)  # left to the collector at shutdown
         print("done")
     """)
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
