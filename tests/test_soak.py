@@ -22,3 +22,9 @@ def test_drift_ignores_single_sample_dips(rng):
     dips = rng.choice(times.size, size=12, replace=False)  # a fifth of the samples
     values[dips] -= rng.uniform(2, 30, dips.size) * MiB
     assert abs(_drift(times, values, start=15.0)) < 0.05 * MiB
+
+
+def test_drift_of_an_hours_long_soak_is_fitted_on_a_bounded_sample(rng):
+    times = np.arange(0.0, 4 * 3600.0)  # four hours at one sample a second
+    values = 500 * MiB + 100 * times + rng.normal(0, 50_000, times.size)
+    assert _drift(times, values, start=0.0) == pytest.approx(100 * times[-1], rel=0.05)
