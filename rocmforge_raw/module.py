@@ -24,6 +24,7 @@ import numpy as np
 
 from .errors import KernelNotAvailableError
 from .runtime import Backend, get_backend
+from .runtime._launch import Launch
 from .stream import Stream
 
 PACKAGE_DIR = Path(__file__).resolve().parent
@@ -142,6 +143,18 @@ class Kernel:
         )
 
     __call__ = launch
+
+    def prepare(self, grid: int | tuple[int, ...], block: int | tuple[int, ...], *args: Any,
+                shared_bytes: int = 0, stream: Stream | None = None,
+                patch: tuple[int, ...] = ()) -> Launch:
+        """This launch made ready, ``args`` packed once: calling the result with up to four
+        pointers replaces the arguments at ``patch`` (in order) and launches from C
+        (``runtime._launch``). For launches repeated with a few pointers changed."""
+        config = LaunchConfig(_dims(grid), _dims(block), shared_bytes, stream)
+        self.module._check_open()
+        packed = pack_args(args).slots.raw[: 8 * len(args)]
+        return Launch(self.module, self.handle, config.grid, config.block, config.shared_bytes,
+                      None if stream is None else stream.handle, packed, patch)
 
 
 class Module:

@@ -14,3 +14,17 @@ cdef class BackendAllocator(Allocator):
     cdef readonly size_t fallbacks  # calls the C fast path left to the backend's Python method
     cdef bint fast_alloc(self, size_t nbytes, int device, uintptr_t* ptr) noexcept
     cdef bint fast_free(self, uintptr_t ptr, int device) noexcept
+
+
+ctypedef int (*alloc_fn)(void** out, size_t nbytes) noexcept
+ctypedef int (*free_fn)(void* ptr) noexcept
+
+
+cdef class BindingAllocator(BackendAllocator):
+    cdef alloc_fn mem_alloc
+    cdef free_fn mem_free
+    cdef bint is_current(self, int device) noexcept  # the device is current in this thread
+
+
+cdef void* binding_function(dict capi, str name, str signature) except NULL
+cdef bint binding_ok(int status) noexcept  # status == 0; a Python error it left is cleared

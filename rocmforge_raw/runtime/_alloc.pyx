@@ -100,18 +100,19 @@ cdef class HostAllocator(BackendAllocator):
 # cleared here and the call falls back to the backend's Python method, which reports it.
 
 ctypedef int (*get_pointer_fn)(void** out) noexcept
-ctypedef int (*alloc_fn)(void** out, size_t nbytes) noexcept
-ctypedef int (*free_fn)(void* ptr) noexcept
 ctypedef int (*get_device_fn)(int* out) noexcept
 
 
-cdef void* _function(dict capi, str name, str signature) except NULL:
+cdef void* binding_function(dict capi, str name, str signature) except NULL:
     """The C function ``name`` exported by a binding module, checked against ``signature``
-    (older bindings spell ``size_t`` as ``unsigned long``: the same type on LP64 systems)."""
+    (older bindings spell ``size_t`` as ``unsigned long``, the same type on LP64 systems,
+    and may leave out ``enum`` before the status type)."""
     capsule = capi.get(name)
     spellings = [signature]
     if "size_t" in signature and sizeof(unsigned long) == sizeof(size_t):
         spellings.append(signature.replace("size_t", "unsigned long"))
+    if signature.startswith("enum "):
+        spellings += [spelling[len("enum "):] for spelling in spellings]
     for spelling in spellings:
         if capsule is not None and PyCapsule_IsValid(capsule, spelling.encode()):
             return PyCapsule_GetPointer(capsule, spelling.encode())
@@ -119,7 +120,7 @@ cdef void* _function(dict capi, str name, str signature) except NULL:
     raise ImportError(f"the binding's {name} is {found!r}, not {signature!r}")
 
 
-cdef inline bint _ok(int status) noexcept:
+cdef bint binding_ok(int status) noexcept:
     if status == 0:
         return True
     if PyErr_Occurred():
@@ -130,21 +131,18 @@ cdef inline bint _ok(int status) noexcept:
 cdef class BindingAllocator(BackendAllocator):
     """A GPU binding's C malloc/free, served only when ``is_current(device)``."""
 
-    cdef alloc_fn mem_alloc
-    cdef free_fn mem_free
-
     cdef bint is_current(self, int device) noexcept:
         return False
 
     cdef bint fast_alloc(self, size_t nbytes, int device, uintptr_t* ptr) noexcept:
         cdef void* out = NULL
-        if not self.is_current(device) or not _ok(self.mem_alloc(&out, nbytes)):
+        if not self.is_current(device) or not binding_ok(self.mem_alloc(&out, nbytes)):
             return False
         ptr[0] = <uintptr_t>out
         return True
 
     cdef bint fast_free(self, uintptr_t ptr, int device) noexcept:
-        return self.is_current(device) and _ok(self.mem_free(<void*>ptr))
+        return self.is_current(device) and binding_ok(self.mem_free(<void*>ptr))
 
 
 cdef class CudaAllocator(BindingAllocator):
@@ -157,11 +155,11 @@ cdef class CudaAllocator(BindingAllocator):
     def __init__(self, backend, int count, dict capi):
         self.backend = backend
         self.contexts = [0] * count
-        self.current_context = <get_pointer_fn>_function(capi, "cuCtxGetCurrent",
+        self.current_context = <get_pointer_fn>binding_function(capi, "cuCtxGetCurrent",
                                                          "CUresult (CUcontext *)")
-        self.mem_alloc = <alloc_fn>_function(capi, "cuMemAlloc",
+        self.mem_alloc = <alloc_fn>binding_function(capi, "cuMemAlloc",
                                              "CUresult (CUdeviceptr *, size_t)")
-        self.mem_free = <free_fn>_function(capi, "cuMemFree", "CUresult (CUdeviceptr)")
+        self.mem_free = <free_fn>binding_function(capi, "cuMemFree", "CUresult (CUdeviceptr)")
 
     def set_context(self, int device, uintptr_t context):
         """Record ``device``'s retained primary context (a ``CUcontext`` as an int)."""
@@ -169,7 +167,7 @@ cdef class CudaAllocator(BindingAllocator):
 
     cdef bint is_current(self, int device) noexcept:
         cdef void* now = NULL
-        if not 0 <= device < len(self.contexts) or not _ok(self.current_context(&now)):
+        if not 0 <= device < len(self.contexts) or not binding_ok(self.current_context(&now)):
             return False
         return now != NULL and <uintptr_t>now == <uintptr_t>self.contexts[device]
 
@@ -184,14 +182,14 @@ cdef class HipAllocator(BindingAllocator):
     def __init__(self, backend, int count, dict capi):
         self.backend = backend
         self.count = count
-        self.current_device = <get_device_fn>_function(capi, "hipGetDevice",
+        self.current_device = <get_device_fn>binding_function(capi, "hipGetDevice",
                                                        "enum hipError_t (int *)")
-        self.mem_alloc = <alloc_fn>_function(capi, "hipMalloc",
+        self.mem_alloc = <alloc_fn>binding_function(capi, "hipMalloc",
                                              "enum hipError_t (void **, size_t)")
-        self.mem_free = <free_fn>_function(capi, "hipFree", "enum hipError_t (void *)")
+        self.mem_free = <free_fn>binding_function(capi, "hipFree", "enum hipError_t (void *)")
 
     cdef bint is_current(self, int device) noexcept:
         cdef int now = -1
-        if not 0 <= device < self.count or not _ok(self.current_device(&now)):
+        if not 0 <= device < self.count or not binding_ok(self.current_device(&now)):
             return False
         return now == device

@@ -15,6 +15,7 @@ from functools import cached_property
 from typing import Any, ClassVar
 
 from ._alloc import Allocator, BackendAllocator
+from ._launch import LaunchApi
 
 
 @dataclass(frozen=True)
@@ -59,7 +60,17 @@ class Backend(ABC):
     @abstractmethod
     def free(self, ptr: int, device: int) -> None: ...
     @abstractmethod
+    def host_alloc(self, nbytes: int, device: int) -> int:
+        """Page-locked host memory (``nbytes`` > 0) the device copies from asynchronously."""
+    @abstractmethod
+    def host_free(self, ptr: int, device: int) -> None: ...
+    @abstractmethod
     def memcpy_htod(self, dst: int, src_host: int, nbytes: int, stream: Any = None) -> None: ...
+    @abstractmethod
+    def upload(self, dst: int, src_pinned: int, nbytes: int, stream: Any = None) -> None:
+        """Asynchronous host-to-device copy queued on ``stream`` (None: the default stream,
+        still asynchronous). ``src_pinned`` is page-locked (``host_alloc``) and must stay
+        unchanged until the stream has passed the copy."""
     @abstractmethod
     def memcpy_dtoh(self, dst_host: int, src: int, nbytes: int, stream: Any = None) -> None: ...
     @abstractmethod
@@ -83,6 +94,9 @@ class Backend(ABC):
     @abstractmethod
     def event_synchronize(self, event: Any) -> None: ...
     @abstractmethod
+    def event_query(self, event: Any) -> bool:
+        """Whether the device has passed ``event`` (True for an event never recorded)."""
+    @abstractmethod
     def event_elapsed_ms(self, start: Any, end: Any) -> float: ...
 
     # code objects
@@ -98,6 +112,19 @@ class Backend(ABC):
         shared_bytes: int, stream: Any, params_addr: int,
     ) -> None:
         """Launch with ``params_addr`` the address of a ``void*[]`` of argument addresses."""
+
+    def allow_shared(self, function: Any, shared_bytes: int) -> None:
+        """Let ``function`` use ``shared_bytes`` of dynamic shared memory (a backend whose
+        launches need an opt-in past some size does it here); done before C launches."""
+        return None
+
+    @cached_property
+    def launch_api(self) -> LaunchApi | None:
+        """The binding's C launch entry (``runtime._launch``), or None where there is none."""
+        return self.make_launch_api()
+
+    def make_launch_api(self) -> LaunchApi | None:
+        return None
 
     @cached_property
     def allocator(self) -> Allocator:

@@ -11,6 +11,7 @@ from typing import Any
 
 from ..errors import BackendUnavailableError, DeviceError, OutOfMemoryError
 from ._alloc import Allocator, CudaAllocator
+from ._launch import LaunchApi
 from .base import Backend, DeviceProperties, as_text, unwrap
 
 try:
@@ -20,6 +21,7 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
 
 _SUCCESS = cu.CUresult.CUDA_SUCCESS
 _OOM = cu.CUresult.CUDA_ERROR_OUT_OF_MEMORY
+_NOT_READY = cu.CUresult.CUDA_ERROR_NOT_READY
 
 
 def _describe(status: Any) -> tuple[str, str]:
@@ -130,11 +132,35 @@ class CudaBackend(Backend):
         except (ImportError, AttributeError):  # a binding without a matching C layer
             return super().make_allocator()
 
+    def make_launch_api(self) -> LaunchApi | None:
+        try:
+            from cuda.bindings import cydriver
+
+            return LaunchApi(self.allocator, cydriver.__pyx_capi__, "cuLaunchKernel",
+                             "CUresult (CUfunction, unsigned int, unsigned int, unsigned int, "
+                             "unsigned int, unsigned int, unsigned int, unsigned int, CUstream, "
+                             "void **, void **)")
+        except (ImportError, AttributeError, TypeError):  # no matching C layer
+            return None
+
+    def host_alloc(self, nbytes: int, device: int) -> int:
+        self._activate(device)
+        portable = 1  # CU_MEMHOSTALLOC_PORTABLE: page-locked for every context
+        return int(check("cuMemHostAlloc", cu.cuMemHostAlloc(nbytes, portable)))
+
+    def host_free(self, ptr: int, device: int) -> None:
+        self._activate(device)
+        check("cuMemFreeHost", cu.cuMemFreeHost(ptr))
+
     def memcpy_htod(self, dst: int, src_host: int, nbytes: int, stream: Any = None) -> None:
         if stream is None:
             check("cuMemcpyHtoD", cu.cuMemcpyHtoD(dst, src_host, nbytes))
         else:
             check("cuMemcpyHtoDAsync", cu.cuMemcpyHtoDAsync(dst, src_host, nbytes, stream))
+
+    def upload(self, dst: int, src_pinned: int, nbytes: int, stream: Any = None) -> None:
+        check("cuMemcpyHtoDAsync", cu.cuMemcpyHtoDAsync(dst, src_pinned, nbytes,
+                                                        0 if stream is None else stream))
 
     def memcpy_dtoh(self, dst_host: int, src: int, nbytes: int, stream: Any = None) -> None:
         if stream is None:
@@ -179,6 +205,13 @@ class CudaBackend(Backend):
     def event_synchronize(self, event: Any) -> None:
         check("cuEventSynchronize", cu.cuEventSynchronize(event))
 
+    def event_query(self, event: Any) -> bool:
+        (status,) = cu.cuEventQuery(event)
+        if status == _NOT_READY:
+            return False
+        check("cuEventQuery", (status,))
+        return True
+
     def event_elapsed_ms(self, start: Any, end: Any) -> float:
         elapsed = getattr(cu, "cuEventElapsedTime_v2", None) or cu.cuEventElapsedTime
         return float(check("cuEventElapsedTime", elapsed(start, end)))
@@ -194,7 +227,7 @@ class CudaBackend(Backend):
     def module_function(self, module: Any, name: str) -> Any:
         return check("cuModuleGetFunction", cu.cuModuleGetFunction(module, name.encode()))
 
-    def _allow_shared(self, function: Any, shared_bytes: int) -> None:
+    def allow_shared(self, function: Any, shared_bytes: int) -> None:
         """Opt ``function`` in to ``shared_bytes`` of dynamic shared memory: needed once its
         static plus dynamic shared memory passes 48 KiB, harmless below."""
         key = (int(function), shared_bytes)
@@ -204,14 +237,14 @@ class CudaBackend(Backend):
             self._shared_raised.add(key)
 
     def launch(self, function, grid, block, shared_bytes, stream, params_addr) -> None:
-        self._allow_shared(function, shared_bytes)
+        self.allow_shared(function, shared_bytes)
         check("cuLaunchKernel", cu.cuLaunchKernel(
             function, *grid, *block, shared_bytes, 0 if stream is None else stream,
             params_addr, 0,
         ))
 
     def max_active_blocks(self, function: Any, threads: int, shared_bytes: int) -> int:
-        self._allow_shared(function, shared_bytes)
+        self.allow_shared(function, shared_bytes)
         return check("cuOccupancyMaxActiveBlocksPerMultiprocessor",
                      cu.cuOccupancyMaxActiveBlocksPerMultiprocessor(function, threads,
                                                                     shared_bytes))

@@ -11,6 +11,7 @@ from typing import Any
 
 from ..errors import BackendUnavailableError, DeviceError, OutOfMemoryError
 from ._alloc import Allocator, HipAllocator
+from ._launch import LaunchApi
 from .base import Backend, DeviceProperties, as_text, unwrap
 
 try:
@@ -20,6 +21,7 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
 
 _SUCCESS = hip.hipError_t.hipSuccess
 _OOM = hip.hipError_t.hipErrorOutOfMemory
+_NOT_READY = hip.hipError_t.hipErrorNotReady
 _KIND = hip.hipMemcpyKind
 
 
@@ -115,6 +117,29 @@ class HipBackend(Backend):
         except (ImportError, AttributeError):  # a binding without a matching C layer
             return super().make_allocator()
 
+    def make_launch_api(self) -> LaunchApi | None:
+        try:
+            try:
+                from rocm.bindings import cyhip as chip
+            except ImportError:
+                from hip import chip
+
+            return LaunchApi(self.allocator, chip.__pyx_capi__, "hipModuleLaunchKernel",
+                             "enum hipError_t (hipFunction_t, unsigned int, unsigned int, "
+                             "unsigned int, unsigned int, unsigned int, unsigned int, "
+                             "unsigned int, hipStream_t, void **, void **)")
+        except (ImportError, AttributeError, TypeError):  # no matching C layer
+            return None
+
+    def host_alloc(self, nbytes: int, device: int) -> int:
+        self._activate(device)
+        portable = 1  # hipHostMallocPortable: page-locked for every device
+        return int(check("hipHostMalloc", hip.hipHostMalloc(nbytes, portable)))
+
+    def host_free(self, ptr: int, device: int) -> None:
+        self._activate(device)
+        check("hipHostFree", hip.hipHostFree(ptr))
+
     def _copy(self, dst: int, src: int, nbytes: int, kind: Any, stream: Any) -> None:
         if stream is None:
             check("hipMemcpy", hip.hipMemcpy(dst, src, nbytes, kind))
@@ -123,6 +148,10 @@ class HipBackend(Backend):
 
     def memcpy_htod(self, dst: int, src_host: int, nbytes: int, stream: Any = None) -> None:
         self._copy(dst, src_host, nbytes, _KIND.hipMemcpyHostToDevice, stream)
+
+    def upload(self, dst: int, src_pinned: int, nbytes: int, stream: Any = None) -> None:
+        check("hipMemcpyAsync", hip.hipMemcpyAsync(
+            dst, src_pinned, nbytes, _KIND.hipMemcpyHostToDevice, stream))
 
     def memcpy_dtoh(self, dst_host: int, src: int, nbytes: int, stream: Any = None) -> None:
         self._copy(dst_host, src, nbytes, _KIND.hipMemcpyDeviceToHost, stream)
@@ -160,6 +189,13 @@ class HipBackend(Backend):
 
     def event_synchronize(self, event: Any) -> None:
         check("hipEventSynchronize", hip.hipEventSynchronize(event))
+
+    def event_query(self, event: Any) -> bool:
+        (status,) = hip.hipEventQuery(event)
+        if status == _NOT_READY:
+            return False
+        check("hipEventQuery", (status,))
+        return True
 
     def event_elapsed_ms(self, start: Any, end: Any) -> float:
         return float(check("hipEventElapsedTime", hip.hipEventElapsedTime(start, end)))

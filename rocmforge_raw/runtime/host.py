@@ -97,10 +97,16 @@ class HostBackend(Backend):
     def make_allocator(self) -> Allocator:
         return HostAllocator(self, ALIGNMENT)
 
+    def host_alloc(self, nbytes: int, device: int) -> int:
+        return self.malloc(nbytes, device)
+
+    def host_free(self, ptr: int, device: int) -> None:
+        self.free(ptr, device)
+
     def memcpy_htod(self, dst: int, src_host: int, nbytes: int, stream: Any = None) -> None:
         _libc.memcpy(_void(dst), _void(src_host), nbytes)
 
-    memcpy_dtoh = memcpy_htod
+    upload = memcpy_dtoh = memcpy_htod
     memcpy_dtod = memcpy_htod
 
     def memset(self, ptr: int, value: int, nbytes: int, stream: Any = None) -> None:
@@ -128,6 +134,9 @@ class HostBackend(Backend):
 
     def event_synchronize(self, event: Any) -> None:
         pass
+
+    def event_query(self, event: Any) -> bool:
+        return True
 
     def event_elapsed_ms(self, start: Any, end: Any) -> float:
         return (end[0] - start[0]) / 1e6
