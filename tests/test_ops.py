@@ -220,7 +220,7 @@ def test_bad_slots_and_pairs_raise(backend):
     key = DeviceArray.empty((2, 2, 64), np.float32, backend=backend)
     with pytest.raises(ValueError, match=r"slot 80 is outside \[-1, 80\)"):
         ops.reshape_and_cache(key, key, k, v, np.array([0, 80], np.int64))
-    with pytest.raises(ValueError, match="writes one slot twice"):
+    with pytest.raises(ValueError, match="slot_mapping writes slot 3 twice"):
         ops.reshape_and_cache(key, key, k, v, np.array([3, 3], np.int64))
     slab = DeviceArray.empty((1, 2, 4, 2, 16, 64), np.float32, backend=backend)
     with pytest.raises(ValueError, match=r"outside \[0, 4\)"):
