@@ -100,7 +100,7 @@ def test_lru_sequence_is_preempted_first_and_reported():
         clock.now += 1
         reservation = cache.add_sequence("big", 16)
         assert reservation.preempted == ["mid"]
-        assert "mid" not in cache and {"old", "new", "big"} <= {*cache._seqs}
+        assert "mid" not in cache and {"old", "new", "big"} <= {*cache.seq_ids()}
         assert cache.stats()["preemptions"] == 1
         cache.check_invariants()
 
@@ -265,7 +265,7 @@ def test_sixteen_threads_keep_the_invariants():
         th.join()
     assert not errors, errors
     cache.check_invariants()
-    for sid in list(cache._seqs):
+    for sid in list(cache.seq_ids()):
         cache.remove(sid)
     assert cache.stats()["free_blocks"] == 63
     cache.close()

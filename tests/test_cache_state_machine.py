@@ -99,7 +99,7 @@ class CacheMachine(RuleBasedStateMachine):
     def pool_is_consistent(self) -> None:
         CacheMachine.checks += 1
         self.cache.check_invariants()
-        assert set(self.cache._seqs) == set(self.model)
+        assert set(self.cache.seq_ids()) == set(self.model)
 
     @invariant()
     def every_sequence_reads_back_what_was_written(self) -> None:

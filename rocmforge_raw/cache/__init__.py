@@ -3,8 +3,9 @@
 from ..errors import CacheFullError
 from .block_pool import NULL_BLOCK, BlockPool
 from .config import CacheConfig
-from .kv_cache import BatchMetadata, KvCache, Reservation
+from .kv_cache import KvCache, Reservation
 from .scheduler import FinishedRequest, Request, Scheduler, StepPlan
+from .step import BatchMetadata
 
 __all__ = ["NULL_BLOCK", "BatchMetadata", "BlockPool", "CacheConfig", "CacheFullError",
            "FinishedRequest", "KvCache", "Request", "Reservation", "Scheduler", "StepPlan"]

@@ -11,8 +11,8 @@ from typing import Any
 
 import numpy as np
 
-from ..ops import BLOCK_SIZES, HEAD_DIMS
-from ..ops import DTYPES as KERNEL_DTYPES
+from ..planning import BLOCK_SIZES, HEAD_DIMS
+from ..planning import DTYPES as KERNEL_DTYPES
 
 #: What the kernels support, by name: float16, bfloat16, float32.
 DTYPES = {dtype.name: dtype for dtype in KERNEL_DTYPES}
@@ -31,7 +31,9 @@ def _positive(name: str, value: Any) -> int:
 
 @dataclass(frozen=True)
 class CacheConfig:
-    """A validated cache shape. ``dtype`` is float16, bfloat16 or float32."""
+    """A validated cache shape. ``dtype`` is float16, bfloat16 or float32. ``num_q_heads``
+    (optional, a multiple of ``num_kv_heads``) lets ``KvCache.batch`` plan attention with
+    the rest of the step; without it the first ``attention`` call of a step plans it."""
 
     num_layers: int
     num_kv_heads: int
@@ -39,6 +41,7 @@ class CacheConfig:
     block_size: int
     num_blocks: int
     dtype: Any = "float16"
+    num_q_heads: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_kv_heads", "head_dim", "block_size", "num_blocks"):
@@ -49,6 +52,11 @@ class CacheConfig:
             raise ValueError(f"dtype {self.dtype} is not supported: use one of "
                              f"{', '.join(DTYPES)}")
         object.__setattr__(self, "dtype", dtype)
+        if self.num_q_heads is not None:
+            object.__setattr__(self, "num_q_heads", _positive("num_q_heads", self.num_q_heads))
+            if self.num_q_heads % self.num_kv_heads:
+                raise ValueError(f"num_q_heads {self.num_q_heads} is not a multiple of "
+                                 f"num_kv_heads {self.num_kv_heads}")
         if self.head_dim not in HEAD_DIMS:
             raise ValueError(f"head_dim {self.head_dim} is not supported: use one of {HEAD_DIMS}")
         if self.block_size not in BLOCK_SIZES:
@@ -87,7 +95,8 @@ class CacheConfig:
 
     @classmethod
     def for_memory(cls, num_layers: int, num_kv_heads: int, head_dim: int, block_size: int,
-                   dtype: Any = "float16", *, budget_bytes: int | None = None,
+                   dtype: Any = "float16", *, num_q_heads: int | None = None,
+                   budget_bytes: int | None = None,
                    fraction: float | None = None, device: int | None = None,
                    backend: Any = None) -> CacheConfig:
         """The largest cache within ``budget_bytes``, or within ``fraction`` of the device's
@@ -108,4 +117,5 @@ class CacheConfig:
         if num_blocks < 2:
             raise ValueError(f"a budget of {budget_bytes} bytes holds {num_blocks} blocks of "
                              f"{probe.block_bytes} bytes; at least 2 are needed")
-        return cls(num_layers, num_kv_heads, head_dim, block_size, num_blocks, dtype)
+        return cls(num_layers, num_kv_heads, head_dim, block_size, num_blocks, dtype,
+                   num_q_heads)

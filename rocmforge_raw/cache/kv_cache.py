@@ -1,16 +1,20 @@
-"""KvCache: sequences of blocks over one device slab, with sharing, copy-on-write and LRU
-preemption. Every public operation is atomic under one lock.
+"""KvCache: sequences of blocks over one device slab, with sharing, copy-on-write, LRU
+preemption and a per-step plan. Every public operation is atomic under one lock.
 
-Bookkeeping lives in persistent NumPy arrays indexed by a sequence's row: ``block tables``
-(int32, padded with the null block 0), lengths, block counts, the slot each sequence last
-reserved, creation and last-access times, and a recency tick that orders LRU preemption.
-``append()`` and ``batch()`` work on these arrays; nothing loops over blocks in Python.
+Bookkeeping lives in ``SequenceRows`` (persistent NumPy arrays indexed by a sequence's row);
+``append()`` and ``batch()`` work on whole arrays, nothing loops over blocks in Python. A
+decode step is ``append`` (one slot per sequence), ``batch`` (the step's plan: metadata
+uploaded once) and, per layer, ``write`` + ``attention`` (one launch each, see ``step``).
 Invariants, checked by ``check_invariants()``: free + used blocks == num_blocks - 1, and each
 block's ref count equals the number of sequences holding it.
+
+Device work is queued on the cache's ``stream`` (None: the backend's default stream) unless
+a call names another; nothing here waits for the device.
 """
 
 from __future__ import annotations
 
+import operator
 import threading
 import time
 from collections.abc import Callable, Hashable, Iterable
@@ -22,11 +26,13 @@ import numpy as np
 from .. import ops
 from ..array import DeviceArray
 from ..buffer import HipBuffer
-from ..errors import CacheFullError
+from ..errors import BufferClosedError, CacheFullError
 from ..stream import Stream
 from .block_pool import NULL_BLOCK, BlockPool
 from .config import CacheConfig
 from .records import FinishedRecords
+from .rows import SequenceRows
+from .step import BatchMetadata, StepPlanner
 
 
 @dataclass(frozen=True)
@@ -38,55 +44,39 @@ class Reservation:
     preempted: list[Hashable]
 
 
-@dataclass(frozen=True)
-class BatchMetadata:
-    """Kernel metadata for ``seq_ids``: ``block_tables`` int32 ``[n, max_blocks]`` padded with
-    0, ``seq_lens`` int32 ``[n]``, ``slot_mapping`` int64 ``[n]`` (each sequence's last
-    reserved slot)."""
-
-    seq_ids: list[Hashable]
-    block_tables: np.ndarray
-    seq_lens: np.ndarray
-    slot_mapping: np.ndarray
-
-
 class KvCache:
     """A paged KV cache on one device. ``strict=True`` raises ``CacheFullError`` where the
-    default would preempt the least-recently-used running sequence."""
+    default would preempt the least-recently-used running sequence. ``stream`` orders the
+    cache's device work (copy-on-write copies, uploads, kernels) unless a call names one."""
 
     def __init__(self, config: CacheConfig, device: int | None = None, backend: Any = None, *,
                  strict: bool = False, max_finished: int = 1024,
-                 finished_ttl_s: float = 600.0, clock: Callable[[], float] = time.monotonic
-                 ) -> None:
-        self.config, self.strict, self.clock = config, strict, clock
+                 finished_ttl_s: float = 600.0, clock: Callable[[], float] = time.monotonic,
+                 stream: Stream | None = None) -> None:
+        if stream is not None and not isinstance(stream, Stream):
+            raise TypeError(f"stream must be a Stream or None, not {type(stream).__name__}")
+        self.config, self.strict, self.clock, self.stream = config, strict, clock, stream
         self._lock = threading.RLock()
         buf = HipBuffer(config.total_bytes, device, backend)  # checks size before allocating
         self.slab = DeviceArray(buf, config.dtype, config.slab_shape)
-        self.workspace = ops.Workspace()  # split-K scratch of attention(), freed by close()
         self.pool = BlockPool(config.num_blocks)
-        rows, width = 16, 8
-        self._tables = np.zeros((rows, width), np.int32)
-        self._lens = np.zeros(rows, np.int64)
-        self._nblocks = np.zeros(rows, np.int64)
-        self._last_slot = np.full(rows, -1, np.int64)
-        self._last_block = np.zeros(rows, np.int64)  # == tables[row, nblocks - 1]
-        self._created = np.zeros(rows)
-        self._accessed = np.zeros(rows)
-        self._recency = np.zeros(rows, np.int64)  # larger = used more recently
-        self._tick = 0
-        self._free_rows = list(range(rows - 1, -1, -1))
-        self._seqs: dict[Hashable, int] = {}  # seq id -> row
-        self._version = 0  # bumped whenever a sequence gets or gives up its row
-        self._rows_memo: tuple[int, list[Hashable], np.ndarray, bool] | None = None
+        self._rows = SequenceRows()
+        self._steps = StepPlanner(config, self.slab)
+        self._epoch = 0  # bumped by every change of tables or lengths: plans go stale
         self._finished = FinishedRecords(max_finished, finished_ttl_s, clock)
         self.num_preemptions = self.num_cow_copies = self.peak_used_blocks = 0
 
     # --- lifecycle ---------------------------------------------------------------------------
     def close(self) -> None:
-        """Release the slab. The cache cannot be used afterwards."""
+        """Release the slab and the staging memory, after the device has passed the plans'
+        launches. Idempotent; the cache cannot be used afterwards."""
         with self._lock:
-            self.workspace.close()
+            self._steps.close()
             self.slab.buffer.root.close()
+
+    @property
+    def closed(self) -> bool:
+        return self.slab.buffer.closed
 
     def __enter__(self) -> KvCache:
         return self
@@ -96,27 +86,32 @@ class KvCache:
 
     def __contains__(self, seq_id: Hashable) -> bool:
         with self._lock:
-            return seq_id in self._seqs
+            return seq_id in self._rows.index
 
     def __len__(self) -> int:
         with self._lock:
-            return len(self._seqs)
+            return len(self._rows.index)
+
+    def seq_ids(self) -> list[Hashable]:
+        """The ids of the sequences the cache holds (in the order they got their rows)."""
+        with self._lock:
+            return list(self._rows.index)
 
     def seq_len(self, seq_id: Hashable) -> int:
         with self._lock:
-            return int(self._lens[self._row(seq_id)])
+            return int(self._rows.lens[self._rows.row(seq_id)])
 
     def block_ids(self, seq_id: Hashable) -> np.ndarray:
         """The blocks of ``seq_id`` in order (a copy)."""
         with self._lock:
-            row = self._row(seq_id)
-            return self._tables[row, : self._nblocks[row]].copy()
+            rows, row = self._rows, self._rows.row(seq_id)
+            return rows.tables[row, : rows.nblocks[row]].copy()
 
     def times(self, seq_id: Hashable) -> tuple[float, float]:
         """(created, last accessed) of ``seq_id``, in ``clock`` seconds."""
         with self._lock:
-            row = self._row(seq_id)
-            return float(self._created[row]), float(self._accessed[row])
+            rows, row = self._rows, self._rows.row(seq_id)
+            return float(rows.created[row]), float(rows.accessed[row])
 
     # --- check-then-act ----------------------------------------------------------------------
     def can_allocate(self, num_tokens: int) -> bool:
@@ -128,109 +123,99 @@ class KvCache:
         """Whether one more token for each of ``seq_ids`` fits now, without preempting."""
         with self._lock:
             ids = list(seq_ids)
-            if len(set(ids)) != len(ids) or any(s not in self._seqs for s in ids):
+            if len(set(ids)) != len(ids) or any(s not in self._rows.index for s in ids):
                 return False
-            return self._append_need(self._rows(ids))[0] <= self.pool.num_free
+            return self._append_need(self._rows.rows(ids))[0] <= self.pool.num_free
 
     # --- operations --------------------------------------------------------------------------
     def add_sequence(self, seq_id: Hashable, num_tokens: int) -> Reservation:
         """Allocate blocks for a prompt of ``num_tokens``; the reservation maps every prompt
         token to its slot (in order)."""
         with self._lock:
-            if seq_id in self._seqs:
+            self._check_open()
+            if isinstance(num_tokens, bool):
+                raise TypeError("num_tokens must be an integer, not bool")
+            try:
+                num_tokens = operator.index(num_tokens)
+            except TypeError:
+                raise TypeError(f"num_tokens must be an integer, got {num_tokens!r}") from None
+            if num_tokens < 1:
+                raise ValueError(f"num_tokens must be >= 1, got {num_tokens}")
+            if seq_id in self._rows.index:
                 raise ValueError(f"sequence {seq_id!r} already exists")
-            if isinstance(num_tokens, bool) or int(num_tokens) != num_tokens or num_tokens < 1:
-                raise ValueError(f"num_tokens must be a positive integer, got {num_tokens!r}")
             need = self._blocks_for(num_tokens)
             if need > self.config.num_blocks - 1:
                 raise CacheFullError(need, self.pool.num_free,
                                      f"a {num_tokens}-token prompt exceeds the whole cache")
             preempted = self._make_room(lambda: need, [])
             ids = self.pool.allocate(need)
-            row = self._new_row(need)
-            self._tables[row, :need] = ids
-            self._lens[row], self._nblocks[row] = num_tokens, need
-            self._last_block[row] = ids[-1]
-            self._last_slot[row] = self._slot(ids[-1], num_tokens - 1)
-            self._seqs[seq_id] = row
-            self._created[row] = self.clock()
-            self._touch(np.array([row]))
-            self._note_usage()
+            rows, bs = self._rows, self.config.block_size
+            row = rows.add(seq_id, need)
+            rows.tables[row, :need] = ids
+            rows.lens[row], rows.nblocks[row] = num_tokens, need
+            rows.last_block[row] = ids[-1]
+            rows.last_slot[row] = int(ids[-1]) * bs + (num_tokens - 1) % bs
+            rows.created[row] = self.clock()
+            rows.touch(np.array([row]), rows.created[row])
+            self._changed()
             positions = np.arange(num_tokens)
-            slots = ids[positions // self.config.block_size].astype(np.int64)
-            slots = slots * self.config.block_size + positions % self.config.block_size
+            slots = ids[positions // bs].astype(np.int64) * bs + positions % bs
             return Reservation(slots, preempted)
 
-    def append(self, seq_ids: Iterable[Hashable]) -> Reservation:
+    def append(self, seq_ids: Iterable[Hashable], stream: Stream | None = None) -> Reservation:
         """Reserve one more token slot for each sequence, vectorised. A sequence whose last
-        block is shared gets a private copy first (copy-on-write). When blocks run out, the
-        least-recently-used other sequences are preempted (then, if need be, those of this
-        call, which get slot -1); with ``strict`` it raises ``CacheFullError`` instead."""
+        block is shared gets a private copy first (copy-on-write, queued on ``stream``).
+        When blocks run out, the least-recently-used other sequences are preempted (then, if
+        need be, those of this call, which get slot -1); with ``strict`` it raises
+        ``CacheFullError`` instead."""
         with self._lock:
+            self._check_open()
+            if isinstance(seq_ids, (str, bytes)):
+                raise TypeError(f"seq_ids must be a list of ids, not the string {seq_ids!r}")
             ids = seq_ids if isinstance(seq_ids, list) else list(seq_ids)
-            rows = self._rows(ids)
-            if not self._rows_memo[3]:
+            rows = self._rows.rows(ids)
+            if not self._rows.distinct():
                 raise ValueError("append lists a sequence twice")
             total, grow, cow = self._append_need(rows)
             live, preempted = ids, []
             if total > self.pool.num_free:
                 live = list(ids)
                 preempted = self._make_room(
-                    lambda: self._append_need(self._rows(live))[0], live)
-                rows = self._rows(live)
+                    lambda: self._append_need(self._rows.rows(live))[0], live)
+                rows = self._rows.rows(live)
                 total, grow, cow = self._append_need(rows)
-            new = self.pool.allocate(total)
-            bs = self.config.block_size
-            lens = self._lens[rows]
-            n_grow = int(np.count_nonzero(grow))
-            if n_grow:
-                grow_rows = rows[grow]
-                count = self._nblocks[grow_rows]
-                self._widen(int(count.max()) + 1)
-                self._tables[grow_rows, count] = new[:n_grow]
-                self._nblocks[grow_rows] = count + 1
-                self._last_block[grow_rows] = new[:n_grow]
-            if n_grow < total:
-                cow_rows = rows[cow]
-                src, dst = self._last_block[cow_rows], new[n_grow:].astype(np.int64)
-                ops.copy_blocks(self.slab, np.stack([src, dst], 1))
-                self._tables[cow_rows, self._nblocks[cow_rows] - 1] = dst
-                self._last_block[cow_rows] = dst
-                self.pool.free(src)
-                self.num_cow_copies += int(cow_rows.size)
-            self._last_slot[rows] = self._last_block[rows] * bs + (lens & (bs - 1))
-            self._lens[rows] = lens + 1
-            self._touch(rows)
-            self._note_usage()
+            self._extend(rows, grow, cow, total, self._stream(stream))
             if not preempted:
-                return Reservation(self._last_slot[rows], preempted)
+                return Reservation(self._rows.last_slot[rows], preempted)
             slots = np.full(len(ids), -1, np.int64)
             index = {s: i for i, s in enumerate(ids)}
-            slots[[index[s] for s in live]] = self._last_slot[rows]
+            slots[[index[s] for s in live]] = self._rows.last_slot[rows]
             return Reservation(slots, preempted)
 
     def fork(self, parent_id: Hashable, child_id: Hashable) -> None:
         """``child_id`` shares every block of ``parent_id`` (ref counts, no copy)."""
         with self._lock:
-            parent = self._row(parent_id)
-            if child_id in self._seqs:
+            self._check_open()
+            rows = self._rows
+            parent = rows.row(parent_id)
+            if child_id in rows.index:
                 raise ValueError(f"sequence {child_id!r} already exists")
-            count = int(self._nblocks[parent])
-            self.pool.share(self._tables[parent, :count])
-            row = self._new_row(count)
-            self._tables[row, :count] = self._tables[parent, :count]
-            self._lens[row], self._nblocks[row] = self._lens[parent], count
-            self._last_block[row] = self._last_block[parent]
-            self._last_slot[row] = -1
-            self._seqs[child_id] = row
-            self._created[row] = self.clock()
-            self._touch(np.array([parent, row]))
+            count = int(rows.nblocks[parent])
+            self.pool.share(rows.tables[parent, :count])
+            row = rows.add(child_id, count)
+            rows.tables[row, :count] = rows.tables[parent, :count]
+            rows.lens[row], rows.nblocks[row] = rows.lens[parent], count
+            rows.last_block[row] = rows.last_block[parent]
+            rows.last_slot[row] = -1
+            rows.created[row] = self.clock()
+            rows.touch(np.array([parent, row]), rows.created[row])
+            self._changed()
 
     def finish(self, seq_id: Hashable) -> int:
         """Free ``seq_id``'s blocks now and keep a bounded record that it finished. Returns
         the number of blocks that went back to the pool."""
         with self._lock:
-            tokens = int(self._lens[self._row(seq_id)])
+            tokens = int(self._rows.lens[self._rows.row(seq_id)])
             released = self._release(seq_id)
             self._finished.add(seq_id, (self.clock(), tokens))
             return released
@@ -238,25 +223,35 @@ class KvCache:
     def remove(self, seq_id: Hashable) -> int:
         """Free ``seq_id``'s blocks now, keeping no record. Returns the blocks released."""
         with self._lock:
-            self._row(seq_id)
+            self._rows.row(seq_id)
             return self._release(seq_id)
 
-    def batch(self, seq_ids: Iterable[Hashable]) -> BatchMetadata:
-        """Kernel metadata for ``seq_ids`` (in that order)."""
+    def batch(self, seq_ids: Iterable[Hashable], stream: Stream | None = None
+              ) -> BatchMetadata:
+        """The step's plan for ``seq_ids`` (in that order): metadata uploaded to the device
+        once, asynchronously on ``stream``, and the step's launches prepared. Current until
+        the cache changes or plans again; the previous plan stops being current."""
         with self._lock:
+            self._check_open()
             ids = seq_ids if isinstance(seq_ids, list) else list(seq_ids)
-            rows = self._rows(ids)
-            width = max(int(self._nblocks[rows].max(initial=0)), 1)
-            self._touch(rows)
-            return BatchMetadata(ids, self._tables[rows, :width],
-                                 self._lens[rows].astype(np.int32), self._last_slot[rows].copy())
+            rows_of = self._rows
+            rows = rows_of.rows(ids)
+            if not rows_of.distinct():
+                raise ValueError("batch lists a sequence twice")
+            width = max(int(rows_of.nblocks[rows].max(initial=0)), 1)
+            meta = self._steps.plan(
+                self, self._epoch, list(ids), rows_of.tables[rows, :width],
+                rows_of.lens[rows].astype(np.int32), rows_of.last_slot[rows],
+                self._stream(stream))
+            rows_of.touch(rows, self.clock())
+            return meta
 
     def finished(self) -> dict[Hashable, tuple[float, int]]:
         """Recently finished ids → (finish time, tokens), bounded by count and age."""
         with self._lock:
             return self._finished.snapshot()
 
-    # --- device views ------------------------------------------------------------------------
+    # --- device work -------------------------------------------------------------------------
     def k_cache(self, layer: int) -> DeviceArray:
         return self._plane(layer, 0)
 
@@ -264,26 +259,29 @@ class KvCache:
         return self._plane(layer, 1)
 
     def _plane(self, layer: int, kv: int) -> DeviceArray:
-        if not 0 <= layer < self.config.num_layers:
-            raise IndexError(f"layer {layer} outside [0, {self.config.num_layers})")
+        ptrs = self._steps.planes(layer)
         c = self.config
-        plane_bytes = c.num_blocks * c.block_size * c.num_kv_heads * c.head_dim * c.dtype.itemsize
         return DeviceArray(self.slab.buffer, c.dtype, c.slab_shape[2:],
-                           (layer * 2 + kv) * plane_bytes)
+                           ptrs[kv] - self.slab.ptr)
 
-    def write(self, layer: int, key: DeviceArray, value: DeviceArray, slot_mapping: Any,
-              stream: Stream | None = None) -> None:
-        """Write new tokens' K/V of ``layer`` at ``slot_mapping`` (see ops.reshape_and_cache)."""
-        ops.reshape_and_cache(key, value, self.k_cache(layer), self.v_cache(layer),
-                              slot_mapping, stream=stream)
+    def write(self, layer: int, key: DeviceArray, value: DeviceArray,
+              slot_mapping: BatchMetadata | Any, stream: Stream | None = None) -> None:
+        """Write K/V of ``layer``: with the current ``batch()`` plan, each sequence's new
+        token (``[n, num_kv_heads, head_dim]``, one launch); with a slot mapping, any tokens
+        at those slots (see ``ops.reshape_and_cache``; prefill)."""
+        with self._lock:
+            if isinstance(slot_mapping, BatchMetadata):
+                self._steps.write(self._current(slot_mapping, stream), layer, key, value)
+            else:
+                ops.reshape_and_cache(key, value, self.k_cache(layer), self.v_cache(layer),
+                                      slot_mapping, stream=self._stream(stream))
 
     def attention(self, layer: int, out: DeviceArray, query: DeviceArray,
                   batch: BatchMetadata, scale: float | None = None,
                   stream: Stream | None = None) -> None:
-        """Decode attention of ``layer`` for ``batch`` (see ops.paged_attention)."""
-        ops.paged_attention(out, query, self.k_cache(layer), self.v_cache(layer),
-                            batch.block_tables, batch.seq_lens, scale, stream=stream,
-                            workspace=self.workspace)
+        """Decode attention of ``layer`` for the current ``batch()`` plan: one launch."""
+        with self._lock:
+            self._steps.attention(self._current(batch, stream), layer, out, query, scale)
 
     # --- accounting --------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
@@ -291,15 +289,16 @@ class KvCache:
         use), bytes per token, sequences, preemptions, copy-on-write copies, peak usage."""
         with self._lock:
             used, usable = self.pool.num_used, self.config.num_blocks - 1
-            rows = self._rows(list(self._seqs))
-            slack = int((self._nblocks[rows] * self.config.block_size - self._lens[rows]).sum())
+            r = self._rows
+            rows = r.rows(list(r.index))
+            slack = int((r.nblocks[rows] * self.config.block_size - r.lens[rows]).sum())
             self._finished.prune()
             return {
                 "num_blocks": usable, "free_blocks": self.pool.num_free, "used_blocks": used,
                 "usage": used / usable, "peak_used_blocks": self.peak_used_blocks,
                 "fragmentation": slack / max(used * self.config.block_size, 1),
                 "bytes_per_token": self.config.bytes_per_token,
-                "active_sequences": len(self._seqs), "tokens": int(self._lens[rows].sum()),
+                "active_sequences": len(r.index), "tokens": int(r.lens[rows].sum()),
                 "preemptions": self.num_preemptions, "cow_copies": self.num_cow_copies,
                 "finished_records": len(self._finished),
             }
@@ -307,43 +306,52 @@ class KvCache:
     def check_invariants(self) -> None:
         """Raise ``AssertionError`` naming the first broken invariant."""
         with self._lock:
-            pool, usable = self.pool, self.config.num_blocks - 1
+            pool, usable, r = self.pool, self.config.num_blocks - 1, self._rows
             assert pool.num_free + pool.num_used == usable, "free + used != total"
             free = pool.free_ids()
             assert len(np.unique(free)) == free.size, "a block is on the free stack twice"
             assert (pool.ref_cnt[free] == 0).all(), "a free block has holders"
-            rows = self._rows(list(self._seqs))
-            held = np.concatenate([self._tables[r, : self._nblocks[r]] for r in rows]
+            rows = r.rows(list(r.index))
+            held = np.concatenate([r.tables[i, : r.nblocks[i]] for i in rows]
                                   or [np.zeros(0, np.int32)])
             counts = np.bincount(held, minlength=self.config.num_blocks)
             counts[NULL_BLOCK] = 1
             assert (counts == pool.ref_cnt).all(), "ref counts differ from holders"
             assert pool.num_used == int((counts[1:] > 0).sum()), "used blocks differ"
-            assert (self._nblocks[rows] == -(-self._lens[rows] // self.config.block_size)).all(
+            assert (r.nblocks[rows] == -(-r.lens[rows] // self.config.block_size)).all(
             ), "block count does not match length"
-            for r in rows:
-                assert (self._tables[r, self._nblocks[r] :] == NULL_BLOCK).all(), "stale table"
-                assert self._last_block[r] == self._tables[r, self._nblocks[r] - 1], "last block"
+            for i in rows:
+                assert (r.tables[i, r.nblocks[i] :] == NULL_BLOCK).all(), "stale table"
+                assert r.last_block[i] == r.tables[i, r.nblocks[i] - 1], "last block"
 
     # --- internals (lock held) ---------------------------------------------------------------
-    def _row(self, seq_id: Hashable) -> int:
-        row = self._seqs.get(seq_id)
-        if row is None:
-            raise KeyError(f"no sequence {seq_id!r} in the cache")
-        return row
+    def _check_open(self) -> None:
+        if self.slab.buffer.closed:
+            raise BufferClosedError("this KvCache was closed")
 
-    def _rows(self, ids: list[Hashable]) -> np.ndarray:
-        """Rows of ``ids``. A decode loop asks for the same list again and again, so the last
-        answer is kept until a sequence is added or released."""
-        memo = self._rows_memo
-        if memo is not None and memo[0] == self._version and memo[1] == ids:
-            return memo[2]
-        try:
-            rows = np.fromiter(map(self._seqs.__getitem__, ids), np.int64, len(ids))
-        except KeyError as exc:
-            raise KeyError(f"no sequence {exc.args[0]!r} in the cache") from None
-        self._rows_memo = (self._version, list(ids), rows, len(set(ids)) == len(ids))
-        return rows
+    def _stream(self, stream: Stream | None) -> Stream | None:
+        if stream is None:
+            return self.stream
+        if not isinstance(stream, Stream):
+            raise TypeError(f"stream must be a Stream or None, not {type(stream).__name__}")
+        return stream
+
+    def _current(self, meta: Any, stream: Stream | None) -> BatchMetadata:
+        """``meta`` if it is this cache's current plan (O(1)); raises otherwise."""
+        if type(meta) is not BatchMetadata or meta._owner is not self:
+            raise ValueError(f"batch must be metadata from this cache's batch(), not "
+                             f"{type(meta).__name__}")
+        if meta is not self._steps.current or meta._epoch != self._epoch:
+            raise ValueError("batch metadata is stale: the cache changed or planned another "
+                             "batch since; call batch() again")
+        if stream is not None and stream is not meta.stream:
+            raise ValueError("stream differs from the one the batch was planned on: plan the "
+                             "batch on the stream that runs it")
+        return meta
+
+    def _changed(self) -> None:
+        self._epoch += 1
+        self.peak_used_blocks = max(self.peak_used_blocks, self.pool.num_used)
 
     def _blocks_for(self, num_tokens: int) -> int:
         return -(-int(num_tokens) // self.config.block_size)
@@ -351,8 +359,8 @@ class KvCache:
     def _append_need(self, rows: np.ndarray) -> tuple[int, np.ndarray, np.ndarray]:
         """(blocks needed, rows needing a new block, rows whose shared last block needs a
         private copy) for appending one token to each row."""
-        last = self._last_block[rows]
-        grow = (self._lens[rows] & (self.config.block_size - 1)) == 0
+        last = self._rows.last_block[rows]
+        grow = (self._rows.lens[rows] & (self.config.block_size - 1)) == 0
         cow = ~grow & (self.pool.ref_cnt[last] > 1)
         if cow.any():  # when every holder of a block appends now, one keeps the original
             where = np.flatnonzero(cow)
@@ -360,6 +368,42 @@ class KvCache:
                                               return_counts=True)
             cow[where[first[counts == self.pool.ref_cnt[blocks]]]] = False
         return int(np.count_nonzero(grow) + np.count_nonzero(cow)), grow, cow
+
+    def _extend(self, rows: np.ndarray, grow: np.ndarray, cow: np.ndarray, total: int,
+                stream: Stream | None) -> None:
+        """One more slot for each of ``rows``: new blocks where ``grow``, private copies of
+        shared last blocks where ``cow`` (``total`` blocks in all, known to be free)."""
+        r, bs = self._rows, self.config.block_size
+        cow_rows = rows[cow]
+        if cow_rows.size:  # the only step that can fail (the copy): before any change
+            src = r.last_block[cow_rows]
+            new = self.pool.allocate(total)
+            dst = new[total - cow_rows.size :].astype(np.int64)
+            try:
+                ops.copy_blocks(self.slab, np.stack([src, dst], 1), stream=stream)
+            except BaseException:
+                self.pool.free(new)
+                raise
+        else:
+            new = self.pool.allocate(total) if total else None
+        lens = r.lens[rows]
+        n_grow = total - cow_rows.size
+        if n_grow:
+            grow_rows = rows[grow]
+            count = r.nblocks[grow_rows]
+            r.widen(int(count.max()) + 1)
+            r.tables[grow_rows, count] = new[:n_grow]
+            r.nblocks[grow_rows] = count + 1
+            r.last_block[grow_rows] = new[:n_grow]
+        if cow_rows.size:
+            r.tables[cow_rows, r.nblocks[cow_rows] - 1] = dst
+            r.last_block[cow_rows] = dst
+            self.pool.free(src)
+            self.num_cow_copies += int(cow_rows.size)
+        r.last_slot[rows] = r.last_block[rows] * bs + (lens & (bs - 1))
+        r.lens[rows] = lens + 1
+        r.touch(rows, self.clock())
+        self._changed()
 
     def _make_room(self, need: Callable[[], int], batch: list[Hashable]) -> list[Hashable]:
         """Preempt LRU sequences (others first, then members of ``batch``, which shrinks)
@@ -369,9 +413,9 @@ class KvCache:
         while need() > self.pool.num_free:
             if self.strict:
                 raise CacheFullError(need(), self.pool.num_free, "strict mode")
-            victim = self._least_recent(exclude=batch)
+            victim = self._rows.least_recent(exclude=batch)
             if victim is None:
-                victim = self._least_recent(exclude=())
+                victim = self._rows.least_recent(exclude=())
             if victim is None:
                 raise CacheFullError(need(), self.pool.num_free, "nothing left to preempt")
             if victim in batch:
@@ -381,51 +425,7 @@ class KvCache:
             preempted.append(victim)
         return preempted
 
-    def _least_recent(self, exclude: Iterable[Hashable]) -> Hashable | None:
-        skip = set(exclude)
-        candidates = [s for s in self._seqs if s not in skip]
-        if not candidates:
-            return None
-        return min(candidates, key=lambda s: self._recency[self._seqs[s]])
-
     def _release(self, seq_id: Hashable) -> int:
-        row = self._seqs.pop(seq_id)
-        self._version += 1
-        released = self.pool.free(self._tables[row, : self._nblocks[row]])
-        self._tables[row] = NULL_BLOCK
-        self._lens[row] = self._nblocks[row] = self._last_block[row] = 0
-        self._last_slot[row] = -1
-        self._free_rows.append(row)
+        released = self.pool.free(self._rows.release(seq_id))
+        self._changed()
         return released
-
-    def _new_row(self, blocks: int) -> int:
-        if not self._free_rows:
-            old = self._lens.size
-            for name in ("_tables", "_lens", "_nblocks", "_last_slot", "_last_block",
-                         "_created", "_accessed", "_recency"):
-                array = getattr(self, name)
-                setattr(self, name, np.concatenate([array, np.zeros_like(array)]))
-            self._last_slot[old:] = -1
-            self._free_rows = list(range(2 * old - 1, old - 1, -1))
-        self._widen(blocks)
-        self._version += 1
-        return self._free_rows.pop()
-
-    def _widen(self, blocks: int) -> None:
-        width = self._tables.shape[1]
-        if blocks > width:
-            wider = np.zeros((self._tables.shape[0], max(blocks, 2 * width)), np.int32)
-            wider[:, :width] = self._tables
-            self._tables = wider
-
-    def _slot(self, block: int, position: int) -> int:
-        return int(block) * self.config.block_size + position % self.config.block_size
-
-    def _touch(self, rows: np.ndarray) -> None:
-        """Mark ``rows`` used now, later ones in the list as more recent."""
-        self._accessed[rows] = self.clock()
-        self._recency[rows] = np.arange(self._tick + 1, self._tick + 1 + rows.size)
-        self._tick += rows.size
-
-    def _note_usage(self) -> None:
-        self.peak_used_blocks = max(self.peak_used_blocks, self.pool.num_used)

@@ -1,0 +1,112 @@
+"""SequenceRows: the per-sequence bookkeeping of a KvCache, in persistent NumPy arrays.
+
+Each sequence owns one row: its block table (int32, padded with the null block 0), length in
+tokens, block count, last block, the slot it last reserved (-1: none), creation and
+last-access times (clock seconds) and a recency tick ordering LRU preemption (larger: used
+more recently). Arrays grow by doubling; freed rows are reused. Not locked: the cache's lock
+covers every call. Nothing here loops over blocks in Python.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Iterable
+
+import numpy as np
+
+from .block_pool import NULL_BLOCK
+
+_ARRAYS = ("tables", "lens", "nblocks", "last_slot", "last_block", "created", "accessed",
+           "recency")
+
+
+class SequenceRows:
+    """Rows of sequences: ``index`` maps a sequence id to its row."""
+
+    def __init__(self, rows: int = 16, width: int = 8) -> None:
+        self.tables = np.zeros((rows, width), np.int32)
+        self.lens = np.zeros(rows, np.int64)
+        self.nblocks = np.zeros(rows, np.int64)
+        self.last_slot = np.full(rows, -1, np.int64)
+        self.last_block = np.zeros(rows, np.int64)  # == tables[row, nblocks - 1]
+        self.created = np.zeros(rows)
+        self.accessed = np.zeros(rows)
+        self.recency = np.zeros(rows, np.int64)
+        self.tick = 0
+        self.free = list(range(rows - 1, -1, -1))
+        self.index: dict[Hashable, int] = {}
+        self.version = 0  # bumped whenever a sequence gets or gives up its row
+        self._memo: tuple[int, list[Hashable], np.ndarray, bool] | None = None
+
+    def row(self, seq_id: Hashable) -> int:
+        row = self.index.get(seq_id)
+        if row is None:
+            raise KeyError(f"no sequence {seq_id!r} in the cache")
+        return row
+
+    def rows(self, ids: list[Hashable]) -> np.ndarray:
+        """Rows of ``ids``. A decode loop asks for the same list again and again, so the last
+        answer is kept until a sequence is added or released."""
+        memo = self._memo
+        if memo is not None and memo[0] == self.version and memo[1] == ids:
+            return memo[2]
+        try:
+            rows = np.fromiter(map(self.index.__getitem__, ids), np.int64, len(ids))
+        except KeyError as exc:
+            raise KeyError(f"no sequence {exc.args[0]!r} in the cache") from None
+        except TypeError:
+            bad = next(s for s in ids if not isinstance(s, Hashable))
+            raise TypeError(f"sequence id {bad!r} is not hashable") from None
+        self._memo = (self.version, list(ids), rows, len(set(ids)) == len(ids))
+        return rows
+
+    def distinct(self) -> bool:
+        """Whether the ids of the last ``rows`` call list no sequence twice."""
+        return self._memo is not None and self._memo[3]
+
+    def add(self, seq_id: Hashable, blocks: int) -> int:
+        """A fresh row for ``seq_id`` wide enough for ``blocks`` blocks."""
+        if not self.free:
+            old = self.lens.size
+            for name in _ARRAYS:
+                array = getattr(self, name)
+                setattr(self, name, np.concatenate([array, np.zeros_like(array)]))
+            self.last_slot[old:] = -1
+            self.free = list(range(2 * old - 1, old - 1, -1))
+        self.widen(blocks)
+        row = self.free.pop()
+        self.index[seq_id] = row
+        self.version += 1
+        return row
+
+    def release(self, seq_id: Hashable) -> np.ndarray:
+        """Drop ``seq_id``'s row; returns the blocks it held (a copy), in order."""
+        row = self.index.pop(seq_id)
+        self.version += 1
+        blocks = self.tables[row, : self.nblocks[row]].copy()
+        self.tables[row] = NULL_BLOCK
+        self.lens[row] = self.nblocks[row] = self.last_block[row] = 0
+        self.last_slot[row] = -1
+        self.free.append(row)
+        return blocks
+
+    def widen(self, blocks: int) -> None:
+        """Make every block table at least ``blocks`` wide (doubling)."""
+        width = self.tables.shape[1]
+        if blocks > width:
+            wider = np.zeros((self.tables.shape[0], max(blocks, 2 * width)), np.int32)
+            wider[:, :width] = self.tables
+            self.tables = wider
+
+    def touch(self, rows: np.ndarray, now: float) -> None:
+        """Mark ``rows`` used at ``now``, later ones in the list as more recent."""
+        self.accessed[rows] = now
+        self.recency[rows] = np.arange(self.tick + 1, self.tick + 1 + rows.size)
+        self.tick += rows.size
+
+    def least_recent(self, exclude: Iterable[Hashable]) -> Hashable | None:
+        """The least recently used sequence not in ``exclude``, or None."""
+        skip = set(exclude)
+        candidates = [s for s in self.index if s not in skip]
+        if not candidates:
+            return None
+        return min(candidates, key=lambda s: self.recency[self.index[s]])

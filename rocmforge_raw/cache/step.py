@@ -1,0 +1,248 @@
+"""The plan of one step: metadata uploaded once, launches made ready once, one launch a call.
+
+``KvCache.batch`` hands its host snapshots to ``StepPlanner.plan``, which checks them once,
+copies them into a pinned staging slot of the cache's ``StagingRing`` and queues one
+asynchronous upload on the step's stream, then prepares the step's launches (the K/V write
+and the attention kernel with its split-K plan and workspace) with every argument packed
+except the four pointers that change per layer. ``write``/``attention`` then check shapes
+and dtypes (O(1)) and launch once, from C: no allocation, upload or synchronization.
+
+Lifetimes: a plan is current until the cache changes or plans again. Its staging slot's
+fence is marked on its stream when it stops being current (``retire``): every launch that
+read the slot was queued before then, so the ring reuses the slot only after the device
+passed them all. The slot's workspace is covered by the same fence.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Hashable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from .. import ops
+from ..array import DeviceArray
+from ..planning import (
+    ATTENTION_PATCH,
+    THREADS,
+    WRITE_PATCH,
+    WRITE_THREADS,
+    AttentionPlan,
+    attention_kernel,
+    check_tables,
+    default_scale,
+    plan_partitions,
+    split_workspace,
+    write_arguments,
+    write_kernel,
+)
+from ..runtime._launch import Launch
+from ..staging import Staging, StagingRing
+from ..stream import Stream
+from .config import CacheConfig
+
+SCALE_ARG = 9  # the attention kernel's `scale` argument
+
+
+@dataclass(eq=False)
+class BatchMetadata:
+    """Kernel metadata for ``seq_ids`` and the plan of their step.
+
+    Host snapshots (read-only): ``block_tables`` int32 ``[n, max_blocks]`` padded with the
+    null block 0, ``seq_lens`` int32 ``[n]``, ``slot_mapping`` int64 ``[n]`` (each
+    sequence's last reserved slot; -1: none). On a GPU the same arrays already live on the
+    device, uploaded on ``stream``. Usable with ``KvCache.write``/``attention`` while
+    current: until the cache changes (add, append, fork, finish, remove, preemption) or
+    plans another batch.
+    """
+
+    seq_ids: list[Hashable]
+    block_tables: np.ndarray
+    seq_lens: np.ndarray
+    slot_mapping: np.ndarray
+    stream: Stream | None = None
+    _owner: Any = field(default=None, repr=False)
+    _epoch: int = field(default=-1, repr=False)
+    _staging: Staging | None = field(default=None, repr=False)
+    _addresses: tuple[int, int, int] = field(default=(0, 0, 0), repr=False)
+    _write: Launch | None = field(default=None, repr=False)
+    _attention: Launch | None = field(default=None, repr=False)
+    _q_shape: tuple[int, int, int] | None = field(default=None, repr=False)
+    _kv_shape: tuple[int, int, int] = field(default=(0, 0, 0), repr=False)
+    _scale: float = field(default=0.0, repr=False)
+
+    def __post_init__(self) -> None:
+        for array in (self.block_tables, self.seq_lens, self.slot_mapping):
+            array.flags.writeable = False
+
+
+class StepPlanner:
+    """Plans the steps of one cache and launches their kernels (see the module docstring)."""
+
+    def __init__(self, config: CacheConfig, slab: DeviceArray) -> None:
+        self.config, self.slab = config, slab
+        self.backend, self.device = slab.backend, slab.device
+        self.on_host = self.backend.name == "host"
+        self.ring = None if self.on_host else StagingRing(self.device, self.backend)
+        self.current: BatchMetadata | None = None
+        c = config
+        self.plane_bytes = c.num_blocks * c.block_size * c.num_kv_heads * c.head_dim * (
+            c.dtype.itemsize)
+        self.row_shape = (c.num_kv_heads, c.head_dim)
+        self.default_scale = default_scale(c.head_dim, None)
+        base = slab.ptr
+        self._planes = [(base + 2 * layer * self.plane_bytes,
+                         base + (2 * layer + 1) * self.plane_bytes)
+                        for layer in range(c.num_layers)]
+
+    def plan(self, owner: Any, epoch: int, seq_ids: list[Hashable], tables: np.ndarray,
+             lens: np.ndarray, slots: np.ndarray, stream: Stream | None) -> BatchMetadata:
+        """The current plan for these snapshots (``owner``'s state at ``epoch``)."""
+        c = self.config
+        if tables.size and (tables.max() >= c.num_blocks or lens.max(initial=0) > tables.shape[
+                1] * c.block_size):  # the bookkeeping is broken (ids are never negative)
+            check_tables(tables, lens, len(seq_ids), c.num_blocks, c.block_size)  # says how
+        self.retire()
+        meta = BatchMetadata(seq_ids, tables, lens, slots, stream, owner, epoch)
+        meta._kv_shape = (len(seq_ids), *self.row_shape)
+        if not self.on_host and seq_ids:
+            meta._staging = slot = self.ring.acquire()
+            meta._addresses = tuple(slot.put([tables, lens, slots], stream))
+            key = ("write", *tables.shape, stream)
+            meta._write = slot.launches.get(key)
+            if meta._write is None:
+                meta._write = slot.launches[key] = write_kernel(self.backend, self.device
+                                                                ).prepare(
+                    len(seq_ids), WRITE_THREADS, *write_arguments(
+                        0, 0, 0, 0, meta._addresses[2], c.num_kv_heads, c.block_size,
+                        c.head_dim * c.dtype.itemsize), stream=stream, patch=WRITE_PATCH)
+        if c.num_q_heads is not None:
+            self._plan_attention(meta, c.num_q_heads)
+        self.current = meta
+        return meta
+
+    def retire(self) -> None:
+        """The current plan stops being current: fence its slot on its stream."""
+        meta, self.current = self.current, None
+        if meta is not None and meta._staging is not None:
+            meta._staging.fence.mark(meta.stream)
+
+    def close(self) -> None:
+        """Free the staging memory once the device has passed every launch that used it."""
+        self.retire()
+        if self.ring is not None:
+            self.ring.close()
+
+    # --- per-layer launches --------------------------------------------------------------
+    def planes(self, layer: int) -> tuple[int, int]:
+        """Device addresses of ``layer``'s K and V caches (the slab is open: a closed cache
+        has no current plan, and its views refuse use)."""
+        if type(layer) is int and 0 <= layer < len(self._planes):
+            return self._planes[layer]
+        if isinstance(layer, bool) or not hasattr(layer, "__index__"):
+            raise TypeError(f"layer must be an integer, got {layer!r}")
+        if not 0 <= operator.index(layer) < len(self._planes):
+            raise IndexError(f"layer {layer!r} outside [0, {self.config.num_layers})")
+        return self._planes[operator.index(layer)]
+
+    def write(self, meta: BatchMetadata, layer: int, key: DeviceArray, value: DeviceArray
+              ) -> None:
+        """Each sequence's new token: ``key``/``value`` ``[n, num_kv_heads, head_dim]``."""
+        shape = meta._kv_shape
+        self._check("key", key, shape)
+        self._check("value", value, shape)
+        k_ptr, v_ptr = self.planes(layer)
+        if meta._write is not None:
+            meta._write(k_ptr, v_ptr, key.ptr, value.ptr)
+        elif self.on_host:
+            k, v = self._host_planes(layer)
+            ops.reshape_and_cache(key, value, k, v, meta.slot_mapping, check=False)
+
+    def attention(self, meta: BatchMetadata, layer: int, out: DeviceArray, query: DeviceArray,
+                  scale: float | None) -> None:
+        """Decode attention of ``layer`` for the plan's sequences into ``out``."""
+        if meta._q_shape is None:
+            self._check("query", query, None)
+            self._plan_attention(meta, query.shape[1])
+        self._check("query", query, meta._q_shape)
+        self._check("out", out, meta._q_shape)
+        k_ptr, v_ptr = self.planes(layer)
+        if scale is not None or meta._scale != self.default_scale:
+            wanted = self.default_scale if scale is None else default_scale(
+                self.config.head_dim, scale)
+            if wanted != meta._scale and meta._attention is not None:
+                meta._attention.set_float(SCALE_ARG, wanted)
+            meta._scale = wanted
+        if meta._attention is not None:
+            meta._attention(out.ptr, query.ptr, k_ptr, v_ptr)
+        elif self.on_host:
+            k, v = self._host_planes(layer)
+            ops.paged_attention(out, query, k, v, meta.block_tables, meta.seq_lens,
+                                meta._scale, check=False)
+
+    def _plan_attention(self, meta: BatchMetadata, num_q_heads: int) -> None:
+        """The attention launch of ``meta``'s step: its split from the step's lengths, the
+        launch itself reused from the staging slot when an earlier step planned the same."""
+        c, n = self.config, len(meta.seq_ids)
+        if num_q_heads < 1 or num_q_heads % c.num_kv_heads:
+            raise ValueError(f"num_q_heads {num_q_heads} is not a multiple of num_kv_heads "
+                             f"{c.num_kv_heads}")
+        meta._q_shape, meta._scale = (n, num_q_heads, c.head_dim), self.default_scale
+        if self.on_host or not n:
+            return
+        found = attention_kernel(self.backend, self.device, c.dtype, c.head_dim,
+                                 num_q_heads // c.num_kv_heads)
+        lens, width = meta.seq_lens, meta.block_tables.shape[1]
+        grid_x = c.num_kv_heads * found.groups
+        tokens, parts = plan_partitions(grid_x * n, int(lens.max()), found.slots,
+                                        int(lens.sum()) / n)
+        slot, partials, counters = meta._staging, 0, 0
+        if parts > 1:
+            part_buf, count_buf = slot.workspace.get(
+                *split_workspace((grid_x, n, parts), num_q_heads, c.head_dim), self.slab,
+                meta.stream)
+            partials, counters = part_buf.ptr, count_buf.ptr
+        key = (num_q_heads, n, width, tokens, parts, partials, counters, meta.stream)
+        launch = slot.launches.get(key)
+        if launch is None:
+            if len(slot.launches) > 64:  # widths and splits change as sequences grow
+                slot.launches.clear()
+            plan = AttentionPlan(found.kernel, (grid_x, n, parts), found.shared_bytes, tokens,
+                                 num_q_heads, c.num_kv_heads, c.head_dim, c.block_size, width)
+            tables, lens_ptr, _ = meta._addresses
+            launch = slot.launches[key] = plan.kernel.prepare(
+                plan.grid, THREADS, *plan.arguments(0, 0, 0, 0, tables, lens_ptr, meta._scale,
+                                                    partials, counters),
+                shared_bytes=plan.shared_bytes, stream=meta.stream, patch=ATTENTION_PATCH)
+        else:
+            launch.set_float(SCALE_ARG, meta._scale)  # an earlier step may have changed it
+        meta._attention = launch
+
+    def _check(self, name: str, array: Any, shape: tuple[int, ...] | None) -> None:
+        """``array`` is a DeviceArray of the cache's dtype, backend and device and of
+        ``shape`` (any 3-d shape for None); one test on the way that passes."""
+        if (type(array) is DeviceArray and array.shape == shape
+                and (array.dtype is self.config.dtype or array.dtype == self.config.dtype)
+                and array.buffer.backend is self.backend and array.buffer.device == self.device):
+            return
+        if type(array) is not DeviceArray:
+            raise TypeError(f"{name} must be a DeviceArray, not {type(array).__name__}")
+        if array.dtype != self.config.dtype:
+            raise ValueError(f"{name} must be {self.config.dtype}, got {array.dtype}")
+        if array.buffer.backend is not self.backend or array.buffer.device != self.device:
+            raise ValueError(f"{name} is on {array.backend.name}:{array.device}, the cache on "
+                             f"{self.backend.name}:{self.device}")
+        if shape is None:
+            if len(array.shape) != 3:
+                raise ValueError(f"{name} must have 3 dimensions, got shape {array.shape}")
+            return
+        raise ValueError(f"{name} must have shape {shape}, got {array.shape}")
+
+    def _host_planes(self, layer: int) -> tuple[DeviceArray, DeviceArray]:
+        c = self.config
+        shape = (c.num_blocks, c.num_kv_heads, c.block_size, c.head_dim)
+        offset = 2 * layer * self.plane_bytes
+        return (DeviceArray(self.slab.buffer, c.dtype, shape, offset),
+                DeviceArray(self.slab.buffer, c.dtype, shape, offset + self.plane_bytes))
