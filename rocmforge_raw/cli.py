@@ -106,7 +106,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from . import bench
 
     backend = get_backend(args.backend)
-    everything = not (args.alloc or args.attention or args.cache)
+    everything = not (args.alloc or args.attention or args.cache or args.step)
     result: dict[str, Any] = {"backend": backend.name,
                               "device": backend.properties(args.device).name}
     lines = [f"device: {backend.name}:{args.device} {result['device']}"]
@@ -132,6 +132,20 @@ def cmd_bench(args: argparse.Namespace) -> int:
                   for r in rows]
     elif args.attention:
         lines.append("attention bench needs a GPU backend (host runs the NumPy reference)")
+    if (args.step or everything) and backend.name != "host":
+        from .bench_step import STEP_SHAPES, bench_step
+
+        rows = result["step"] = [bench_step(backend, args.device, shape) for shape in STEP_SHAPES]
+        lines.append(f"decode step, {STEP_SHAPES[0].layers} layers, bf16, 32/8 heads, head_dim "
+                     f"128, block 16 (targets: step <= 1.05 x kernels, <= 10 us host per call)")
+        lines.append(f"{'batch x ctx':>12} {'step ms':>8} {'kernels ms':>10} {'ratio':>6} "
+                     f"{'append us':>9} {'batch us':>8} {'write us':>8} {'attn us':>8}")
+        lines += [f"{r['batch']:>5} x {r['context']:<5} {r['step_ms']:8.3f} "
+                  f"{r['kernels_ms']:10.3f} {r['step_over_kernels']:6.3f} "
+                  f"{r['append_host_us']:9.1f} {r['batch_host_us']:8.1f} "
+                  f"{r['write_host_us']:8.2f} {r['attention_host_us']:8.2f}" for r in rows]
+    elif args.step:
+        lines.append("step bench needs a GPU backend (host runs the NumPy reference)")
     if args.cache or everything:
         row = result["cache"] = bench.bench_cache()
         lines.append(f"cache decode step ({row['num_seqs']} seqs x ~{row['context']} tokens, "
@@ -172,6 +186,8 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--alloc", action="store_true", help="alloc+free round trips")
     bench.add_argument("--attention", action="store_true", help="paged attention vs copy BW")
     bench.add_argument("--cache", action="store_true", help="KV cache decode step (CPU)")
+    bench.add_argument("--step", action="store_true",
+                       help="a whole decode step through the cache's API (GPU)")
     bench.add_argument("--iters", type=int, default=50, help="timed runs per measurement")
     bench.set_defaults(run=cmd_bench)
     args = parser.parse_args(argv)

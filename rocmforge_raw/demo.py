@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import gc
 import math
+import statistics
 import sys
 import time
 from dataclasses import dataclass
@@ -20,9 +21,8 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-from . import reference
+from . import ops, reference
 from .array import DeviceArray
-from .bench import copy_bandwidth
 from .buffer import memory_stats
 from .cache import CacheConfig, KvCache, Request, Scheduler
 from .runtime import Backend
@@ -71,12 +71,11 @@ def run_demo(backend: Backend, device: int = 0, config: DemoConfig | None = None
     per_request = float(np.mean(-(-(prompts + outputs) // cfg.block_size)))
     largest = -(-(cfg.prompt[1] + cfg.output[1]) // cfg.block_size)
     blocks = max(int(cfg.max_running * per_request * cfg.pool_fraction), 2 * largest) + 1
-    cache_cfg = CacheConfig(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, cfg.block_size,
-                            blocks, dtype)
-    copy_gbs = copy_bandwidth(backend, device, 256 << 20, 20) if backend.name != "host" else None
     q_heads = cfg.num_kv_heads * cfg.group
-    stats = {"steps": 0, "prefill_tokens": 0, "decode_tokens": 0, "checks": 0,
-             "attention_ms": 0.0, "attention_bytes": 0}
+    cache_cfg = CacheConfig(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, cfg.block_size,
+                            blocks, dtype, num_q_heads=q_heads)
+    stats: dict[str, Any] = {"steps": 0, "prefill_tokens": 0, "decode_tokens": 0,
+                             "checks": 0, "device_ms": [], "step_ms": [], "host_share": []}
     started = time.perf_counter()
     with KvCache(cache_cfg, device, backend) as cache:
         sched = Scheduler(cache, max_running=cfg.max_running)
@@ -94,26 +93,28 @@ def run_demo(backend: Backend, device: int = 0, config: DemoConfig | None = None
                 stats["prefill_tokens"] += len(slots)
             if plan.decode:
                 ids = [r.request_id for r in plan.decode]
-                _write(cache, rng, plan.decode_slots, dtype)
+                inputs = _step_inputs(cache, rng, len(ids), q_heads, dtype)
+                began = time.perf_counter()
                 meta = cache.batch(ids)
-                query = DeviceArray.from_numpy(
-                    _random(rng, (len(ids), q_heads, cfg.head_dim), dtype), device, backend)
-                out = DeviceArray.empty(query.shape, dtype, device, backend)
                 start_ev.record()
-                for layer in range(cfg.num_layers):
+                for layer, (key, value, query, out) in enumerate(inputs):
+                    cache.write(layer, key, value, meta)
                     cache.attention(layer, out, query, meta)
+                queued = time.perf_counter()
                 end_ev.record()
                 end_ev.synchronize()
-                stats["attention_ms"] += end_ev.elapsed_ms_since(start_ev)
-                stats["attention_bytes"] += cfg.num_layers * (
-                    int(meta.seq_lens.sum()) * cache_cfg.bytes_per_token // cfg.num_layers
-                    + 2 * query.nbytes)
+                step_s = time.perf_counter() - began
+                stats["step_ms"].append(1e3 * step_s)
+                stats["host_share"].append((queued - began) / step_s)
+                stats["device_ms"].append(end_ev.elapsed_ms_since(start_ev))
                 stats["decode_tokens"] += len(ids)
                 if stats["steps"] % cfg.check_every == 0:
+                    key, value, query, out = inputs[-1]
                     _check(cache, meta, query, out, cfg.num_layers - 1, 0)
                     stats["checks"] += 1
-                query.buffer.root.close()
-                out.buffer.root.close()
+                for arrays in inputs:
+                    for array in arrays:
+                        array.buffer.root.close()
             sched.advance(plan)
             stats["steps"] += 1
             if progress and sys.stderr.isatty():
@@ -124,23 +125,35 @@ def run_demo(backend: Backend, device: int = 0, config: DemoConfig | None = None
     elapsed = time.perf_counter() - started
     if progress and sys.stderr.isatty():
         sys.stderr.write("\n")
+    ops.release_staging()  # the one-off writes' staging memory, kept per device until now
     gc.collect()
-    attention_gbs = (stats["attention_bytes"] / (stats["attention_ms"] * 1e-3) / 1e9
-                     if stats["attention_ms"] else 0.0)
+    steps_ms = stats["step_ms"] or [0.0]
     return {
         "backend": backend.name, "device": backend.properties(device).name,
         "requests": cfg.requests, "finished": len(sched.finished()),
         "prefill_tokens": stats["prefill_tokens"], "generated_tokens": stats["decode_tokens"],
         "steps": stats["steps"], "seconds": elapsed, "steps_per_s": stats["steps"] / elapsed,
-        # timed in the loop, host launch overhead of every layer's call included: small
-        # decode batches are host-bound here; `bench --attention` times the kernel itself
-        "attention_in_loop_gb_per_s": attention_gbs, "copy_gb_per_s": copy_gbs,
-        "attention_in_loop_pct_of_copy": 100 * attention_gbs / copy_gbs if copy_gbs else None,
+        # a decode step as it runs here: plan (batch) + per layer write and attention, then
+        # the wait for the device; the host's share is its time to plan and queue the step
+        "decode_step_ms_median": statistics.median(steps_ms),
+        "decode_device_ms_median": statistics.median(stats["device_ms"] or [0.0]),
+        "decode_host_share_median": statistics.median(stats["host_share"] or [0.0]),
         "cache_blocks": blocks - 1, "peak_blocks": cache_stats["peak_used_blocks"],
         "preemptions": cache_stats["preemptions"], "cow_copies": cache_stats["cow_copies"],
         "reference_checks_passed": stats["checks"],
         "live_buffers_after_teardown": memory_stats()["live_buffers"],
     }
+
+
+def _step_inputs(cache: KvCache, rng: np.random.Generator, num_seqs: int, q_heads: int,
+                 dtype: Any) -> list[tuple[DeviceArray, ...]]:
+    """Per layer: the step's new key and value rows, the query, and the output array."""
+    c = cache.config
+    backend, device = cache.slab.backend, cache.slab.device
+    kv_shape, q_shape = (num_seqs, c.num_kv_heads, c.head_dim), (num_seqs, q_heads, c.head_dim)
+    return [(*(DeviceArray.from_numpy(_random(rng, shape, dtype), device, backend)
+               for shape in (kv_shape, kv_shape, q_shape)),
+             DeviceArray.empty(q_shape, dtype, device, backend)) for _ in range(c.num_layers)]
 
 
 def _write(cache: KvCache, rng: np.random.Generator, slots: np.ndarray, dtype: Any) -> None:

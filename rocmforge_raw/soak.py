@@ -26,6 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
+from . import ops
 from .array import DeviceArray
 from .buffer import HipBuffer, memory_stats
 from .cache import CacheConfig, KvCache, Request, Scheduler
@@ -158,6 +159,7 @@ class _Workload:
     def close(self) -> None:
         self.cache.close()
         self.pool.free_all()
+        ops.release_staging()
         self.backend.synchronize(self.device)
 
 
