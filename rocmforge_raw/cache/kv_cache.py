@@ -28,7 +28,7 @@ from ..array import DeviceArray
 from ..buffer import HipBuffer
 from ..errors import BufferClosedError, CacheFullError
 from ..stream import Stream
-from .block_pool import NULL_BLOCK, BlockPool
+from .block_pool import BlockPool
 from .config import CacheConfig
 from .records import FinishedRecords
 from .rows import SequenceRows
@@ -289,16 +289,14 @@ class KvCache:
         use), bytes per token, sequences, preemptions, copy-on-write copies, peak usage."""
         with self._lock:
             used, usable = self.pool.num_used, self.config.num_blocks - 1
-            r = self._rows
-            rows = r.rows(list(r.index))
-            slack = int((r.nblocks[rows] * self.config.block_size - r.lens[rows]).sum())
+            tokens, slots = self._rows.tokens_and_slots(self.config.block_size)
             self._finished.prune()
             return {
                 "num_blocks": usable, "free_blocks": self.pool.num_free, "used_blocks": used,
                 "usage": used / usable, "peak_used_blocks": self.peak_used_blocks,
-                "fragmentation": slack / max(used * self.config.block_size, 1),
+                "fragmentation": (slots - tokens) / max(used * self.config.block_size, 1),
                 "bytes_per_token": self.config.bytes_per_token,
-                "active_sequences": len(r.index), "tokens": int(r.lens[rows].sum()),
+                "active_sequences": len(self._rows.index), "tokens": tokens,
                 "preemptions": self.num_preemptions, "cow_copies": self.num_cow_copies,
                 "finished_records": len(self._finished),
             }
@@ -306,23 +304,7 @@ class KvCache:
     def check_invariants(self) -> None:
         """Raise ``AssertionError`` naming the first broken invariant."""
         with self._lock:
-            pool, usable, r = self.pool, self.config.num_blocks - 1, self._rows
-            assert pool.num_free + pool.num_used == usable, "free + used != total"
-            free = pool.free_ids()
-            assert len(np.unique(free)) == free.size, "a block is on the free stack twice"
-            assert (pool.ref_cnt[free] == 0).all(), "a free block has holders"
-            rows = r.rows(list(r.index))
-            held = np.concatenate([r.tables[i, : r.nblocks[i]] for i in rows]
-                                  or [np.zeros(0, np.int32)])
-            counts = np.bincount(held, minlength=self.config.num_blocks)
-            counts[NULL_BLOCK] = 1
-            assert (counts == pool.ref_cnt).all(), "ref counts differ from holders"
-            assert pool.num_used == int((counts[1:] > 0).sum()), "used blocks differ"
-            assert (r.nblocks[rows] == -(-r.lens[rows] // self.config.block_size)).all(
-            ), "block count does not match length"
-            for i in rows:
-                assert (r.tables[i, r.nblocks[i] :] == NULL_BLOCK).all(), "stale table"
-                assert r.last_block[i] == r.tables[i, r.nblocks[i] - 1], "last block"
+            self._rows.check(self.pool, self.config.block_size)
 
     # --- internals (lock held) ---------------------------------------------------------------
     def _check_open(self) -> None:
@@ -357,52 +339,25 @@ class KvCache:
         return -(-int(num_tokens) // self.config.block_size)
 
     def _append_need(self, rows: np.ndarray) -> tuple[int, np.ndarray, np.ndarray]:
-        """(blocks needed, rows needing a new block, rows whose shared last block needs a
-        private copy) for appending one token to each row."""
-        last = self._rows.last_block[rows]
-        grow = (self._rows.lens[rows] & (self.config.block_size - 1)) == 0
-        cow = ~grow & (self.pool.ref_cnt[last] > 1)
-        if cow.any():  # when every holder of a block appends now, one keeps the original
-            where = np.flatnonzero(cow)
-            blocks, first, counts = np.unique(last[where], return_index=True,
-                                              return_counts=True)
-            cow[where[first[counts == self.pool.ref_cnt[blocks]]]] = False
-        return int(np.count_nonzero(grow) + np.count_nonzero(cow)), grow, cow
+        return self._rows.append_need(rows, self.pool.ref_cnt, self.config.block_size)
 
     def _extend(self, rows: np.ndarray, grow: np.ndarray, cow: np.ndarray, total: int,
                 stream: Stream | None) -> None:
         """One more slot for each of ``rows``: new blocks where ``grow``, private copies of
         shared last blocks where ``cow`` (``total`` blocks in all, known to be free)."""
-        r, bs = self._rows, self.config.block_size
         cow_rows = rows[cow]
+        new = self.pool.allocate(total) if total else None
         if cow_rows.size:  # the only step that can fail (the copy): before any change
-            src = r.last_block[cow_rows]
-            new = self.pool.allocate(total)
+            src = self._rows.last_block[cow_rows]
             dst = new[total - cow_rows.size :].astype(np.int64)
             try:
                 ops.copy_blocks(self.slab, np.stack([src, dst], 1), stream=stream)
             except BaseException:
                 self.pool.free(new)
                 raise
-        else:
-            new = self.pool.allocate(total) if total else None
-        lens = r.lens[rows]
-        n_grow = total - cow_rows.size
-        if n_grow:
-            grow_rows = rows[grow]
-            count = r.nblocks[grow_rows]
-            r.widen(int(count.max()) + 1)
-            r.tables[grow_rows, count] = new[:n_grow]
-            r.nblocks[grow_rows] = count + 1
-            r.last_block[grow_rows] = new[:n_grow]
-        if cow_rows.size:
-            r.tables[cow_rows, r.nblocks[cow_rows] - 1] = dst
-            r.last_block[cow_rows] = dst
             self.pool.free(src)
             self.num_cow_copies += int(cow_rows.size)
-        r.last_slot[rows] = r.last_block[rows] * bs + (lens & (bs - 1))
-        r.lens[rows] = lens + 1
-        r.touch(rows, self.clock())
+        self._rows.extend(rows, grow, cow, new, self.config.block_size, self.clock())
         self._changed()
 
     def _make_room(self, need: Callable[[], int], batch: list[Hashable]) -> list[Hashable]:

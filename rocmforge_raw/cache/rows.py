@@ -13,7 +13,7 @@ from collections.abc import Hashable, Iterable
 
 import numpy as np
 
-from .block_pool import NULL_BLOCK
+from .block_pool import NULL_BLOCK, BlockPool
 
 _ARRAYS = ("tables", "lens", "nblocks", "last_slot", "last_block", "created", "accessed",
            "recency")
@@ -110,3 +110,65 @@ class SequenceRows:
         if not candidates:
             return None
         return min(candidates, key=lambda s: self.recency[self.index[s]])
+
+    def extend(self, rows: np.ndarray, grow: np.ndarray, cow: np.ndarray,
+               new: np.ndarray | None, block_size: int, now: float) -> None:
+        """One more token for each of ``rows`` (see ``append_need``): ``new`` holds the new
+        blocks of the ``grow`` rows, then the private copies replacing the last block of the
+        ``cow`` rows."""
+        lens = self.lens[rows]
+        n_grow = int(np.count_nonzero(grow))
+        if n_grow:
+            grow_rows = rows[grow]
+            count = self.nblocks[grow_rows]
+            self.widen(int(count.max()) + 1)
+            self.tables[grow_rows, count] = new[:n_grow]
+            self.nblocks[grow_rows] = count + 1
+            self.last_block[grow_rows] = new[:n_grow]
+        cow_rows = rows[cow]
+        if cow_rows.size:
+            self.tables[cow_rows, self.nblocks[cow_rows] - 1] = new[n_grow:]
+            self.last_block[cow_rows] = new[n_grow:]
+        self.last_slot[rows] = self.last_block[rows] * block_size + (lens & (block_size - 1))
+        self.lens[rows] = lens + 1
+        self.touch(rows, now)
+
+    def tokens_and_slots(self, block_size: int) -> tuple[int, int]:
+        """(tokens held, token slots their blocks provide), over every sequence."""
+        rows = np.fromiter(self.index.values(), np.int64, len(self.index))
+        return int(self.lens[rows].sum()), int(self.nblocks[rows].sum()) * block_size
+
+    def append_need(self, rows: np.ndarray, ref_cnt: np.ndarray, block_size: int
+                    ) -> tuple[int, np.ndarray, np.ndarray]:
+        """(blocks needed, rows needing a new block, rows whose shared last block needs a
+        private copy) for appending one token to each of ``rows``."""
+        last = self.last_block[rows]
+        grow = (self.lens[rows] & (block_size - 1)) == 0
+        cow = ~grow & (ref_cnt[last] > 1)
+        if cow.any():  # when every holder of a block appends now, one keeps the original
+            where = np.flatnonzero(cow)
+            blocks, first, counts = np.unique(last[where], return_index=True,
+                                              return_counts=True)
+            cow[where[first[counts == ref_cnt[blocks]]]] = False
+        return int(np.count_nonzero(grow) + np.count_nonzero(cow)), grow, cow
+
+    def check(self, pool: BlockPool, block_size: int) -> None:
+        """Raise ``AssertionError`` naming the first invariant the rows and ``pool`` break:
+        free + used == total, each ref count == the rows holding the block, tables padded."""
+        usable = pool.num_blocks - 1
+        assert pool.num_free + pool.num_used == usable, "free + used != total"
+        free = pool.free_ids()
+        assert len(np.unique(free)) == free.size, "a block is on the free stack twice"
+        assert (pool.ref_cnt[free] == 0).all(), "a free block has holders"
+        rows = np.fromiter(self.index.values(), np.int64, len(self.index))
+        held = np.concatenate([self.tables[r, : self.nblocks[r]] for r in rows]
+                              or [np.zeros(0, np.int32)])
+        counts = np.bincount(held, minlength=pool.num_blocks)
+        counts[NULL_BLOCK] = 1
+        assert (counts == pool.ref_cnt).all(), "ref counts differ from holders"
+        assert pool.num_used == int((counts[1:] > 0).sum()), "used blocks differ"
+        assert (self.nblocks[rows] == -(-self.lens[rows] // block_size)).all(), (
+            "block count does not match length")
+        for r in rows:
+            assert (self.tables[r, self.nblocks[r] :] == NULL_BLOCK).all(), "stale table"
+            assert self.last_block[r] == self.tables[r, self.nblocks[r] - 1], "last block"
