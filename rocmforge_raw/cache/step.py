@@ -104,24 +104,35 @@ class StepPlanner:
         if tables.size and (tables.max() >= c.num_blocks or lens.max(initial=0) > tables.shape[
                 1] * c.block_size):  # the bookkeeping is broken (ids are never negative)
             check_tables(tables, lens, len(seq_ids), c.num_blocks, c.block_size)  # says how
-        self.retire()
         meta = BatchMetadata(seq_ids, tables, lens, slots, stream, owner, epoch)
         meta._kv_shape = (len(seq_ids), *self.row_shape)
-        if not self.on_host and seq_ids:
-            meta._staging = slot = self.ring.acquire()
-            meta._addresses = tuple(slot.put([tables, lens, slots], stream))
-            key = ("write", *tables.shape, stream)
-            meta._write = slot.launches.get(key)
-            if meta._write is None:
-                meta._write = slot.launches[key] = write_kernel(self.backend, self.device
-                                                                ).prepare(
-                    len(seq_ids), WRITE_THREADS, *write_arguments(
-                        0, 0, 0, 0, meta._addresses[2], c.num_kv_heads, c.block_size,
-                        c.head_dim * c.dtype.itemsize), stream=stream, patch=WRITE_PATCH)
-        if c.num_q_heads is not None:
-            self._plan_attention(meta, c.num_q_heads)
+        try:
+            if not self.on_host and seq_ids:
+                meta._staging = self.ring.acquire()
+                meta._addresses = tuple(meta._staging.put([tables, lens, slots], stream))
+                meta._write = self._write_launch(meta)
+            if c.num_q_heads is not None:
+                self._plan_attention(meta, c.num_q_heads)
+        except BaseException:  # the upload may be queued: its slot waits for it all the same
+            if meta._staging is not None:
+                meta._staging.fence.mark(stream)
+            raise
+        self.retire()  # only now: a plan that failed leaves the current one current
         self.current = meta
         return meta
+
+    def _write_launch(self, meta: BatchMetadata) -> Launch:
+        """The K/V write of ``meta``'s step, reused from its staging slot when it can be."""
+        c, (n, width) = self.config, meta.block_tables.shape
+        key = ("write", n, width, meta.stream)
+        launch = meta._staging.launches.get(key)
+        if launch is None:
+            launch = meta._staging.launches[key] = write_kernel(self.backend, self.device
+                                                                ).prepare(
+                n, WRITE_THREADS, *write_arguments(
+                    0, 0, 0, 0, meta._addresses[2], c.num_kv_heads, c.block_size,
+                    c.head_dim * c.dtype.itemsize), stream=meta.stream, patch=WRITE_PATCH)
+        return launch
 
     def retire(self) -> None:
         """The current plan stops being current: fence its slot on its stream."""
