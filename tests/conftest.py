@@ -14,6 +14,15 @@ AVAILABLE = [name for name, status in rf.available_backends().items() if status 
 GPU_BACKENDS = [name for name in AVAILABLE if name != "host"]
 
 
+def pytest_collection_modifyitems(items):
+    """Mark each test that runs on a GPU backend (through ``gpu`` or ``backend``) ``gpu``, so
+    ``pytest -m gpu`` selects the GPU suite (tools/sanitize.sh does)."""
+    for item in items:
+        params = getattr(item, "callspec", None)
+        if params and any(params.params.get(f) in GPU_BACKENDS for f in ("gpu", "backend")):
+            item.add_marker(pytest.mark.gpu)
+
+
 @pytest.fixture(params=AVAILABLE)
 def backend(request):
     """Each backend that answers here (host always)."""
