@@ -254,8 +254,7 @@ def _load_prebuilt(stem: str, arch: str, device: int, backend: Backend, errors: 
 def _load_compiled(stem: str, arch: str, device: int, backend: Backend) -> tuple[Module, str]:
     compiled = _compile(backend, stem, arch)
     how = "from the cache" if compiled.cached else "compiled now"
-    origin = (f"{compiled.compiler}, {how} (compiled in {compiled.seconds:.1f} s): "
-              f"{compiled.path}")
+    origin = f"{how}, {compiled.compiler}, {compiled.seconds:.1f} s to compile: {compiled.path}"
     if not compiled.cached:
         _log.info("%s for %s: %s", stem, arch, origin)
     return Module(compiled.image, device, backend), origin
@@ -290,6 +289,7 @@ def load_kernels(stem: str, device: int | None = None, backend: str | Backend | 
                 raise KernelNotAvailableError(
                     f"no {stem} code object for {backend.name} arch {arch} in {KERNEL_DIR} and "
                     f"run-time compilation failed; build it with `make kernels` "
+                    f"{'(and unset RF_KERNELS=jit) ' if mode == 'jit' else ''}"
                     f"({'; '.join(errors)})"
                 ) from exc
         _loaded[key], _origins[key] = found
