@@ -22,7 +22,7 @@ CORE_SRC := $(wildcard rocmforge_raw/*.pyx rocmforge_raw/*.pxd rocmforge_raw/run
 CORE_STAMP := build/core.stamp
 
 .PHONY: all demo test core kernels kernels-nvidia kernels-amd toolchain pyheaders venv bench \
-        soak lint clean
+        soak lint clean wheel wheel-check sanitize
 all: core kernels
 
 venv: $(PY)
@@ -49,14 +49,24 @@ $(CORE_STAMP): $(CORE_SRC) setup.py $(PY)
 	$(PY) setup.py -q build_ext --inplace
 	@mkdir -p build && touch $@
 
-# AMD compilers and Debian's HIP runtime (libamdhip64), installed when missing.
+# AMD compilers, Debian's HIP runtime (libamdhip64) and hiprtc, installed when missing.
+# hip-python loads hiprtc as libhiprtc.so; Debian's ROCm 5.2 keeps hiprtc inside
+# libamdhip64.so.5 (later ROCm split it out), so that name is given to it where nothing has it.
 toolchain:
 	@if ! command -v $(HIPCC) >/dev/null || ! command -v $(CLANG) >/dev/null \
-	     || ! command -v ld.lld-19 >/dev/null || ! ldconfig -p | grep -q 'libamdhip64.so '; then \
-	  echo "installing hipcc clang-19 lld-19 (Debian) ..."; \
+	     || ! command -v ld.lld-19 >/dev/null || ! ldconfig -p | grep -q 'libamdhip64.so ' \
+	     || ! ldconfig -p | grep -q 'libhiprtc-builtins.so.5 '; then \
+	  echo "installing hipcc clang-19 lld-19 libamdhip64-dev libhiprtc-builtins5 (Debian) ..."; \
 	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
 	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq \
-	    hipcc clang-19 lld-19 llvm-19 libamdhip64-dev >/dev/null; \
+	    hipcc clang-19 lld-19 llvm-19 libamdhip64-dev libhiprtc-builtins5 >/dev/null; \
+	fi
+	@lib=$$(ldconfig -p | awk '/libamdhip64\.so\.5 /{print $$NF; exit}'); \
+	if [ -n "$$lib" ] && [ ! -e "$$(dirname $$lib)/libhiprtc.so" ] \
+	   && nm -D "$$lib" | grep -q ' T hiprtcCreateProgram'; then \
+	  echo "naming Debian's hiprtc (in $$lib) libhiprtc.so for hip-python"; \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  $$SUDO ln -s "$$(basename $$lib)" "$$(dirname $$lib)/libhiprtc.so"; \
 	fi
 
 kernels: kernels-amd kernels-nvidia
@@ -94,10 +104,27 @@ bench: $(PY) core kernels
 soak: $(PY) core kernels
 	$(VENV)/bin/rocmforge-raw soak --seconds 60
 
+# A wheel in dist/ with the compiled core and the code objects of every target (so nvcc too).
+wheel: $(PY) kernels
+	@missing=$$(for f in $(NV_OBJS) $(AMD_OBJS); do [ -f $$f ] || echo $$f; done); \
+	if [ -n "$$missing" ]; then echo "make wheel: not built (nvcc?):" $$missing; exit 1; fi
+	rm -rf build/lib.* build/bdist.* dist/rocmforge_raw-*.whl
+	$(PY) -m pip wheel -q --no-deps -w dist .
+	@ls dist/rocmforge_raw-*.whl
+
+# That wheel installed in a fresh environment outside the tree: info and a smoke test.
+wheel-check: wheel
+	PYTHON=$(PYTHON) bash tools/wheel_check.sh
+
+# For a GPU machine: compute-sanitizer's four tools over the GPU tests (tools/sanitize.sh splits).
+sanitize:
+	@rc=0; for tool in memcheck racecheck synccheck initcheck; do \
+	  bash tools/sanitize.sh $$tool $(SANITIZE_ARGS) || rc=1; done; exit $$rc
+
 lint: $(PY)
 	$(VENV)/bin/ruff check rocmforge_raw tests tools
 
 clean:
 	rm -f $(KDIR)/*.cubin $(KDIR)/*.ptx $(KDIR)/*.hsaco
 	rm -f rocmforge_raw/*.so rocmforge_raw/*.c rocmforge_raw/runtime/*.so rocmforge_raw/runtime/*.c
-	rm -rf build *.egg-info .pytest_cache
+	rm -rf build dist *.egg-info .pytest_cache

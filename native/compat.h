@@ -88,6 +88,8 @@ RF_DEVICE void rf_fence_device() { __threadfence(); }
 RF_DEVICE int rf_atomic_add_device(int* p, int v) { return atomicAdd(p, v); }
 RF_DEVICE float rf_load_cg(const float* p) { return __ldcg(p); }
 #define RF_DYNAMIC_SHARED(type, name) extern __shared__ __align__(16) type name[]
+// +infinity from its bits: NVRTC has no __builtin_inff (nvcc takes it from the host compiler).
+#define RF_INF __int_as_float(0x7f800000)
 #define RF_HAVE_MMA 1
 RF_DEVICE float rf_shfl(float v, int src) { return __shfl_sync(0xffffffffu, v, src); }
 // Four 8x8 tiles of 16-bit values from shared memory (transposed with TRANS); lane i gives
@@ -184,12 +186,11 @@ RF_DEVICE int rf_atomic_add_device(int* p, int v) {
 }
 RF_DEVICE float rf_load_cg(const float* p) { return *p; }
 #define RF_DYNAMIC_SHARED(type, name) extern __attribute__((shared)) type name[]
+#define RF_INF __builtin_inff()
 
 #else
 #error "compat.h: compile with nvcc/NVRTC (NVIDIA) or clang/hipcc/hiprtc in HIP mode (AMD)"
 #endif
-
-#define RF_INF __builtin_inff()
 
 RF_DEVICE float rf_fmax(float a, float b) { return a > b ? a : b; }
 RF_DEVICE float rf_bf16_to_float(unsigned short h) {

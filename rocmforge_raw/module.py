@@ -10,7 +10,7 @@ scalars (``np.int32(3)``) pass with their own type.
 from __future__ import annotations
 
 import ctypes
-import hashlib
+import logging
 import os
 import struct
 import sys
@@ -22,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+from . import jit
 from .errors import KernelNotAvailableError
 from .runtime import Backend, get_backend
 from .runtime._launch import Launch
@@ -30,6 +31,8 @@ from .stream import Stream
 PACKAGE_DIR = Path(__file__).resolve().parent
 KERNEL_DIR = PACKAGE_DIR / "kernels"
 SOURCE_DIR = PACKAGE_DIR / "native"
+
+_log = logging.getLogger(__name__)
 
 #: struct codes of the NumPy scalar types a kernel argument may have
 _CODES = {np.int8: "b", np.uint8: "B", np.int16: "h", np.uint16: "H", np.int32: "i",
@@ -217,38 +220,66 @@ def kernel_candidates(stem: str, arch: str) -> list[Path]:
     return []
 
 
-def cache_dir() -> Path:
-    """Where run-time compiled kernels are kept: ``RF_CACHE_DIR`` or ~/.cache/rocmforge_raw."""
-    root = os.environ.get("RF_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "rocmforge_raw")
-    return Path(root)
+#: RF_KERNELS values: where ``load_kernels`` takes code objects from.
+KERNEL_MODES = ("auto", "prebuilt", "jit")
 
 
-def _compile(backend: Backend, stem: str, arch: str) -> bytes:
-    source = (SOURCE_DIR / f"{stem}.cu").read_text()
-    options = ["-std=c++17", f"-I{SOURCE_DIR}", "-DRF_RUNTIME_COMPILED=1"]
-    text = source + (SOURCE_DIR / "compat.h").read_text() + " ".join(options)
-    key = hashlib.sha256(text.encode()).hexdigest()[:16]
-    path = cache_dir() / backend.name / f"{stem}.{arch}.{key}.bin"
-    if path.exists():
-        return path.read_bytes()
-    image = backend.compile_source(source, f"{stem}.cu", arch, options)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    tmp.write_bytes(image)
-    tmp.replace(path)
-    return image
+def kernel_mode() -> str:
+    """``RF_KERNELS``: ``auto`` (default; a prebuilt object if one fits, else compiled at run
+    time), ``prebuilt`` (never compile) or ``jit`` (ignore prebuilt objects: compile at run
+    time, through the on-disk cache)."""
+    mode = os.environ.get("RF_KERNELS") or "auto"
+    if mode not in KERNEL_MODES:
+        raise ValueError(f"RF_KERNELS={mode!r} is not one of {', '.join(KERNEL_MODES)}")
+    return mode
+
+
+def _compile(backend: Backend, stem: str, arch: str) -> jit.Compiled:
+    """The packaged source ``stem`` compiled for ``arch`` by the backend's run-time compiler,
+    through the on-disk cache (``jit``)."""
+    return jit.compile_cached(jit.compiler_for(backend.name), SOURCE_DIR / f"{stem}.cu", arch)
 
 
 _loaded: dict[tuple[str, int, str], Module] = {}
+_origins: dict[tuple[str, int, str], str] = {}
 _loaded_lock = threading.Lock()
+
+
+def loaded_kernels() -> dict[str, str]:
+    """Where each module ``load_kernels`` loaded came from, by ``backend:device stem``: the
+    prebuilt object's file name, or the run-time compiler with its compile time and whether
+    the on-disk cache had it."""
+    with _loaded_lock:
+        return {f"{b}:{d} {stem}": origin for (b, d, stem), origin in _origins.items()}
+
+
+def _load_prebuilt(stem: str, arch: str, device: int, backend: Backend, errors: list[str]
+                   ) -> tuple[Module, str] | None:
+    for path in kernel_candidates(stem, arch):
+        if path.exists():
+            try:
+                return Module(path, device, backend), f"prebuilt {path.name}"
+            except Exception as exc:  # e.g. a cubin from a newer toolkit than the driver
+                errors.append(f"{path.name}: {exc}")
+    return None
+
+
+def _load_compiled(stem: str, arch: str, device: int, backend: Backend) -> tuple[Module, str]:
+    compiled = _compile(backend, stem, arch)
+    how = "from the cache" if compiled.cached else "compiled now"
+    origin = f"{how}, {compiled.compiler}, {compiled.seconds:.1f} s to compile: {compiled.path}"
+    if not compiled.cached:
+        _log.info("%s for %s: %s", stem, arch, origin)
+    return Module(compiled.image, device, backend), origin
 
 
 def load_kernels(stem: str, device: int | None = None, backend: str | Backend | None = None
                  ) -> Module:
     """The packaged module ``stem`` (``paged_attention``, ``cache_ops``, ``basic``) for the
     device's arch, loaded once per process and device: a prebuilt object if one fits, else
-    compiled at run time into the on-disk cache, else ``KernelNotAvailableError``."""
+    compiled at run time into the on-disk cache, else ``KernelNotAvailableError``.
+    ``RF_KERNELS`` (``kernel_mode()``) can rule out either way."""
+    mode = kernel_mode()
     backend = get_backend(backend)
     device = backend.get_device() if device is None else device
     key = (backend.name, device, stem)
@@ -256,23 +287,23 @@ def load_kernels(stem: str, device: int | None = None, backend: str | Backend | 
         if key in _loaded:
             return _loaded[key]
         arch = backend.properties(device).arch
-        errors = []
-        for path in kernel_candidates(stem, arch):
-            if path.exists():
-                try:
-                    module = Module(path, device, backend)
-                    break
-                except Exception as exc:  # e.g. a cubin from a newer toolkit than the driver
-                    errors.append(f"{path.name}: {exc}")
-        else:
+        errors: list[str] = []
+        found = None if mode == "jit" else _load_prebuilt(stem, arch, device, backend, errors)
+        if found is None and mode == "prebuilt":
+            raise KernelNotAvailableError(
+                f"no {stem} code object for {backend.name} arch {arch} in {KERNEL_DIR} and "
+                f"RF_KERNELS=prebuilt rules out run-time compilation; build it with "
+                f"`make kernels` ({'; '.join(errors) or 'none fits'})")
+        if found is None:
             try:
-                module = Module(_compile(backend, stem, arch), device, backend)
+                found = _load_compiled(stem, arch, device, backend)
             except Exception as exc:
                 errors.append(f"run-time compilation: {exc}")
                 raise KernelNotAvailableError(
                     f"no {stem} code object for {backend.name} arch {arch} in {KERNEL_DIR} and "
                     f"run-time compilation failed; build it with `make kernels` "
+                    f"{'(and unset RF_KERNELS=jit) ' if mode == 'jit' else ''}"
                     f"({'; '.join(errors)})"
                 ) from exc
-        _loaded[key] = module
-        return module
+        _loaded[key], _origins[key] = found
+        return found[0]
