@@ -158,3 +158,9 @@ def reset_peak():
 def track_stacks(enabled):
     """Record (or stop recording) creation stacks of new buffers, as ``RF_TRACK_STACKS=1``."""
     _registry.track_stacks = enabled
+
+
+def live_buffers():
+    """The live root buffers themselves (a diagnostic: who keeps a leaked buffer alive?
+    ``gc.get_referrers`` of each answers). Holding the list keeps them alive."""
+    return [buf for buf in (ref() for ref in list(_registry.live)) if buf is not None]

@@ -10,6 +10,7 @@ from rocmforge_raw import bench
 MiB = 1 << 20
 
 
+@pytest.mark.timing
 def test_device_time_excludes_the_hosts_enqueue_time(gpu):
     # 3 ms of host work and no device work: the hold kernel covers the host time, so the
     # events around the region see (almost) nothing, and host_us sees the 3 ms
@@ -17,6 +18,7 @@ def test_device_time_excludes_the_hosts_enqueue_time(gpu):
     assert timing.ms < 0.5 and timing.host_us > 2500
 
 
+@pytest.mark.timing
 def test_read_and_copy_bandwidths_are_consistent(gpu):
     read = bench.read_bandwidth(gpu, 0, nbytes=256 * MiB, iters=5)
     copy = bench.copy_bandwidth(gpu, 0, nbytes=256 * MiB, iters=5)

@@ -9,7 +9,9 @@ Invariants, checked by ``check_invariants()``: free + used blocks == num_blocks 
 block's ref count equals the number of sequences holding it.
 
 Device work is queued on the cache's ``stream`` (None: the backend's default stream) unless
-a call names another; nothing here waits for the device.
+a call names another; nothing here waits for the device. The slab starts zeroed (one memset
+on that stream), so slots never written read as zeros and copy-on-write never copies
+uninitialized memory.
 """
 
 from __future__ import annotations
@@ -59,6 +61,7 @@ class KvCache:
         self._lock = threading.RLock()
         buf = HipBuffer(config.total_bytes, device, backend)  # checks size before allocating
         self.slab = DeviceArray(buf, config.dtype, config.slab_shape)
+        buf.fill(0, stream=stream)  # unwritten slots read as zeros; copies never read garbage
         self.pool = BlockPool(config.num_blocks)
         self._rows = SequenceRows()
         self._steps = StepPlanner(config, self.slab)
