@@ -377,5 +377,8 @@ def test_bf16_step_plans_match_ml_dtypes_rounding(backend, rng):
 
 
 def test_a_new_cache_reads_as_zeros(backend):
-    with KvCache(CacheConfig(2, 2, 64, 16, 5, "float16"), backend=backend) as cache:
+    config = CacheConfig(2, 2, 64, 16, 5, "float16")
+    with rf.HipBuffer(config.total_bytes, backend=backend) as dirty:
+        dirty.fill(0xFF)  # the memory the cache is likely to get next
+    with KvCache(config, backend=backend) as cache:
         assert not cache.slab.to_numpy().view(np.uint16).any()
