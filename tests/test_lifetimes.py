@@ -215,7 +215,7 @@ def test_a_closed_cache_refuses_its_last_plan():
     cache.close()
     with pytest.raises(BufferClosedError, match="KvCache was closed"):
         cache.attention(0, q, q, meta)
-    q.buffer.close()
+    q.buffer.root.close()
 
 
 @pytest.mark.parametrize("duplicate", [copy.copy, copy.deepcopy, pickle.dumps])

@@ -135,14 +135,13 @@ class SequenceRows:
     def snapshot(self) -> dict[str, Any]:
         """Everything ``restore`` needs to put the rows back exactly as they are now."""
         state: dict[str, Any] = {name: getattr(self, name).copy() for name in _ARRAYS}
-        state.update(free=list(self.free), index=dict(self.index), tick=self.tick,
-                     version=self.version)
+        state.update(free=list(self.free), index=dict(self.index), tick=self.tick)
         return state
 
     def restore(self, state: dict[str, Any]) -> None:
         for name, value in state.items():
             setattr(self, name, value)
-        self._memo = None  # rows computed since may name rows the restored state lacks
+        self.version += 1  # never back: rows remembered since must not match again
 
     def extend(self, rows: np.ndarray, grow: np.ndarray, cow: np.ndarray,
                new: np.ndarray | None, block_size: int, now: float) -> None:
