@@ -89,7 +89,8 @@ def plain_dtype(dtype: Any, name: str = "dtype") -> np.dtype:
         raise TypeError(f"{name} must be a NumPy dtype, got {_kind(dtype)}") from None
     ml = found.kind == "V" and found.type.__module__.split(".")[0] == "ml_dtypes"
     if not (found.kind in _NUMERIC_KINDS or ml) or found.fields or found.subdtype:
-        raise TypeError(f"{name} {show(dtype)} is not a plain numeric dtype: use bool, an "
+        shown = str(dtype) if isinstance(dtype, np.dtype) else show(dtype)
+        raise TypeError(f"{name} {shown} is not a plain numeric dtype: use bool, an "
                         "integer, float or complex type, or an ml_dtypes number")
     if found.byteorder not in "=|":
         raise TypeError(f"{name} {found.str} is not in native byte order")
