@@ -69,6 +69,8 @@ class SoakConfig:
         checks.integer(self.max_device_drift_bytes, "max_device_drift_bytes", 0)
         checks.integer(self.max_rss_drift_bytes, "max_rss_drift_bytes", 0)
         checks.flag(self.inject_leak, "inject_leak")
+        if not isinstance(self.out_dir, (str, os.PathLike)):
+            raise TypeError(f"out_dir must be a path, got {checks.show(self.out_dir)}")
         unknown = set(self.workloads) - set(WORKLOADS)
         if unknown or not self.workloads or isinstance(self.workloads, str):
             raise ValueError(f"workloads must be some of {', '.join(WORKLOADS)}, got "

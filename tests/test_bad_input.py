@@ -90,6 +90,7 @@ RUNTIME = [
     P("runtime-device-negative", "HOST.resolve_device(-1)", "ValueError", "-1"),
     P("runtime-device-float", "HOST.resolve_device(1.5)", "TypeError", "1.5"),
     P("runtime-device-bool", "HOST.resolve_device(True)", "TypeError", "True"),
+    P("runtime-track_stacks-str", "rf.track_stacks('yes')", "TypeError", "'yes'"),
 ]
 
 BUFFER = [
@@ -387,6 +388,10 @@ OPS = [
     P("copy_blocks-stream-int", "ops.copy_blocks(slab(), np.array([[1, 2]]), stream=5)",
       "TypeError", "5"),
     P("host_view-int", "ops.host_view(5)", "TypeError", "5"),
+    P("workspace-nbytes-str", "ops.Workspace().get('64', 4, arr(4))", "TypeError", "'64'"),
+    P("workspace-counters-negative", "ops.Workspace().get(64, -4, arr(4))", "ValueError",
+      "-4"),
+    P("workspace-like-int", "ops.Workspace().get(64, 4, 5)", "TypeError", "5"),
 ]
 
 CONFIG = [
@@ -402,6 +407,8 @@ CONFIG = [
     P("config-dtype-int", "CacheConfig(1, 1, 64, 8, 8, 5)", "ValueError", "5"),
     P("config-q-heads-not-multiple", "CacheConfig(1, 2, 64, 8, 8, num_q_heads=3)",
       "ValueError", "3"),
+    P("config-q-heads-past-int32", "CacheConfig(1, 1, 64, 8, 8, num_q_heads=2**40)",
+      "ValueError", str(2**40)),
     P("config-budget-float", "CacheConfig.for_memory(1, 1, 64, 8, budget_bytes=1.5)",
       "TypeError", "1.5"),
     P("config-fraction-nan", "CacheConfig.for_memory(1, 1, 64, 8, fraction=float('nan'))",
@@ -505,6 +512,7 @@ SOAK = [
     P("soak-workloads-str", "SoakConfig(workloads='buffers')", "ValueError", "'buffers'"),
     P("soak-leak-flag-str", "SoakConfig(inject_leak='yes')", "TypeError", "'yes'"),
     P("soak-drift-float", "SoakConfig(max_rss_drift_bytes=1.5)", "TypeError", "1.5"),
+    P("soak-out_dir-none", "SoakConfig(out_dir=None)", "TypeError", "None"),
 ]
 
 CLI = [
@@ -638,7 +646,8 @@ def test_enough_probes_over_every_area():
     areas = {p.id.split("-")[0] for p in PROBES}
     assert len(PROBES) >= 150 and len({p.id for p in PROBES}) == len(PROBES)
     assert {"buffer", "array", "dlpack", "stream", "event", "pool", "launch", "module",
-            "attention", "write", "copy_blocks", "config", "cache", "blocks", "soak",
+            "attention", "write", "copy_blocks", "workspace", "config", "cache", "blocks",
+            "soak",
             "cli", "runtime"} <= areas
 
 

@@ -23,7 +23,8 @@ MAX_BLOCKS = (1 << 31) - 1
 
 
 def _positive(name: str, value: Any) -> int:
-    return checks.integer(value, name, 1)
+    """A count the kernels take as int32: in [1, 2**31 - 1]."""
+    return checks.integer(value, name, 1, MAX_BLOCKS)
 
 
 def _dtype(value: Any) -> np.dtype | None:
@@ -118,7 +119,7 @@ class CacheConfig:
             free, _ = dev.mem_info(dev.get_device() if device is None else device)
             budget_bytes = int(free * fraction)
         probe = cls(num_layers, num_kv_heads, head_dim, block_size, 2, dtype)
-        num_blocks = min(_positive("budget_bytes", budget_bytes) // probe.block_bytes,
+        num_blocks = min(checks.integer(budget_bytes, "budget_bytes", 1) // probe.block_bytes,
                          MAX_BLOCKS)
         if num_blocks < 2:
             raise ValueError(f"a budget of {budget_bytes} bytes holds {num_blocks} blocks of "
