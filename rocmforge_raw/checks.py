@@ -41,11 +41,7 @@ def integer(value: Any, name: str, minimum: int | None = None,
         number = operator.index(value)
     except TypeError:
         raise TypeError(f"{name} must be an integer, got {_kind(value)}") from None
-    if minimum is not None and number < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {number}")
-    if maximum is not None and number > maximum:
-        raise ValueError(f"{name} must be <= {maximum}, got {number}")
-    return number
+    return _within(number, name, minimum, maximum, str(number))
 
 
 def size(value: Any, name: str) -> int:
@@ -64,10 +60,15 @@ def real(value: Any, name: str, minimum: float | None = None,
     number = float(value)
     if not math.isfinite(number):
         raise ValueError(f"{name} must be a finite number, got {show(value)}")
+    return _within(number, name, minimum, maximum, show(value))
+
+
+def _within(number: Any, name: str, minimum: Any, maximum: Any, shown: str) -> Any:
+    """``number`` if it lies in [``minimum``, ``maximum``] (either may be None)."""
     if minimum is not None and number < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {show(value)}")
+        raise ValueError(f"{name} must be >= {minimum}, got {shown}")
     if maximum is not None and number > maximum:
-        raise ValueError(f"{name} must be <= {maximum}, got {show(value)}")
+        raise ValueError(f"{name} must be <= {maximum}, got {shown}")
     return number
 
 
