@@ -30,10 +30,11 @@ from .. import checks, ops
 from ..array import DeviceArray
 from ..buffer import HipBuffer
 from ..errors import CacheFullError
+from ..runtime import get_backend
 from ..stream import Stream, stream_handle
 from .block_pool import BlockPool
 from .config import CacheConfig
-from .core import CacheCore, operation, repeated
+from .core import CacheCore, operation, repeated, same_device
 from .records import FinishedRecords
 from .rows import SequenceRows
 from .step import BatchMetadata, StepPlanner
@@ -65,7 +66,11 @@ class KvCache(CacheCore):
         if not callable(clock):
             raise TypeError(f"clock must be a callable returning seconds, got "
                             f"{checks.show(clock)}")
-        stream_handle(stream)  # an open Stream or None
+        backend = get_backend(backend)
+        device = backend.resolve_device(device)
+        stream_handle(stream)  # an open Stream of this device, or None
+        if stream is not None:
+            same_device(stream, backend, device)
         self.config, self.strict, self.clock, self.stream = config, strict, clock, stream
         self._lock = threading.RLock()
         buf = HipBuffer(config.total_bytes, device, backend)  # checks size before allocating
