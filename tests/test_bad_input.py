@@ -15,7 +15,11 @@ import subprocess
 import sys
 from dataclasses import dataclass
 
+import numpy as np
 import pytest
+
+import rocmforge_raw as rf
+from rocmforge_raw.cache import BlockPool, CacheConfig, KvCache
 
 
 @dataclass(frozen=True)
@@ -658,3 +662,24 @@ def test_a_probe_that_crashes_is_blamed_alone():
     found = run_probes(probes)
     assert found["segfault"]["crashed"] == "wait status 11"  # SIGSEGV
     assert found["before"]["raised"] == "ValueError" and found["after"]["raised"] == "IndexError"
+
+
+def test_numpy_integers_work_wherever_ints_do():
+    i64, i32 = np.int64, np.int32
+    with rf.HipBuffer(i64(64), device=i32(0), backend="host") as buf:
+        assert buf.view(i64(8), i32(16)).nbytes == 16
+        assert buf.typed(np.float32, (i64(2), i32(4)), i64(16)).shape == (2, 4)
+        assert buf.to_numpy(np.uint8, i64(4), offset=i32(4)).shape == (4,)
+        buf.fill(i32(7), i64(0), i64(8))
+    array = rf.DeviceArray.empty(i64(4), np.float32, backend="host")
+    assert array.shape == (4,) and type(array.shape[0]) is int
+    array.buffer.root.close()
+    assert rf.LaunchConfig(i64(2), (i32(64), i64(2))).block == (64, 2, 1)
+    pool = rf.MemoryPool(device=i64(0), backend="host", limit=i64(1 << 20))
+    pool.free(pool.allocate(i64(64)))
+    config = CacheConfig(i64(1), i32(1), i64(64), i32(8), i64(8), "float32")
+    with KvCache(config, backend="host") as cache:
+        assert cache.add_sequence("a", i64(9)).slot_mapping.size == 9
+        assert cache.can_allocate(i32(8)) and cache.k_cache(i64(0)).shape == (8, 1, 8, 64)
+    blocks = BlockPool(i64(8))
+    blocks.free(blocks.allocate(i32(2)).astype(np.int16))
