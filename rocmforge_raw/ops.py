@@ -125,7 +125,7 @@ def paged_attention(out: DeviceArray, query: DeviceArray, k_cache: DeviceArray,
     tokens of sequence ``s``'s blocks. ``num_partitions`` forces the split-K factor; split-K
     scratch comes from ``workspace`` or from the staging slot of this call. ``check``
     validates host metadata against the cache (device metadata is never read back)."""
-    check_options(stream, check, num_partitions, workspace)
+    check_options(query, stream, check, num_partitions, workspace)
     num_seqs, num_q_heads, head_dim, num_blocks, num_kv_heads, block_size = (
         check_attention_arrays(out, query, k_cache, v_cache))
     scale = default_scale(head_dim, scale)
@@ -167,7 +167,7 @@ def reshape_and_cache(key: DeviceArray, value: DeviceArray, k_cache: DeviceArray
                       check: bool = True) -> None:
     """Write token ``i``'s K/V (``[num_tokens, num_kv_heads, head_dim]``) at cache slot
     ``slot_mapping[i]`` (int64; ``block * block_size + offset``; -1 skips the token)."""
-    check_options(stream, check)
+    check_options(key, stream, check)
     num_tokens, num_blocks, block_size = check_write_arrays(key, value, k_cache, v_cache)
     on_host = key.backend.name == "host"
     slots = _metadata(slot_mapping, "slot_mapping", np.int64, 1, (num_tokens,), on_host)
@@ -191,7 +191,7 @@ def copy_blocks(slab: DeviceArray, pairs: Any, *, stream: Stream | None = None) 
     """Copy block ``src`` to ``dst`` for every ``(src, dst)`` row of ``pairs`` (int64
     ``[n, 2]``) in every layer, K and V, of ``slab`` ``[layers, 2, blocks, heads, bs, dim]``.
     Destinations must be distinct and never also a source."""
-    check_options(stream, False)
+    check_options(slab, stream, False)
     expect(slab, "slab", 6)
     num_layers, _, num_blocks = slab.shape[:3]
     block_bytes = math.prod(slab.shape[3:]) * slab.dtype.itemsize

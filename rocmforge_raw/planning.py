@@ -85,11 +85,15 @@ def default_scale(head_dim: int, scale: float | None) -> float:
     return checks.real(scale, "scale")
 
 
-def check_options(stream: Any, check: Any, num_partitions: Any = None,
+def check_options(like: Any, stream: Any, check: Any, num_partitions: Any = None,
                   workspace: Any = None) -> None:
-    """The keyword arguments of an op: an open ``Stream`` or None, a bool ``check``, a
-    split-K factor >= 1 or None, a ``Workspace`` or None."""
-    stream_handle(stream)
+    """The keyword arguments of an op on ``like``'s device: an open ``Stream`` of that
+    device or None, a bool ``check``, a split-K factor >= 1 or None, a ``Workspace`` or
+    None."""
+    if isinstance(like, DeviceArray):
+        stream_handle(stream, "stream", like.backend, like.device)
+    else:
+        stream_handle(stream)
     checks.flag(check, "check")
     if num_partitions is not None:
         checks.integer(num_partitions, "num_partitions", 1)

@@ -27,13 +27,17 @@ def _destroy(destroy: Any, handle: Any, device: int, pid: int) -> None:
         sys.stderr.write(f"rocmforge_raw: destroying {handle!r} failed: {exc}\n")
 
 
-def stream_handle(stream: Any, name: str = "stream") -> Any:
+def stream_handle(stream: Any, name: str = "stream", backend: Backend | None = None,
+                  device: int | None = None) -> Any:
     """The runtime handle of ``stream`` (None: the default stream, None); a clear error for
-    anything but an open ``Stream``."""
+    anything but an open ``Stream`` (of ``device`` of ``backend``, when they are given)."""
     if stream is None:
         return None
     if not isinstance(stream, Stream):
         raise TypeError(f"{name} must be a Stream or None, got {checks.show(stream)}")
+    if backend is not None and (stream.backend is not backend or stream.device != device):
+        raise ValueError(f"{name} on {stream.backend.name}:{stream.device} cannot order work "
+                         f"on {backend.name}:{device}")
     return stream.handle
 
 
@@ -102,11 +106,7 @@ class Event(_Handle):
 
     def record(self, stream: Stream | None = None) -> Event:
         """Mark the point in ``stream`` (None: the default stream) that work has reached."""
-        stream_of = stream_handle(stream)
-        if stream is not None and (stream.backend is not self.backend
-                                   or stream.device != self.device):
-            raise ValueError(f"stream on {stream.backend.name}:{stream.device} cannot record "
-                             f"an event of {self.backend.name}:{self.device}")
+        stream_of = stream_handle(stream, "stream", self.backend, self.device)
         self.backend.event_record(self.handle, stream_of)
         self.recorded = True
         return self

@@ -42,13 +42,6 @@ def operation(method: F) -> F:
     return run  # type: ignore[return-value]
 
 
-def same_device(stream: Stream, backend: Any, device: int) -> None:
-    """``stream`` runs work on ``device`` of ``backend``; ``ValueError`` naming both if not."""
-    if stream.backend is not backend or stream.device != device:
-        raise ValueError(f"stream on {stream.backend.name}:{stream.device} cannot order work "
-                         f"of a cache on {backend.name}:{device}")
-
-
 def repeated(ids: list[Hashable]) -> Hashable:
     """The first id listed twice in ``ids`` (for a message)."""
     seen: set[Hashable] = set()
@@ -79,9 +72,7 @@ class CacheCore:
         """``stream`` (None: the cache's), checked to be an open ``Stream`` of the cache's
         device, or None."""
         stream = self.stream if stream is None else stream
-        stream_handle(stream)
-        if stream is not None:
-            same_device(stream, self.slab.backend, self.slab.device)
+        stream_handle(stream, "stream", self.slab.backend, self.slab.device)
         return stream
 
     def _now(self) -> float:

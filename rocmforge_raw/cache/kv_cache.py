@@ -34,7 +34,7 @@ from ..runtime import get_backend
 from ..stream import Stream, stream_handle
 from .block_pool import BlockPool
 from .config import CacheConfig
-from .core import CacheCore, operation, repeated, same_device
+from .core import CacheCore, operation, repeated
 from .records import FinishedRecords
 from .rows import SequenceRows
 from .step import BatchMetadata, StepPlanner
@@ -68,9 +68,7 @@ class KvCache(CacheCore):
                             f"{checks.show(clock)}")
         backend = get_backend(backend)
         device = backend.resolve_device(device)
-        stream_handle(stream)  # an open Stream of this device, or None
-        if stream is not None:
-            same_device(stream, backend, device)
+        stream_handle(stream, "stream", backend, device)  # an open Stream of it, or None
         self.config, self.strict, self.clock, self.stream = config, strict, clock, stream
         self._lock = threading.RLock()
         buf = HipBuffer(config.total_bytes, device, backend)  # checks size before allocating
