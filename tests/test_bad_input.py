@@ -83,7 +83,7 @@ def slab():
 
 # --- the probes, by area ----------------------------------------------------------------------
 RUNTIME = [
-    P("runtime-get_backend-int", "get_backend(5)", "BackendUnavailableError", "5"),
+    P("runtime-get_backend-int", "get_backend(5)", "TypeError", "5"),
     P("runtime-get_backend-unknown", "get_backend('nope')", "BackendUnavailableError",
       "'nope'"),
     P("runtime-set_allocator-int", "rf.set_allocator(5)", "TypeError", "5"),
@@ -115,7 +115,7 @@ BUFFER = [
       "BackendUnavailableError", "1000000000"),
     P("buffer-device-1", "HipBuffer(8, device=1, backend='host')", "BackendUnavailableError",
       "device 1"),
-    P("buffer-backend-int", "HipBuffer(8, backend=5)", "BackendUnavailableError", "5"),
+    P("buffer-backend-int", "HipBuffer(8, backend=5)", "TypeError", "5"),
     P("buffer-backend-unknown", "HipBuffer(8, backend='nope')", "BackendUnavailableError",
       "'nope'"),
     P("buffer-pool-int", "HipBuffer(8, pool=5)", "TypeError", "5"),
@@ -254,7 +254,7 @@ STREAM = [
     P("stream-device-negative", "Stream(device=-1, backend='host')", "ValueError", "-1"),
     P("stream-device-float", "Stream(device=1.5, backend='host')", "TypeError", "1.5"),
     P("stream-device-bool", "Stream(device=True, backend='host')", "TypeError", "True"),
-    P("stream-backend-int", "Stream(backend=5)", "BackendUnavailableError", "5"),
+    P("stream-backend-int", "Stream(backend=5)", "TypeError", "5"),
     P("stream-closed-synchronize", "closed(Stream(backend='host')).synchronize()",
       "BufferClosedError", "Stream was closed"),
     P("stream-closed-handle", "closed(Stream(backend='host')).handle", "BufferClosedError",
