@@ -12,6 +12,7 @@ slab's bytes, the pool's stats and the buffer registry's counts.
 
 from __future__ import annotations
 
+import gc
 import hashlib
 
 import numpy as np
@@ -180,18 +181,24 @@ class AtomicMachine(RuleBasedStateMachine):
 
     def unchanged_by_failure(self, call, errors=EXPECTED) -> bool:
         """Run ``call``; if it raises, the state must be exactly as before. Whether it
-        raised."""
-        before = self.snapshot()
+        raised. No garbage collection runs in between: a collection of unrelated garbage
+        would change the registry's counts."""
+        gc.disable()
         try:
-            call()
-        except errors:
-            after = self.snapshot()
-            changed = [k for k in before if before[k] != after[k]]
-            assert not changed, f"a failed call changed {changed}: " + "; ".join(
-                f"{k}: {str(before[k])[:120]} -> {str(after[k])[:120]}" for k in changed)
-            AtomicMachine.calls += 1
-            return True
-        return False
+            before = self.snapshot()
+            try:
+                call()
+            except errors:
+                after = self.snapshot()
+            else:
+                return False
+        finally:
+            gc.enable()
+        changed = [k for k in before if before[k] != after[k]]
+        assert not changed, f"a failed call changed {changed}: " + "; ".join(
+            f"{k}: {str(before[k])[:120]} -> {str(after[k])[:120]}" for k in changed)
+        AtomicMachine.calls += 1
+        return True
 
     # --- valid operations (some may fail: strict mode raises CacheFullError) -------------
     @rule(tokens=st.integers(1, 40), value=st.floats(-4, 4, width=32))
