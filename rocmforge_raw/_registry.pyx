@@ -157,6 +157,8 @@ def reset_peak():
 
 def track_stacks(enabled):
     """Record (or stop recording) creation stacks of new buffers, as ``RF_TRACK_STACKS=1``."""
+    if not isinstance(enabled, bool):
+        raise TypeError(f"track_stacks takes True or False, got {enabled!r}")
     _registry.track_stacks = enabled
 
 

@@ -3,6 +3,8 @@
 It exposes ``__dlpack__``/``__dlpack_device__`` on every backend (kDLROCM on hip, kDLCUDA on
 cuda, kDLCPU on host) and ``__cuda_array_interface__`` on GPU backends, so NumPy, CuPy or
 PyTorch can use the memory in place. The view keeps the buffer alive; it never frees it.
+Its fields are fixed at construction (ops trust them), its dtype is a plain number type and
+its elements are aligned to that type.
 """
 
 from __future__ import annotations
@@ -12,38 +14,59 @@ from typing import Any
 
 import numpy as np
 
-from . import dlpack
+from . import checks, dlpack
 from .buffer import HipBuffer, _shape_for
 from .stream import Stream
 
 
 class DeviceArray:
-    """``shape`` elements of ``dtype`` starting ``offset`` bytes into ``buffer``."""
+    """``shape`` elements of ``dtype`` starting ``offset`` bytes into ``buffer``.
+    ``buffer`` (the view), ``dtype`` and ``shape`` are read-only."""
 
     __slots__ = ("buffer", "dtype", "shape")
 
     def __init__(self, buffer: HipBuffer, dtype: Any,
                  shape: int | tuple[int, ...] | None = None, offset: int = 0) -> None:
-        self.dtype = np.dtype(dtype)
-        available = buffer.nbytes - offset if 0 <= offset <= buffer.nbytes else -1
-        if available < 0:
+        if not isinstance(buffer, HipBuffer):
+            raise TypeError(f"buffer must be a HipBuffer, got {checks.show(buffer)}")
+        dtype = checks.plain_dtype(dtype)
+        offset = checks.size(offset, "offset")
+        if offset > buffer.nbytes:
             raise ValueError(f"offset {offset} lies outside a {buffer.nbytes}-byte buffer")
-        self.shape = _shape_for(self.dtype, shape, available)
-        self.buffer = buffer.view(offset, self.nbytes)
+        if (buffer._ptr + offset) % dtype.alignment:
+            raise ValueError(f"offset {offset} puts {dtype} elements at address "
+                             f"{buffer._ptr + offset:#x}, not {dtype.alignment}-byte aligned")
+        shape = _shape_for(dtype, shape, buffer.nbytes - offset)
+        view = buffer.view(offset, dtype.itemsize * math.prod(shape))
+        for name, value in (("dtype", dtype), ("shape", shape), ("buffer", view)):
+            object.__setattr__(self, name, value)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError(f"DeviceArray.{name} is read-only: make a new DeviceArray")
+
+    def __delattr__(self, name: str) -> None:
+        raise AttributeError(f"DeviceArray.{name} is read-only")
+
+    def __copy__(self) -> DeviceArray:
+        return self  # immutable: a copy would be the same view
+
+    def __reduce__(self) -> Any:
+        raise TypeError("a DeviceArray views device memory and cannot be pickled or "
+                        "deep-copied: copy its data instead (to_numpy, from_numpy)")
 
     @classmethod
     def empty(cls, shape: int | tuple[int, ...], dtype: Any, device: int | None = None,
               backend: Any = None) -> DeviceArray:
         """A new buffer just large enough for ``shape`` of ``dtype``, uninitialised."""
-        dtype = np.dtype(dtype)
-        shape = (shape,) if isinstance(shape, int) else tuple(shape)
-        return cls(HipBuffer(dtype.itemsize * math.prod(shape), device, backend), dtype, shape)
+        dtype = checks.plain_dtype(dtype)
+        shape = checks.dims(shape)
+        return cls(HipBuffer(checks.nbytes_of(dtype, shape), device, backend), dtype, shape)
 
     @classmethod
     def from_numpy(cls, array: Any, device: int | None = None, backend: Any = None
                    ) -> DeviceArray:
         """A new device array holding a copy of ``array``."""
-        array = np.ascontiguousarray(array)
+        array = checks.host_array(array, "array")
         return cls(HipBuffer.from_numpy(array, device, backend), array.dtype, array.shape)
 
     @property
@@ -71,7 +94,7 @@ class DeviceArray:
 
     def copy_from_host(self, array: Any, stream: Stream | None = None) -> None:
         """Copy ``array`` in; its shape and dtype must match this array's exactly."""
-        array = np.asarray(array)
+        array = checks.host_array(array, "array")
         if array.shape != self.shape or array.dtype != self.dtype:
             raise ValueError(f"cannot copy a {array.dtype}{list(array.shape)} array into a "
                              f"{self.dtype}{list(self.shape)} device array")
@@ -88,17 +111,21 @@ class DeviceArray:
     def __dlpack__(self, *, stream: Any = None, max_version: Any = None, dl_device: Any = None,
                    copy: bool | None = None) -> Any:
         """A DLPack capsule over this memory. Pending work on the device is finished first
-        (unless the consumer passes ``stream=-1``), so the consumer sees every write."""
-        if copy:
-            raise BufferError("DeviceArray exports its memory in place only (copy=True asked)")
-        if dl_device is not None and tuple(dl_device) != self.__dlpack_device__():
-            raise BufferError(f"cannot export to device {dl_device}: memory is on "
-                              f"{self.__dlpack_device__()}")
+        (unless the consumer passes ``stream=-1``), so the consumer sees every write. The
+        buffer counts the capsule as a consumer: closing it defers the free until the
+        consumer lets go."""
+        versioned = dlpack.check_request(stream, max_version, dl_device, copy,
+                                         self.__dlpack_device__())
         if stream != -1:
             self.backend.synchronize(self.device)
-        versioned = max_version is not None and max_version[0] >= 1
-        return dlpack.to_capsule(self, self.ptr, self.dtype, self.shape,
-                                 self.backend.dlpack_device_type, self.device, versioned)
+        release = self.buffer._export()
+        try:
+            return dlpack.to_capsule(self, self.ptr, self.dtype, self.shape,
+                                     self.backend.dlpack_device_type, self.device, versioned,
+                                     release)
+        except BaseException:
+            release()
+            raise
 
     @property
     def __cuda_array_interface__(self) -> dict[str, Any]:

@@ -7,7 +7,9 @@ backend's raw malloc or a ``MemoryPool``), and frees it exactly once: through
 no reference to the buffer, frees on the owning device, never frees in a forked child and
 never raises during interpreter shutdown. A view (``buf.view(offset, nbytes)``) keeps its
 parent alive and frees nothing. Every copy is bounds-checked here, before any binding call.
-Sizes and offsets are in bytes.
+Sizes and offsets are in bytes. A buffer exported through DLPack counts its consumers:
+``close()`` while one is alive marks the buffer closed at once but frees the memory only when
+the last consumer lets go (``_export``).
 
 Compiled (Cython) because it is the path every allocation takes: ``bench --alloc`` holds a
 raw buffer to 1.10 x the bare binding calls and a pooled one to under a microsecond. It is
@@ -17,20 +19,20 @@ readers (``annotation_typing=False``), so NumPy integers work wherever ints do.
 
 from __future__ import annotations
 
-import operator
-
 import numpy as np
 
-from libc.limits cimport INT_MAX
 from libc.stdint cimport uintptr_t
 
 from rocmforge_raw._registry cimport Registry
 from rocmforge_raw.runtime._alloc cimport Allocator
 
 from . import _registry as _registry_module
+from . import checks
 from ._registry import Allocation, live_allocations, memory_stats, reset_peak, track_stacks
-from .errors import BackendUnavailableError, BufferClosedError, OutOfMemoryError
+from .errors import BufferClosedError, OutOfMemoryError
+from .pool import MemoryPool
 from .runtime import get_backend
+from .stream import stream_handle
 
 __all__ = ["Allocation", "HipBuffer", "get_allocator", "live_allocations", "memory_stats",
            "reset_peak", "set_allocator", "track_stacks"]
@@ -44,33 +46,14 @@ cdef object _default_pool = None
 def set_allocator(pool):
     """Route new buffers on ``pool``'s backend and device through ``pool`` (None: raw malloc)."""
     global _default_pool
-    if pool is not None and not isinstance(pool, Allocator):
-        raise TypeError(f"set_allocator takes a MemoryPool or None, not {type(pool).__name__}")
+    if pool is not None and not isinstance(pool, MemoryPool):
+        raise TypeError(f"set_allocator takes a MemoryPool or None, got {checks.show(pool)}")
     _default_pool = pool
 
 
 def get_allocator():
     """The pool ``set_allocator`` installed, or None."""
     return _default_pool
-
-
-def _index(value, what):
-    """``value`` as a non-negative ``int``; a clear ``TypeError``/``ValueError`` otherwise."""
-    try:
-        number = operator.index(value)
-    except TypeError:
-        raise TypeError(f"{what} must be an integer, not {type(value).__name__}") from None
-    if number < 0:
-        raise ValueError(f"{what} must be >= 0, got {number}")
-    return number
-
-
-def _device_index(value):
-    """``value`` as a device ordinal: a non-negative ``int`` that fits a C ``int``."""
-    number = _index(value, "device")
-    if number > INT_MAX:
-        raise BackendUnavailableError(f"device {number} does not exist")
-    return number
 
 
 cdef class HipBuffer:
@@ -88,14 +71,18 @@ cdef class HipBuffer:
     cdef uintptr_t addr
     cdef readonly object _parent
     cdef bint view_closed
+    cdef bint closing  # a root closed while exported: freed when the last export ends
+    cdef Py_ssize_t exports  # live DLPack consumers of a root
     cdef object ref  # the registry's key while a root is open; None for views and once closed
     cdef object __weakref__
 
     def __init__(self, nbytes, device=None, backend=None, *, pool=None):
         if type(nbytes) is not int or nbytes < 0:
-            nbytes = _index(nbytes, "nbytes")
-        if device is not None and (type(device) is not int or not 0 <= device <= INT_MAX):
-            device = _device_index(device)
+            nbytes = checks.size(nbytes, "nbytes")
+        if device is not None and (type(device) is not int or device < 0):
+            device = checks.integer(device, "device", 0)
+        if pool is not None and not isinstance(pool, MemoryPool):
+            raise TypeError(f"pool must be a MemoryPool or None, got {checks.show(pool)}")
         if pool is None:
             if _default_pool is not None and _default_pool.serves(backend, device):
                 pool = _default_pool
@@ -107,7 +94,11 @@ cdef class HipBuffer:
             self.backend, self.device = allocator.backend, allocator.device
         else:
             self.backend = get_backend(backend)
-            self.device = self.backend.get_device() if device is None else device
+            if device is None:
+                device = self.backend.get_device()
+            elif device >= self.backend.num_devices:
+                self.backend.resolve_device(device)  # raises, naming the device
+            self.device = device
             allocator = self.backend.allocator
         if nbytes > _LARGE and nbytes > self.backend.capacity(self.device):
             free, total = self.backend.mem_info(self.device)
@@ -144,12 +135,13 @@ cdef class HipBuffer:
 
     @property
     def closed(self):
-        return self.view_closed or self.owner().ref is None
+        cdef HipBuffer root = self.owner()
+        return self.view_closed or root.ref is None or root.closing
 
     @property
     def ptr(self):
         """The device address as an ``int``; raises ``BufferClosedError`` once closed."""
-        if self.ref is None and self.closed:  # an open root has its ref: no walk needed
+        if (self.ref is None or self.closing) and self.closed:  # an open root: no walk
             raise BufferClosedError(f"{self!r} was closed; its memory is no longer valid")
         return self.addr
 
@@ -159,13 +151,34 @@ cdef class HipBuffer:
         return self.addr
 
     def close(self):
-        """Free the memory now (root) or stop using it (view). Idempotent."""
+        """Free the memory now (root) or stop using it (view). Idempotent. A root with live
+        DLPack consumers is closed at once but freed when the last of them lets go."""
         if self._parent is None:
+            if self.exports:
+                self.closing = True
+                return
             ref, self.ref = self.ref, None  # the dropped ref's callback never runs
             if ref is not None:
                 _registry.release(ref)
         else:
             self.view_closed = True
+
+    def _export(self):
+        """Count one more outside consumer (a DLPack capsule) of this memory; returns the
+        function that ends it, to be called exactly once. Raises if already closed."""
+        if self.closed:
+            raise BufferClosedError(f"{self!r} was closed; its memory cannot be exported")
+        cdef HipBuffer root = self.owner()
+        root.exports += 1
+        return root._end_export
+
+    def _end_export(self):
+        self.exports -= 1
+        if self.exports == 0 and self.closing:
+            self.closing = False
+            ref, self.ref = self.ref, None
+            if ref is not None:
+                _registry.release(ref)
 
     def __enter__(self):
         return self
@@ -182,7 +195,7 @@ cdef class HipBuffer:
                    backend: str | Backend | None = None, *, pool: MemoryPool | None = None,
                    ) -> HipBuffer:
         """A new buffer holding a copy of ``array``'s bytes (made C-contiguous first)."""
-        array = np.ascontiguousarray(array)
+        array = checks.host_array(array, "array")
         buf = cls(array.nbytes, device, backend, pool=pool)
         try:
             buf.copy_from_host(array)
@@ -200,7 +213,7 @@ cdef class HipBuffer:
     # --- views -----------------------------------------------------------------------------
     def _span(self, offset: int, nbytes: int, what: str = "copy") -> int:
         """Check that [offset, offset + nbytes) lies in this buffer; return its address."""
-        offset, nbytes = _index(offset, "offset"), _index(nbytes, "nbytes")
+        offset, nbytes = checks.size(offset, "offset"), checks.size(nbytes, "nbytes")
         if offset + nbytes > self.nbytes:
             raise ValueError(
                 f"{what} of {nbytes} bytes at offset {offset} overruns a {self.nbytes}-byte buffer"
@@ -209,7 +222,7 @@ cdef class HipBuffer:
 
     def view(self, offset: int = 0, nbytes: int | None = None) -> HipBuffer:
         """A view of ``nbytes`` (default: the rest) starting ``offset`` bytes in."""
-        offset = _index(offset, "offset")
+        offset = checks.size(offset, "offset")
         if nbytes is None:
             if offset > self.nbytes:
                 raise ValueError(f"view at offset {offset} lies past a {self.nbytes}-byte buffer")
@@ -227,19 +240,23 @@ cdef class HipBuffer:
     def copy_from_host(self, array: Any, offset: int = 0, stream: Stream | None = None) -> None:
         """Copy ``array``'s bytes in at ``offset``. With a stream, keep ``array`` alive and
         unmodified until the stream has passed the copy."""
-        array = np.ascontiguousarray(array)
+        array = checks.host_array(array, "array")
         dst = self._span(offset, array.nbytes)
+        handle = stream_handle(stream)
         if array.nbytes:
-            self.backend.memcpy_htod(dst, array.ctypes.data, array.nbytes, _handle(stream))
+            self.backend.memcpy_htod(dst, array.ctypes.data, array.nbytes, handle)
 
     def to_numpy(self, dtype: Any = np.uint8, shape: int | tuple[int, ...] | None = None,
                  offset: int = 0, stream: Stream | None = None) -> np.ndarray:
         """A new host array of ``dtype``/``shape`` read from ``offset`` (default: all of it)."""
-        shape = _shape_for(np.dtype(dtype), shape, self.nbytes - min(offset, self.nbytes))
+        dtype = checks.plain_dtype(dtype)
+        offset = checks.size(offset, "offset")
+        handle = stream_handle(stream)
+        shape = _shape_for(dtype, shape, self.nbytes - min(offset, self.nbytes))
+        src = self._span(offset, checks.nbytes_of(dtype, shape), "read")
         out = np.empty(shape, dtype)
-        src = self._span(offset, out.nbytes, "read")
         if out.nbytes:
-            self.backend.memcpy_dtoh(out.ctypes.data, src, out.nbytes, _handle(stream))
+            self.backend.memcpy_dtoh(out.ctypes.data, src, out.nbytes, handle)
             if stream is not None:
                 stream.synchronize()
         return out
@@ -247,28 +264,30 @@ cdef class HipBuffer:
     def copy_from(self, src: HipBuffer, nbytes: int | None = None, dst_offset: int = 0,
                   src_offset: int = 0, stream: Stream | None = None) -> None:
         """Device-to-device copy of ``nbytes`` (default: all of ``src``) from ``src``."""
+        if not isinstance(src, HipBuffer):
+            raise TypeError(f"src must be a HipBuffer, got {checks.show(src)}")
         if src.backend is not self.backend:
             raise ValueError(f"cannot copy from a {src.backend.name} buffer to a "
                              f"{self.backend.name} buffer")
+        src_offset = checks.size(src_offset, "src_offset")
+        dst_offset = checks.size(dst_offset, "dst_offset")
         nbytes = src.nbytes - min(src_offset, src.nbytes) if nbytes is None else nbytes
         from_addr = src._span(src_offset, nbytes, "read")
         to_addr = self._span(dst_offset, nbytes)
+        handle = stream_handle(stream)
         if nbytes:
-            self.backend.memcpy_dtod(to_addr, from_addr, nbytes, _handle(stream))
+            self.backend.memcpy_dtod(to_addr, from_addr, nbytes, handle)
 
     def fill(self, byte: int, offset: int = 0, nbytes: int | None = None,
              stream: Stream | None = None) -> None:
         """Set ``nbytes`` (default: the rest) from ``offset`` to the byte value ``byte``."""
-        if not 0 <= operator.index(byte) <= 255:
-            raise ValueError(f"fill value must be a byte (0..255), got {byte}")
+        byte = checks.integer(byte, "fill value (a byte)", 0, 255)
+        offset = checks.size(offset, "offset")
         nbytes = self.nbytes - min(offset, self.nbytes) if nbytes is None else nbytes
         dst = self._span(offset, nbytes, "fill")
+        handle = stream_handle(stream)
         if nbytes:
-            self.backend.memset(dst, byte, nbytes, _handle(stream))
-
-
-def _handle(stream: Stream | None) -> Any:
-    return None if stream is None else stream.handle
+            self.backend.memset(dst, byte, nbytes, handle)
 
 
 def _shape_for(dtype: np.dtype, shape: int | tuple[int, ...] | None,
@@ -279,10 +298,9 @@ def _shape_for(dtype: np.dtype, shape: int | tuple[int, ...] | None,
             raise ValueError(f"{available} bytes are not a whole number of {dtype} elements "
                              f"({dtype.itemsize} bytes each)")
         return (available // dtype.itemsize,)
-    shape = (shape,) if isinstance(shape, int) else tuple(shape)
-    dims = [_index(d, "shape dimension") for d in shape]
-    nbytes = dtype.itemsize * int(np.prod(dims, dtype=object))
+    dims = checks.dims(shape)
+    nbytes = checks.nbytes_of(dtype, dims)
     if nbytes > available:
-        raise ValueError(f"shape {tuple(dims)} of {dtype} needs {nbytes} bytes but only "
+        raise ValueError(f"shape {dims} of {dtype} needs {nbytes} bytes but only "
                          f"{available} are available")
-    return tuple(dims)
+    return dims

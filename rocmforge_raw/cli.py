@@ -1,5 +1,10 @@
 """``rocmforge-raw``: info, demo, bench, soak. Every command takes --json, --backend and
---device."""
+--device.
+
+Every flag is checked when it is parsed (``_flags``); a bad value, a backend that does not
+answer or a device it does not have ends the command with one line on stderr and exit status
+2, never a traceback.
+"""
 
 from __future__ import annotations
 
@@ -7,16 +12,32 @@ import argparse
 import json
 import sys
 from importlib import metadata
-from typing import Any
+from typing import Any, NoReturn
 
+from . import _flags as flags
 from . import module
-from .runtime import BACKEND_NAMES, available_backends, get_backend
+from .errors import BackendUnavailableError
+from .runtime import BACKEND_NAMES, Backend, available_backends, get_backend
+
+
+class _Parser(argparse.ArgumentParser):
+    """An argument parser whose errors are one line (no usage block) and exit status 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}\n")
 
 
 def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON document")
     parser.add_argument("--backend", choices=BACKEND_NAMES, help="force a backend")
-    parser.add_argument("--device", type=int, default=0, help="device ordinal (default 0)")
+    parser.add_argument("--device", type=flags.count(0), default=None,
+                        help="device ordinal (default: the backend's current device, 0)")
+
+
+def _target(args: argparse.Namespace) -> tuple[Backend, int]:
+    """The backend and device the flags name (``BackendUnavailableError`` if absent)."""
+    backend = get_backend(args.backend)
+    return backend, backend.resolve_device(args.device)
 
 
 def _emit(args: argparse.Namespace, result: dict[str, Any], text: str) -> None:
@@ -35,12 +56,15 @@ def _versions() -> dict[str, str]:
 
 def cmd_info(args: argparse.Namespace) -> int:
     backends = available_backends()
+    chosen = _target(args) if args.device is not None else None  # checks --device
     devices = []
     for name, status in backends.items():
         if status != "ok" or (args.backend and name != args.backend):
             continue
         backend = get_backend(name)
         for i in range(backend.device_count()):
+            if chosen is not None and (backend, i) != chosen:
+                continue
             props = backend.properties(i)
             objects = sorted(p.name for p in module.KERNEL_DIR.glob(f"*.{props.arch}.*"))
             devices.append({"backend": name, "index": i, "name": props.name,
@@ -64,9 +88,9 @@ def cmd_info(args: argparse.Namespace) -> int:
 def cmd_demo(args: argparse.Namespace) -> int:
     from .demo import DemoConfig, run_demo
 
-    backend = get_backend(args.backend)
+    backend, device = _target(args)
     config = DemoConfig.for_backend(backend, args.scale)
-    result = run_demo(backend, args.device, config, args.seed, progress=not args.json)
+    result = run_demo(backend, device, config, args.seed, progress=not args.json)
     lines = [f"{k:28} {v:.3f}" if isinstance(v, float) else f"{k:28} {v}"
              for k, v in result.items()]
     _emit(args, result, "\n".join(lines))
@@ -76,15 +100,18 @@ def cmd_demo(args: argparse.Namespace) -> int:
 def cmd_soak(args: argparse.Namespace) -> int:
     from .soak import SoakConfig, run_soak
 
-    backend = get_backend(args.backend)
     seconds = args.seconds if args.minutes is None else 60 * args.minutes
-    config = SoakConfig(seconds=seconds, inject_leak=args.inject_leak, out_dir=args.out,
-                        warmup_fraction=args.warmup, workloads=tuple(args.workloads),
-                        max_device_drift_bytes=int(args.max_device_drift_mib * 2**20),
-                        max_rss_drift_bytes=int(args.max_rss_drift_mib * 2**20))
-    result = run_soak(backend, args.device, config, args.seed)
+    try:
+        config = SoakConfig(seconds=seconds, inject_leak=args.inject_leak, out_dir=args.out,
+                            warmup_fraction=args.warmup, workloads=tuple(args.workloads),
+                            max_device_drift_bytes=int(args.max_device_drift_mib * 2**20),
+                            max_rss_drift_bytes=int(args.max_rss_drift_mib * 2**20))
+    except ValueError as exc:  # a run too short to judge
+        args.parser.error(str(exc))
+    backend, device = _target(args)
+    result = run_soak(backend, device, config, args.seed)
     verdict = "PASS" if result.passed else "FAIL"
-    lines = [f"soak on {backend.name}:{args.device} for {seconds:.0f} s: {verdict}",
+    lines = [f"soak on {backend.name}:{device} for {seconds:.0f} s: {verdict}",
              f"  cycles {result.cycles}, samples {result.samples}, live buffers "
              f"{result.baseline_live_buffers} -> {result.final_live_buffers}",
              f"  RSS drift {result.rss_drift_bytes / 2**20:.2f} MiB" + (
@@ -105,13 +132,13 @@ def _us(value: float | None) -> str:
 def cmd_bench(args: argparse.Namespace) -> int:
     from . import bench
 
-    backend = get_backend(args.backend)
+    backend, device = _target(args)
     everything = not (args.alloc or args.attention or args.cache or args.step)
     result: dict[str, Any] = {"backend": backend.name,
-                              "device": backend.properties(args.device).name}
-    lines = [f"device: {backend.name}:{args.device} {result['device']}"]
+                              "device": backend.properties(device).name}
+    lines = [f"device: {backend.name}:{device} {result['device']}"]
     if args.alloc or everything:
-        rows = result["alloc"] = bench.bench_alloc(backend, args.device, args.iters * 40)
+        rows = result["alloc"] = bench.bench_alloc(backend, device, args.iters * 40)
         lines.append(f"{'bytes':>10} {'bare us':>9} {'C us':>9} {'raw us':>9} {'raw/bare':>9} "
                      f"{'pooled us':>10} {'pool a+f us':>12} {'cupy pool us':>13}")
         lines += [f"{r['bytes']:>10} {r['bare_us']:9.2f} {r['c_us']:9.2f} {r['raw_us']:9.2f} "
@@ -119,9 +146,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
                   f"{r['pool_allocate_free_us']:12.2f} {_us(r['cupy_pooled_us']):>13}"
                   for r in rows]
     if (args.attention or everything) and backend.name != "host":
-        copy = result["copy_gb_per_s"] = bench.copy_bandwidth(backend, args.device)
-        read = result["read_gb_per_s"] = bench.read_bandwidth(backend, args.device)
-        rows = result["attention"] = bench.bench_attention(backend, args.device, copy, args.iters,
+        copy = result["copy_gb_per_s"] = bench.copy_bandwidth(backend, device)
+        read = result["read_gb_per_s"] = bench.read_bandwidth(backend, device)
+        rows = result["attention"] = bench.bench_attention(backend, device, copy, args.iters,
                                                            read_gbs=read)
         lines.append(f"copy bandwidth: {copy:.0f} GB/s (read + write, 1 GiB device copy); "
                      f"read bandwidth: {read:.0f} GB/s (1 GiB read-only)")
@@ -135,7 +162,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if (args.step or everything) and backend.name != "host":
         from .bench_step import STEP_SHAPES, bench_step
 
-        rows = result["step"] = [bench_step(backend, args.device, shape) for shape in STEP_SHAPES]
+        rows = result["step"] = [bench_step(backend, device, shape) for shape in STEP_SHAPES]
         lines.append(f"decode step, {STEP_SHAPES[0].layers} layers, bf16, 32/8 heads, head_dim "
                      f"128, block 16 (targets: step <= 1.05 x kernels, <= 10 us host per call)")
         lines.append(f"{'batch x ctx':>12} {'step ms':>8} {'kernels ms':>10} {'ratio':>6} "
@@ -156,30 +183,32 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="rocmforge-raw", description=__doc__)
+    parser = _Parser(prog="rocmforge-raw", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
     info = commands.add_parser("info", help="backends, devices, code objects, versions")
     _common(info)
     info.set_defaults(run=cmd_info)
     demo = commands.add_parser("demo", help="run the demo on the best backend")
     _common(demo)
-    demo.add_argument("--scale", type=float, default=1.0, help="multiply the request count")
-    demo.add_argument("--seed", type=int, default=None)
+    demo.add_argument("--scale", type=flags.real(above=0.0, at_most=1000.0), default=1.0,
+                      help="multiply the request count (in (0, 1000])")
+    demo.add_argument("--seed", type=flags.count(0), default=None)
     demo.set_defaults(run=cmd_demo)
     soak = commands.add_parser("soak", help="memory-leak soak: churn, sample, judge drift")
     _common(soak)
-    soak.add_argument("--seconds", type=float, default=60.0)
-    soak.add_argument("--minutes", type=float, default=None)
-    soak.add_argument("--out", default="soak-out", help="folder for soak.csv/json/png")
+    soak.add_argument("--seconds", type=flags.real(above=0.0), default=60.0)
+    soak.add_argument("--minutes", type=flags.real(above=0.0), default=None)
+    soak.add_argument("--out", type=flags.out_dir, default="soak-out",
+                      help="folder for soak.csv/json/png")
     soak.add_argument("--inject-leak", action="store_true", help="leak one buffer per cycle")
     soak.add_argument("--workloads", nargs="+", default=["buffers", "cache", "modules"],
                       choices=["buffers", "cache", "modules"],
                       help="which churn to run (buffers, cache, modules)")
-    soak.add_argument("--warmup", type=float, default=0.25,
-                      help="fraction of the run left out of the drift fit")
-    soak.add_argument("--max-device-drift-mib", type=float, default=1.0)
-    soak.add_argument("--max-rss-drift-mib", type=float, default=8.0)
-    soak.add_argument("--seed", type=int, default=None)
+    soak.add_argument("--warmup", type=flags.real(at_least=0.0, below=1.0), default=0.25,
+                      help="fraction of the run left out of the drift fit, in [0, 1)")
+    soak.add_argument("--max-device-drift-mib", type=flags.real(at_least=0.0), default=1.0)
+    soak.add_argument("--max-rss-drift-mib", type=flags.real(at_least=0.0), default=8.0)
+    soak.add_argument("--seed", type=flags.count(0), default=None)
     soak.set_defaults(run=cmd_soak)
     bench = commands.add_parser("bench", help="allocation, attention and cache benchmarks")
     _common(bench)
@@ -188,10 +217,15 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--cache", action="store_true", help="KV cache decode step (CPU)")
     bench.add_argument("--step", action="store_true",
                        help="a whole decode step through the cache's API (GPU)")
-    bench.add_argument("--iters", type=int, default=50, help="timed runs per measurement")
+    bench.add_argument("--iters", type=flags.count(1), default=50,
+                       help="timed runs per measurement (>= 1)")
     bench.set_defaults(run=cmd_bench)
     args = parser.parse_args(argv)
-    return args.run(args)
+    args.parser = commands.choices[args.command]
+    try:
+        return args.run(args)
+    except BackendUnavailableError as exc:  # --backend or --device names what is not here
+        args.parser.error(str(exc))
 
 
 if __name__ == "__main__":

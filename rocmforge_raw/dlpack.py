@@ -3,7 +3,8 @@
 Consumers that ask for DLPack >= 1.0 (``max_version``) get a ``dltensor_versioned`` capsule
 (``DLManagedTensorVersioned``, writable: NumPy honours its flags); older ones get the legacy
 ``dltensor`` capsule. Our registry keeps the producing object (and so the memory) alive until
-the consumer calls the deleter, or until the capsule is destroyed unconsumed.
+the consumer calls the deleter, or until the capsule is destroyed unconsumed; then it calls
+the producer's ``release`` once (the buffer's count of consumers, see ``HipBuffer.close``).
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ import ctypes
 from typing import Any
 
 import numpy as np
+
+from . import checks
 
 KDL_CPU, KDL_CUDA, KDL_ROCM = 1, 2, 10
 _KDL_INT, _KDL_UINT, _KDL_FLOAT, _KDL_BFLOAT, _KDL_BOOL = 0, 1, 2, 4, 6
@@ -67,25 +70,58 @@ _api.PyCapsule_IsValid.argtypes = [ctypes.c_void_p, ctypes.c_char_p]
 _api.PyCapsule_GetPointer.restype = ctypes.c_void_p
 _api.PyCapsule_GetPointer.argtypes = [ctypes.c_void_p, ctypes.c_char_p]
 
-#: Managed tensors handed out and not yet deleted, by address: keeps their owners alive.
-_alive: dict[int, tuple[Any, Any]] = {}
+#: Managed tensors handed out and not yet deleted, by address: (the struct, what it keeps
+#: alive, the producer's release function or None).
+_alive: dict[int, tuple[Any, Any, Any]] = {}
+
+
+def _forget(address: int) -> None:
+    """The consumer (or the unconsumed capsule) let go of ``address``: release it once."""
+    entry = _alive.pop(address, None)
+    if entry is not None and entry[2] is not None:
+        entry[2]()
 
 
 @_Deleter
 def _delete(managed: Any) -> None:
-    _alive.pop(ctypes.addressof(managed.contents), None)
+    _forget(ctypes.addressof(managed.contents))
 
 
 @_DeleterVersioned
 def _delete_versioned(managed: Any) -> None:
-    _alive.pop(ctypes.addressof(managed.contents), None)
+    _forget(ctypes.addressof(managed.contents))
 
 
 @_CapsuleDestructor
 def _destroy_capsule(capsule: int) -> None:
     for name in (_NAME, _NAME_VERSIONED):
         if _api.PyCapsule_IsValid(capsule, name):  # never consumed: we still own it
-            _alive.pop(_api.PyCapsule_GetPointer(capsule, name), None)
+            _forget(_api.PyCapsule_GetPointer(capsule, name))
+
+
+def check_request(stream: Any, max_version: Any, dl_device: Any, copy: Any,
+                  device: tuple[int, int]) -> bool:
+    """Check the keyword arguments of a ``__dlpack__`` call for memory on ``device``;
+    returns whether the consumer takes a versioned (DLPack >= 1.0) capsule."""
+    if stream is not None and (isinstance(stream, bool) or not isinstance(stream, int)):
+        raise TypeError(f"stream must be None or an integer, got {checks.show(stream)}")
+    if copy is not None and not isinstance(copy, bool):
+        raise TypeError(f"copy must be None or a bool, got {checks.show(copy)}")
+    if copy:
+        raise BufferError("DeviceArray exports its memory in place only (copy=True asked)")
+    if dl_device is not None:
+        if not isinstance(dl_device, tuple) or len(dl_device) != 2:
+            raise TypeError(f"dl_device must be a (device_type, device_id) tuple, got "
+                            f"{checks.show(dl_device)}")
+        if tuple(dl_device) != device:
+            raise BufferError(f"cannot export to device {dl_device}: memory is on {device}")
+    if max_version is None:
+        return False
+    if not isinstance(max_version, tuple) or len(max_version) != 2 or not all(
+            isinstance(v, int) and not isinstance(v, bool) for v in max_version):
+        raise TypeError(f"max_version must be a (major, minor) tuple of integers, got "
+                        f"{checks.show(max_version)}")
+    return max_version[0] >= 1
 
 
 def dtype_code(dtype: np.dtype) -> tuple[int, int]:
@@ -99,9 +135,11 @@ def dtype_code(dtype: np.dtype) -> tuple[int, int]:
 
 
 def to_capsule(owner: Any, ptr: int, dtype: np.dtype, shape: tuple[int, ...],
-               device_type: int, device_id: int, versioned: bool = False) -> Any:
+               device_type: int, device_id: int, versioned: bool = False,
+               release: Any = None) -> Any:
     """A capsule over C-contiguous memory at ``ptr`` that keeps ``owner`` alive: DLPack 1.0
-    ``dltensor_versioned`` (writable) if ``versioned``, else legacy ``dltensor``."""
+    ``dltensor_versioned`` (writable) if ``versioned``, else legacy ``dltensor``. When the
+    consumer (or the unconsumed capsule) lets go, ``release()`` is called once."""
     ndim = len(shape)
     dims = (ctypes.c_int64 * max(ndim, 1))(*shape)
     strides = (ctypes.c_int64 * max(ndim, 1))()
@@ -120,5 +158,5 @@ def to_capsule(owner: Any, ptr: int, dtype: np.dtype, shape: tuple[int, ...],
     else:
         managed = _ManagedTensor(tensor, None, _delete)
     address = ctypes.addressof(managed)
-    _alive[address] = (managed, (owner, dims, strides))
+    _alive[address] = (managed, (owner, dims, strides), release)
     return _api.PyCapsule_New(address, _NAME_VERSIONED if versioned else _NAME, _destroy_capsule)

@@ -43,7 +43,8 @@ class OutOfMemoryError(DeviceError, MemoryError):
 
 
 class BufferClosedError(RocmforgeError, ValueError):
-    """A buffer or view was used after its memory was released."""
+    """A buffer or view was used after its memory was released, or a stream, event or cache
+    after it was closed."""
 
 
 class KernelNotAvailableError(RocmforgeError):

@@ -22,11 +22,11 @@ from typing import Any
 
 import numpy as np
 
-from . import jit
+from . import checks, jit
 from .errors import KernelNotAvailableError
 from .runtime import Backend, get_backend
 from .runtime._launch import Launch
-from .stream import Stream
+from .stream import Stream, stream_handle
 
 PACKAGE_DIR = Path(__file__).resolve().parent
 KERNEL_DIR = PACKAGE_DIR / "kernels"
@@ -102,7 +102,9 @@ def pack_args(args: tuple[Any, ...]) -> KernelParams:
 
 @dataclass(frozen=True)
 class LaunchConfig:
-    """Grid in blocks, block in threads, dynamic shared memory in bytes, and the stream."""
+    """Grid in blocks and block in threads (an integer or one to three of them, each in
+    [1, 2**31); missing dimensions are 1), dynamic shared memory in bytes (an unsigned
+    32-bit count) and the stream. Checked and normalised at construction."""
 
     grid: tuple[int, int, int]
     block: tuple[int, int, int]
@@ -110,14 +112,23 @@ class LaunchConfig:
     stream: Stream | None = None
 
     def __post_init__(self) -> None:
-        for what, dims in (("grid", self.grid), ("block", self.block)):
-            if len(dims) != 3 or any(int(d) < 1 or int(d) >= 1 << 31 for d in dims):
-                raise ValueError(f"{what} must be three sizes in [1, 2**31), got {dims}")
+        object.__setattr__(self, "grid", _dims(self.grid, "grid"))
+        object.__setattr__(self, "block", _dims(self.block, "block"))
+        object.__setattr__(self, "shared_bytes",
+                           checks.integer(self.shared_bytes, "shared_bytes", 0, (1 << 32) - 1))
+        stream_handle(self.stream)  # an open Stream or None
+
+    @property
+    def stream_handle(self) -> Any:
+        return stream_handle(self.stream)
 
 
-def _dims(value: int | tuple[int, ...]) -> tuple[int, int, int]:
-    dims = (value,) if isinstance(value, int) else tuple(value)
-    return (*map(int, dims), *(1,) * (3 - len(dims)))  # type: ignore[return-value]
+def _dims(value: Any, name: str) -> tuple[int, int, int]:
+    dims = checks.dims(value, name)
+    if not 1 <= len(dims) <= 3 or not all(1 <= d < 1 << 31 for d in dims):
+        raise ValueError(f"{name} must be one to three sizes in [1, 2**31), got "
+                         f"{checks.show(value)}")
+    return (*dims, *(1,) * (3 - len(dims)))  # type: ignore[return-value]
 
 
 class Kernel:
@@ -138,11 +149,11 @@ class Kernel:
 
     def launch(self, grid: int | tuple[int, ...], block: int | tuple[int, ...], *args: Any,
                shared_bytes: int = 0, stream: Stream | None = None) -> None:
-        config = LaunchConfig(_dims(grid), _dims(block), shared_bytes, stream)
+        config = LaunchConfig(grid, block, shared_bytes, stream)
         self.module._check_open()
         self.module.backend.launch(
             self.handle, config.grid, config.block, config.shared_bytes,
-            None if stream is None else stream.handle, pack_args(args).address,
+            config.stream_handle, pack_args(args).address,
         )
 
     __call__ = launch
@@ -153,11 +164,11 @@ class Kernel:
         """This launch made ready, ``args`` packed once: calling the result with up to four
         pointers replaces the arguments at ``patch`` (in order) and launches from C
         (``runtime._launch``). For launches repeated with a few pointers changed."""
-        config = LaunchConfig(_dims(grid), _dims(block), shared_bytes, stream)
+        config = LaunchConfig(grid, block, shared_bytes, stream)
         self.module._check_open()
         packed = pack_args(args).slots.raw[: 8 * len(args)]
         return Launch(self.module, self.handle, config.grid, config.block, config.shared_bytes,
-                      None if stream is None else stream.handle, packed, patch)
+                      config.stream_handle, packed, patch)
 
 
 class Module:
@@ -165,9 +176,11 @@ class Module:
 
     def __init__(self, image: bytes | str | Path, device: int | None = None,
                  backend: str | Backend | None = None) -> None:
-        data = image if isinstance(image, bytes) else Path(image).read_bytes()
+        if not isinstance(image, (bytes, str, os.PathLike)):
+            raise TypeError(f"image must be bytes or a path, got {checks.show(image)}")
         self.backend = get_backend(backend)
-        self.device = self.backend.get_device() if device is None else device
+        self.device = self.backend.resolve_device(device)
+        data = image if isinstance(image, bytes) else Path(image).read_bytes()
         self.handle = self.backend.module_load(data, self.device)
         self._kernels: dict[str, Kernel] = {}
         self._finalizer = weakref.finalize(
@@ -180,6 +193,8 @@ class Module:
 
     def function(self, name: str) -> Kernel:
         """The kernel called ``name`` (cached)."""
+        if not isinstance(name, str):
+            raise TypeError(f"kernel name must be a str, got {checks.show(name)}")
         self._check_open()
         if name not in self._kernels:
             self._kernels[name] = Kernel(self, name)
@@ -279,9 +294,11 @@ def load_kernels(stem: str, device: int | None = None, backend: str | Backend | 
     device's arch, loaded once per process and device: a prebuilt object if one fits, else
     compiled at run time into the on-disk cache, else ``KernelNotAvailableError``.
     ``RF_KERNELS`` (``kernel_mode()``) can rule out either way."""
+    if not isinstance(stem, str):
+        raise TypeError(f"stem must be a str, got {checks.show(stem)}")
     mode = kernel_mode()
     backend = get_backend(backend)
-    device = backend.get_device() if device is None else device
+    device = backend.resolve_device(device)
     key = (backend.name, device, stem)
     with _loaded_lock:
         if key in _loaded:

@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from . import reference
+from . import checks, reference
 from .array import DeviceArray
 from .module import load_kernels
 from .planning import (
@@ -38,6 +38,7 @@ from .planning import (
     WRITE_THREADS,
     attention_shared_bytes,
     check_attention_arrays,
+    check_options,
     check_slots,
     check_tables,
     check_write_arrays,
@@ -61,6 +62,8 @@ __all__ = ["ATTENTION_STAGES", "BLOCK_SIZES", "DTYPES", "GROUP_SIZES", "HEAD_DIM
 
 def host_view(array: DeviceArray) -> np.ndarray:
     """A NumPy array over a host-backend DeviceArray's memory (no copy)."""
+    if not isinstance(array, DeviceArray):
+        raise TypeError(f"array must be a DeviceArray, got {checks.show(array)}")
     if array.backend.name != "host":
         raise ValueError(f"host_view needs host memory, not {array.backend.name}")
     raw = (ctypes.c_char * array.nbytes).from_address(array.ptr) if array.nbytes else b""
@@ -122,6 +125,7 @@ def paged_attention(out: DeviceArray, query: DeviceArray, k_cache: DeviceArray,
     tokens of sequence ``s``'s blocks. ``num_partitions`` forces the split-K factor; split-K
     scratch comes from ``workspace`` or from the staging slot of this call. ``check``
     validates host metadata against the cache (device metadata is never read back)."""
+    check_options(query, stream, check, num_partitions, workspace)
     num_seqs, num_q_heads, head_dim, num_blocks, num_kv_heads, block_size = (
         check_attention_arrays(out, query, k_cache, v_cache))
     scale = default_scale(head_dim, scale)
@@ -163,6 +167,7 @@ def reshape_and_cache(key: DeviceArray, value: DeviceArray, k_cache: DeviceArray
                       check: bool = True) -> None:
     """Write token ``i``'s K/V (``[num_tokens, num_kv_heads, head_dim]``) at cache slot
     ``slot_mapping[i]`` (int64; ``block * block_size + offset``; -1 skips the token)."""
+    check_options(key, stream, check)
     num_tokens, num_blocks, block_size = check_write_arrays(key, value, k_cache, v_cache)
     on_host = key.backend.name == "host"
     slots = _metadata(slot_mapping, "slot_mapping", np.int64, 1, (num_tokens,), on_host)
@@ -186,6 +191,7 @@ def copy_blocks(slab: DeviceArray, pairs: Any, *, stream: Stream | None = None) 
     """Copy block ``src`` to ``dst`` for every ``(src, dst)`` row of ``pairs`` (int64
     ``[n, 2]``) in every layer, K and V, of ``slab`` ``[layers, 2, blocks, heads, bs, dim]``.
     Destinations must be distinct and never also a source."""
+    check_options(slab, stream, False)
     expect(slab, "slab", 6)
     num_layers, _, num_blocks = slab.shape[:3]
     block_bytes = math.prod(slab.shape[3:]) * slab.dtype.itemsize

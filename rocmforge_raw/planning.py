@@ -16,9 +16,12 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
+from . import checks
 from .array import DeviceArray
 from .module import Kernel, load_kernels
 from .runtime import Backend
+from .staging import Workspace
+from .stream import stream_handle
 
 DTYPES = {np.dtype(np.float16): "f16", np.dtype(ml_dtypes.bfloat16): "bf16",
           np.dtype(np.float32): "f32"}
@@ -49,7 +52,7 @@ def attention_shared_bytes(backend: str, row_bytes: int) -> int:
 # --- argument checks -----------------------------------------------------------------------
 def expect(array: Any, name: str, ndim: int, dtype: Any | None = None) -> None:
     if not isinstance(array, DeviceArray):
-        raise TypeError(f"{name} must be a DeviceArray, not {type(array).__name__}")
+        raise TypeError(f"{name} must be a DeviceArray, got {checks.show(array)}")
     if len(array.shape) != ndim:
         raise ValueError(f"{name} must have {ndim} dimensions, got shape {array.shape}")
     if dtype is not None and array.dtype != np.dtype(dtype):
@@ -79,10 +82,23 @@ def default_scale(head_dim: int, scale: float | None) -> float:
     """``scale``, or ``1/sqrt(head_dim)``; it must be a finite number."""
     if scale is None:
         return 1.0 / math.sqrt(head_dim)
-    value = float(scale)
-    if not math.isfinite(value):
-        raise ValueError(f"scale must be a finite number, got {scale!r}")
-    return value
+    return checks.real(scale, "scale")
+
+
+def check_options(like: Any, stream: Any, check: Any, num_partitions: Any = None,
+                  workspace: Any = None) -> None:
+    """The keyword arguments of an op on ``like``'s device: an open ``Stream`` of that
+    device or None, a bool ``check``, a split-K factor >= 1 or None, a ``Workspace`` or
+    None."""
+    if isinstance(like, DeviceArray):
+        stream_handle(stream, "stream", like.backend, like.device)
+    else:
+        stream_handle(stream)
+    checks.flag(check, "check")
+    if num_partitions is not None:
+        checks.integer(num_partitions, "num_partitions", 1)
+    if workspace is not None and not isinstance(workspace, Workspace):
+        raise TypeError(f"workspace must be a Workspace or None, got {checks.show(workspace)}")
 
 
 def check_attention_arrays(out: Any, query: Any, k_cache: Any, v_cache: Any

@@ -18,6 +18,7 @@ from libc.stdlib cimport free, realloc
 from rocmforge_raw._registry cimport current_generation, owns_memory_of
 from rocmforge_raw.runtime._alloc cimport Allocator
 
+from . import checks
 from .errors import OutOfMemoryError
 from .runtime import get_backend
 
@@ -92,7 +93,9 @@ cdef class MemoryPool(Allocator):
 
     def __init__(self, device=None, backend=None, limit=None):
         self.backend = get_backend(backend)
-        self.device = self.backend.get_device() if device is None else device
+        self.device = self.backend.resolve_device(device)
+        if limit is not None:
+            limit = checks.integer(limit, "limit")
         if limit is not None and not 0 <= limit < SIZE_MAX:
             raise ValueError(f"a pool limit must be between 0 and {SIZE_MAX - 1} bytes, got "
                              f"{limit}")
@@ -190,8 +193,12 @@ cdef class MemoryPool(Allocator):
 
     def allocate(self, nbytes):
         """A device pointer to at least ``nbytes`` > 0 bytes, for ``free`` to take back."""
+        if type(nbytes) is not int:
+            nbytes = checks.integer(nbytes, "nbytes")
         if nbytes <= 0:
             raise ValueError(f"a pool allocation needs nbytes > 0, got {nbytes}")
+        if nbytes > 1 << 62:
+            raise ValueError(f"a pool allocation needs nbytes <= 2**62, got {nbytes}")
         ptr = self.alloc_ptr(nbytes, self.device)
         self.loose[ptr] = nbytes
         return ptr

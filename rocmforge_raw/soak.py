@@ -26,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
-from . import ops
+from . import checks, ops
 from .array import DeviceArray
 from .buffer import HipBuffer, memory_stats
 from .cache import CacheConfig, KvCache, Request, Scheduler
@@ -35,17 +35,46 @@ from .pool import MemoryPool
 from .runtime import Backend
 
 MiB = 1 << 20
+WORKLOADS = ("buffers", "cache", "modules")
+#: Samples are taken once a second; the drift fit needs three after the warm-up, so a run
+#: must leave at least this many seconds to judge.
+MIN_JUDGED_S = 3.0
+MIN_SAMPLES = 3
 
 
 @dataclass
 class SoakConfig:
+    """A soak run: ``seconds`` of churn, the first ``warmup_fraction`` of it left out of the
+    drift fit, drift thresholds in bytes. Checked at construction: a run too short to judge
+    (fewer than ``MIN_JUDGED_S`` seconds after the warm-up) is refused."""
+
     seconds: float = 60.0
     warmup_fraction: float = 0.25
     max_device_drift_bytes: int = 1 * MiB
     max_rss_drift_bytes: int = 8 * MiB
     inject_leak: bool = False
     out_dir: str = "soak-out"
-    workloads: tuple[str, ...] = ("buffers", "cache", "modules")
+    workloads: tuple[str, ...] = WORKLOADS
+
+    def __post_init__(self) -> None:
+        seconds = checks.real(self.seconds, "seconds", 0.0)
+        warmup = checks.real(self.warmup_fraction, "warmup_fraction", 0.0)
+        if warmup >= 1.0:
+            raise ValueError(f"warmup_fraction must be below 1, got {warmup}")
+        judged = seconds * (1.0 - warmup)
+        if judged < MIN_JUDGED_S:
+            raise ValueError(f"a {seconds:g}-second soak with warm-up {warmup:g} leaves "
+                             f"{judged:g} s to judge drift; at least {MIN_JUDGED_S:g} s are "
+                             "needed (a leak gate that tests nothing must not pass)")
+        checks.integer(self.max_device_drift_bytes, "max_device_drift_bytes", 0)
+        checks.integer(self.max_rss_drift_bytes, "max_rss_drift_bytes", 0)
+        checks.flag(self.inject_leak, "inject_leak")
+        if not isinstance(self.out_dir, (str, os.PathLike)):
+            raise TypeError(f"out_dir must be a path, got {checks.show(self.out_dir)}")
+        unknown = set(self.workloads) - set(WORKLOADS)
+        if unknown or not self.workloads or isinstance(self.workloads, str):
+            raise ValueError(f"workloads must be some of {', '.join(WORKLOADS)}, got "
+                             f"{checks.show(self.workloads)}")
 
 
 @dataclass
@@ -173,10 +202,6 @@ def run_soak(backend: Backend, device: int, config: SoakConfig,
     baseline = memory_stats()["live_buffers"]
     gpu = backend.name != "host"
     rows: list[tuple[float, int, int, int | None, int]] = []
-    unknown = set(config.workloads) - {"buffers", "cache", "modules"}
-    if unknown:
-        raise ValueError(f"unknown soak workloads {sorted(unknown)}: use buffers, cache, "
-                         "modules")
     workload = _Workload(backend, device, np.random.default_rng(seed), config.workloads)
     leaked: list[HipBuffer] = []
     start = time.monotonic()
@@ -215,6 +240,10 @@ def run_soak(backend: Backend, device: int, config: SoakConfig,
         else None
     rss_drift = _drift(times, np.array([r[4] for r in running], np.float64), warm)
     reasons = []
+    judged = int((times >= warm).sum())
+    if judged < MIN_SAMPLES:
+        reasons.append(f"only {judged} samples after the warm-up ({cycles} cycles in all): "
+                       f"too few to judge drift; run longer")
     if final_live != baseline:
         reasons.append(f"live buffers: {final_live} after teardown, baseline {baseline} "
                        f"({final_live - baseline} leaked)")

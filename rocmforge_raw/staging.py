@@ -27,9 +27,11 @@ from typing import Any
 
 import numpy as np
 
+from . import checks
+from .array import DeviceArray
 from .buffer import HipBuffer
 from .runtime import Backend, get_backend
-from .stream import Event, Stream
+from .stream import Event, Stream, stream_handle
 
 #: Alignment of each array a Staging packs (bytes): what a device load of it may assume.
 ALIGN = 256
@@ -117,6 +119,10 @@ class Workspace:
             ) -> tuple[HipBuffer, HipBuffer]:
         """(``nbytes`` of partials, ``counters`` int32 counters at zero) on ``like``'s
         device, for a launch about to be queued on ``stream`` (call ``used`` after it)."""
+        nbytes, counters = checks.size(nbytes, "nbytes"), checks.size(counters, "counters")
+        if not isinstance(like, (HipBuffer, DeviceArray)):
+            raise TypeError(f"like must be a HipBuffer or DeviceArray, got {checks.show(like)}")
+        stream_handle(stream)
         if self._fence is None:
             self._fence = Fence(like.device, like.backend)
         if self._partials is None or self._partials.nbytes < nbytes:

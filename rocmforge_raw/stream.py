@@ -1,4 +1,9 @@
-"""Streams and events: ordered queues of device work, and timestamps in them."""
+"""Streams and events: ordered queues of device work, and timestamps in them.
+
+Both own a runtime handle, destroyed by ``close()``, ``with`` or garbage collection (a
+finalizer that holds no reference to the object). A closed stream or event refuses every use
+with ``BufferClosedError``; neither can be copied or pickled (a copy would share the handle).
+"""
 
 from __future__ import annotations
 
@@ -7,6 +12,8 @@ import sys
 import weakref
 from typing import Any
 
+from . import checks
+from .errors import BufferClosedError
 from .runtime import Backend, get_backend
 
 
@@ -20,52 +27,103 @@ def _destroy(destroy: Any, handle: Any, device: int, pid: int) -> None:
         sys.stderr.write(f"rocmforge_raw: destroying {handle!r} failed: {exc}\n")
 
 
-class Stream:
-    """A device work queue. ``close()`` (or ``with``, or garbage collection) destroys it."""
+def stream_handle(stream: Any, name: str = "stream", backend: Backend | None = None,
+                  device: int | None = None) -> Any:
+    """The runtime handle of ``stream`` (None: the default stream, None); a clear error for
+    anything but an open ``Stream`` (of ``device`` of ``backend``, when they are given)."""
+    if stream is None:
+        return None
+    if not isinstance(stream, Stream):
+        raise TypeError(f"{name} must be a Stream or None, got {checks.show(stream)}")
+    if backend is not None and (stream.backend is not backend or stream.device != device):
+        raise ValueError(f"{name} on {stream.backend.name}:{stream.device} cannot order work "
+                         f"on {backend.name}:{device}")
+    return stream.handle
 
-    def __init__(self, device: int | None = None, backend: str | Backend | None = None) -> None:
+
+class _Handle:
+    """A runtime object (stream or event) of one device, destroyed exactly once."""
+
+    kind = "handle"
+
+    def __init__(self, device: int | None, backend: str | Backend | None, create: Any,
+                 destroy: Any) -> None:
         self.backend = get_backend(backend)
-        self.device = self.backend.get_device() if device is None else device
-        self.handle: Any = self.backend.stream_create(self.device)
+        self.device = self.backend.resolve_device(device)
+        self._handle: Any = create(self.device)
         self._finalizer = weakref.finalize(
-            self, _destroy, self.backend.stream_destroy, self.handle, self.device, os.getpid())
+            self, _destroy, destroy, self._handle, self.device, os.getpid())
         self._finalizer.atexit = False
 
-    def synchronize(self) -> None:
-        """Wait until every operation queued so far has finished."""
-        self.backend.stream_synchronize(self.handle)
+    @property
+    def handle(self) -> Any:
+        """The runtime's handle; ``BufferClosedError`` once closed."""
+        if not self._finalizer.alive:
+            raise BufferClosedError(f"this {self.kind} was closed and cannot be used")
+        return self._handle
+
+    @property
+    def closed(self) -> bool:
+        return not self._finalizer.alive
 
     def close(self) -> None:
+        """Destroy the handle now. Idempotent."""
         self._finalizer()
 
-    def __enter__(self) -> Stream:
+    def __enter__(self) -> Any:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    def __reduce__(self) -> Any:
+        raise TypeError(f"a {self.kind} owns a runtime handle and cannot be copied or pickled")
 
-class Event:
-    """A point in a stream; ``end.elapsed_ms_since(start)`` times the work between two."""
+
+class Stream(_Handle):
+    """A device work queue. ``close()`` (or ``with``, or garbage collection) destroys it."""
+
+    kind = "Stream"
 
     def __init__(self, device: int | None = None, backend: str | Backend | None = None) -> None:
-        self.backend = get_backend(backend)
-        self.device = self.backend.get_device() if device is None else device
-        self.handle: Any = self.backend.event_create(self.device)
-        self._finalizer = weakref.finalize(
-            self, _destroy, self.backend.event_destroy, self.handle, self.device, os.getpid())
-        self._finalizer.atexit = False
+        backend = get_backend(backend)
+        super().__init__(device, backend, backend.stream_create, backend.stream_destroy)
+
+    def synchronize(self) -> None:
+        """Wait until every operation queued so far has finished."""
+        self.backend.stream_synchronize(self.handle)
+
+
+class Event(_Handle):
+    """A point in a stream; ``end.elapsed_ms_since(start)`` times the work between two."""
+
+    kind = "Event"
+
+    def __init__(self, device: int | None = None, backend: str | Backend | None = None) -> None:
+        backend = get_backend(backend)
+        super().__init__(device, backend, backend.event_create, backend.event_destroy)
+        self.recorded = False
 
     def record(self, stream: Stream | None = None) -> Event:
-        self.backend.event_record(self.handle, None if stream is None else stream.handle)
+        """Mark the point in ``stream`` (None: the default stream) that work has reached."""
+        stream_of = stream_handle(stream, "stream", self.backend, self.device)
+        self.backend.event_record(self.handle, stream_of)
+        self.recorded = True
         return self
 
     def synchronize(self) -> None:
         self.backend.event_synchronize(self.handle)
 
     def elapsed_ms_since(self, start: Event) -> float:
-        """Milliseconds from ``start`` to this event; both must have completed."""
+        """Milliseconds from ``start`` to this event; both must have been recorded (on one
+        device) and completed."""
+        if not isinstance(start, Event):
+            raise TypeError(f"start must be an Event, got {checks.show(start)}")
+        for which, event in (("start", start), ("this", self)):
+            event.handle  # noqa: B018 - raises if closed
+            if not event.recorded:
+                raise ValueError(f"{which} event was never recorded: record() it first")
+        if start.backend is not self.backend or start.device != self.device:
+            raise ValueError(f"start event is on {start.backend.name}:{start.device}, this "
+                             f"one on {self.backend.name}:{self.device}")
         return self.backend.event_elapsed_ms(start.handle, self.handle)
-
-    def close(self) -> None:
-        self._finalizer()

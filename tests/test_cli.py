@@ -29,6 +29,24 @@ def test_console_script_entry_point_runs():
     assert result.returncode == 0 and "host" in result.stdout
 
 
+def test_info_device_flag_selects_that_device(capsys):
+    code, info = run_json(capsys, "info", "--backend", "host", "--device", "0")
+    assert code == 0 and [(d["backend"], d["index"]) for d in info["devices"]] == [("host", 0)]
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["info", "--device", "99", "--backend", "host"], "device 99 does not exist"),
+    (["soak", "--seconds", "-5"], "argument --seconds: -5 is not above 0"),
+    (["soak", "--seconds", "4", "--warmup", "0.5"], "leaves 2 s to judge drift"),
+    (["bench", "--iters", "0"], "argument --iters: 0 is below 1"),
+], ids=["device-99", "negative-seconds", "too-short-to-judge", "zero-iters"])
+def test_bad_flags_end_in_one_line_and_status_2(argv, words):
+    result = subprocess.run([sys.executable, "-m", "rocmforge_raw.cli", *argv],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and result.stdout == ""
+    assert result.stderr.count("\n") == 1 and words in result.stderr, result.stderr
+
+
 def test_demo_at_small_size_preempts_checks_and_leaves_nothing_live(capsys):
     code, summary = run_json(capsys, "demo", "--backend", "host", "--scale", "0.3",
                              "--seed", "3")
@@ -67,6 +85,6 @@ def test_soak_passes_and_writes_its_files(tmp_path):
 
 
 def test_soak_with_a_planted_leak_fails_and_names_it(tmp_path):
-    code, result = soak(tmp_path, "--seconds", "3", "--inject-leak")
+    code, result = soak(tmp_path, "--seconds", "4", "--inject-leak")
     assert code == 1 and not result["passed"]
     assert any(r.startswith("live buffers:") and "leaked" in r for r in result["reasons"])

@@ -47,7 +47,7 @@ def test_buffers_pass_as_their_device_address():
 
 
 def test_launch_config_rejects_bad_dimensions():
-    with pytest.raises(ValueError, match="grid must be three sizes"):
+    with pytest.raises(ValueError, match="grid must be one to three sizes"):
         module.LaunchConfig((0, 1, 1), (1, 1, 1))
 
 

@@ -11,6 +11,7 @@ from typing import Any
 
 import numpy as np
 
+from .. import checks
 from ..planning import BLOCK_SIZES, HEAD_DIMS
 from ..planning import DTYPES as KERNEL_DTYPES
 
@@ -22,11 +23,18 @@ MAX_BLOCKS = (1 << 31) - 1
 
 
 def _positive(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"{name} must be an integer, got {type(value).__name__}")
-    if value < 1:
-        raise ValueError(f"{name} must be >= 1, got {value}")
-    return int(value)
+    """A count the kernels take as int32: in [1, 2**31 - 1]."""
+    return checks.integer(value, name, 1, MAX_BLOCKS)
+
+
+def _dtype(value: Any) -> np.dtype | None:
+    """The dtype ``value`` names (a name of ``DTYPES`` or anything ``np.dtype`` takes)."""
+    if isinstance(value, str):
+        return DTYPES.get(value)
+    try:
+        return np.dtype(value)
+    except TypeError:
+        return None
 
 
 @dataclass(frozen=True)
@@ -46,8 +54,7 @@ class CacheConfig:
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_kv_heads", "head_dim", "block_size", "num_blocks"):
             object.__setattr__(self, name, _positive(name, getattr(self, name)))
-        dtype = np.dtype(self.dtype) if not isinstance(self.dtype, str) else DTYPES.get(
-            self.dtype)
+        dtype = _dtype(self.dtype)
         if dtype not in DTYPES.values():
             raise ValueError(f"dtype {self.dtype} is not supported: use one of "
                              f"{', '.join(DTYPES)}")
@@ -104,7 +111,7 @@ class CacheConfig:
         if (budget_bytes is None) == (fraction is None):
             raise ValueError("give exactly one of budget_bytes and fraction")
         if fraction is not None:
-            if not 0.0 < fraction <= 1.0:
+            if not 0.0 < checks.real(fraction, "fraction") <= 1.0:
                 raise ValueError(f"fraction must be in (0, 1], got {fraction}")
             from ..runtime import get_backend
 
@@ -112,7 +119,7 @@ class CacheConfig:
             free, _ = dev.mem_info(dev.get_device() if device is None else device)
             budget_bytes = int(free * fraction)
         probe = cls(num_layers, num_kv_heads, head_dim, block_size, 2, dtype)
-        num_blocks = min(_positive("budget_bytes", budget_bytes) // probe.block_bytes,
+        num_blocks = min(checks.integer(budget_bytes, "budget_bytes", 1) // probe.block_bytes,
                          MAX_BLOCKS)
         if num_blocks < 2:
             raise ValueError(f"a budget of {budget_bytes} bytes holds {num_blocks} blocks of "

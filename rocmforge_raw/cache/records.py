@@ -15,13 +15,15 @@ class FinishedRecords:
         self.max_count, self.ttl_s, self.clock = max_count, ttl_s, clock
         self._records: OrderedDict[Hashable, tuple[float, Any]] = OrderedDict()
 
-    def add(self, key: Hashable, value: Any) -> None:
-        self._records[key] = (self.clock(), value)
+    def add(self, key: Hashable, value: Any, now: float | None = None) -> None:
+        """Record ``value`` for ``key`` at ``now`` (default: the clock's time)."""
+        now = self.clock() if now is None else now
+        self._records[key] = (now, value)
         self._records.move_to_end(key)
-        self.prune()
+        self.prune(now)
 
-    def prune(self) -> None:
-        horizon = self.clock() - self.ttl_s
+    def prune(self, now: float | None = None) -> None:
+        horizon = (self.clock() if now is None else now) - self.ttl_s
         records = self._records
         while records and (len(records) > self.max_count
                            or next(iter(records.values()))[0] < horizon):

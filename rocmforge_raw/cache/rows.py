@@ -9,10 +9,12 @@ covers every call. Nothing here loops over blocks in Python.
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Iterable
+from collections.abc import Callable, Hashable
+from typing import Any
 
 import numpy as np
 
+from .. import checks
 from .block_pool import NULL_BLOCK, BlockPool
 
 _ARRAYS = ("tables", "lens", "nblocks", "last_slot", "last_block", "created", "accessed",
@@ -38,7 +40,11 @@ class SequenceRows:
         self._memo: tuple[int, list[Hashable], np.ndarray, bool] | None = None
 
     def row(self, seq_id: Hashable) -> int:
-        row = self.index.get(seq_id)
+        try:
+            row = self.index.get(seq_id)
+        except TypeError:
+            checks.hashable(seq_id, "sequence id")  # says which
+            raise
         if row is None:
             raise KeyError(f"no sequence {seq_id!r} in the cache")
         return row
@@ -103,13 +109,39 @@ class SequenceRows:
         self.recency[rows] = np.arange(self.tick + 1, self.tick + 1 + rows.size)
         self.tick += rows.size
 
-    def least_recent(self, exclude: Iterable[Hashable]) -> Hashable | None:
-        """The least recently used sequence not in ``exclude``, or None."""
-        skip = set(exclude)
-        candidates = [s for s in self.index if s not in skip]
-        if not candidates:
-            return None
-        return min(candidates, key=lambda s: self.recency[self.index[s]])
+    def plan_preemption(self, need: Callable[[list[Hashable], np.ndarray], int],
+                        batch: list[Hashable], ref_cnt: np.ndarray, num_free: int
+                        ) -> list[Hashable] | None:
+        """The sequences to preempt, in order, until ``need(live, ref_cnt)`` blocks are free
+        (``live``: the members of ``batch`` not preempted): least recently used first,
+        sequences outside ``batch`` before its members. Computed on a copy of the ref counts,
+        changing nothing; None if preempting every sequence would not free enough."""
+        members = set(batch)
+        recency = self.recency
+        order = sorted(self.index, key=lambda s: (s in members, recency[self.index[s]]))
+        ref, live, victims = ref_cnt.copy(), list(batch), []
+        for victim in order:
+            if need(live, ref) <= num_free:
+                return victims
+            row = self.index[victim]
+            held = self.tables[row, : self.nblocks[row]]  # distinct ids
+            ref[held] -= 1
+            num_free += int(np.count_nonzero(ref[held] == 0))
+            victims.append(victim)
+            if victim in members:
+                live.remove(victim)
+        return victims if need(live, ref) <= num_free else None
+
+    def snapshot(self) -> dict[str, Any]:
+        """Everything ``restore`` needs to put the rows back exactly as they are now."""
+        state: dict[str, Any] = {name: getattr(self, name).copy() for name in _ARRAYS}
+        state.update(free=list(self.free), index=dict(self.index), tick=self.tick)
+        return state
+
+    def restore(self, state: dict[str, Any]) -> None:
+        for name, value in state.items():
+            setattr(self, name, value)
+        self.version += 1  # never back: rows remembered since must not match again
 
     def extend(self, rows: np.ndarray, grow: np.ndarray, cow: np.ndarray,
                new: np.ndarray | None, block_size: int, now: float) -> None:

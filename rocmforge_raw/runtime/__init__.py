@@ -65,7 +65,8 @@ def get_backend(name: str | Backend | None = None) -> Backend:
         return name
     if not isinstance(name, str):
         if not isinstance(name, Backend):
-            raise BackendUnavailableError(f"not a backend: {name!r}")
+            raise TypeError(f"backend must be a name ({', '.join(BACKEND_NAMES)}), a Backend "
+                            f"or None, got {name!r}")
         return name
     if name in _backends:
         return _backends[name]

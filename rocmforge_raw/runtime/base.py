@@ -14,6 +14,8 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Any, ClassVar
 
+from .. import checks
+from ..errors import BackendUnavailableError
 from ._alloc import Allocator, BackendAllocator
 from ._launch import LaunchApi
 
@@ -135,6 +137,24 @@ class Backend(ABC):
         """This backend's malloc/free for C callers: a subclass returns its C fast path; this
         one calls ``malloc``/``free``."""
         return BackendAllocator(self)
+
+    @cached_property
+    def num_devices(self) -> int:
+        """``device_count()``, asked once (devices do not come and go under a process)."""
+        return self.device_count()
+
+    def resolve_device(self, device: Any) -> int:
+        """``device`` checked as an ordinal of this backend; None: the current device.
+        ``TypeError``/``ValueError`` for a non-integer or negative value,
+        ``BackendUnavailableError`` for a device that does not exist."""
+        if device is None:
+            return self.get_device()
+        number = checks.integer(device, "device", 0)
+        if number >= self.num_devices:
+            raise BackendUnavailableError(
+                f"device {number} does not exist: the {self.name} backend has "
+                f"{self.num_devices} device(s)")
+        return number
 
     def cached_properties(self, device: int) -> DeviceProperties:
         """``properties(device)``, asked once per device (they do not change)."""

@@ -1,0 +1,65 @@
+"""Argparse types for the CLI's flags: each parses one string and checks its range, or
+raises ``argparse.ArgumentTypeError`` with a message that shows the bad value (argparse
+prints it on one line, after the flag's name)."""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+
+def count(minimum: int) -> Callable[[str], int]:
+    """An integer >= ``minimum``."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"{value} is below {minimum}")
+        return value
+
+    return parse
+
+
+def real(*, above: float | None = None, at_least: float | None = None,
+         below: float | None = None, at_most: float | None = None) -> Callable[[str], float]:
+    """A finite number within the bounds given (exclusive ``above``/``below``, inclusive
+    ``at_least``/``at_most``)."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        if not math.isfinite(value):
+            raise argparse.ArgumentTypeError(f"{text!r} is not a finite number")
+        for bound, ok, words in ((above, lambda b: value > b, "above"),
+                                 (at_least, lambda b: value >= b, "at least"),
+                                 (below, lambda b: value < b, "below"),
+                                 (at_most, lambda b: value <= b, "at most")):
+            if bound is not None and not ok(bound):
+                raise argparse.ArgumentTypeError(f"{text} is not {words} {bound}")
+        return value
+
+    return parse
+
+
+def out_dir(text: str) -> str:
+    """A folder that exists or can be made: no part of it is a file, and the deepest part
+    that exists is writable."""
+    path = Path(text)
+    for part in (path, *path.parents):
+        if part.exists():
+            if not part.is_dir():
+                where = "" if part == path else f" lies under {str(part)!r}, which"
+                raise argparse.ArgumentTypeError(f"{text!r}{where} is a file, not a folder")
+            if not os.access(part, os.W_OK | os.X_OK):
+                raise argparse.ArgumentTypeError(f"{text!r}: folder {str(part)!r} is not "
+                                                 "writable")
+            break
+    return text

@@ -1,0 +1,148 @@
+"""Argument checks shared by the public entry points, written once.
+
+Each check returns the value in the one form the code below it trusts (a plain ``int``, a
+``float``, a ``np.dtype``, a tuple of dimensions) or raises ``TypeError`` (wrong kind of
+value) or ``ValueError`` (right kind, out of range) with a message that names the argument
+and shows its bad value. NumPy integers pass wherever ints do; bools are not numbers here.
+Nothing here touches a device: it is the layer below the runtime and the compiled core.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from collections.abc import Hashable
+from typing import Any
+
+import numpy as np
+
+#: Largest byte count or dimension the package accepts: a signed 64-bit size (DLPack's and
+#: the kernels' index type).
+MAX_SIZE = (1 << 63) - 1
+_NUMERIC_KINDS = "biufc"  # bool, signed, unsigned, float, complex
+
+
+def show(value: Any, limit: int = 60) -> str:
+    """``repr(value)``, shortened to ``limit`` characters for a message."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _kind(value: Any) -> str:
+    return f"{show(value)} ({type(value).__name__})"
+
+
+def integer(value: Any, name: str, minimum: int | None = None,
+            maximum: int | None = None) -> int:
+    """``value`` as a plain ``int`` in [``minimum``, ``maximum``] (bounds optional)."""
+    if isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name} must be an integer, got {_kind(value)}")
+    try:
+        number = operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name} must be an integer, got {_kind(value)}") from None
+    return _within(number, name, minimum, maximum, str(number))
+
+
+def size(value: Any, name: str) -> int:
+    """A count or offset of bytes or elements: an integer >= 0 (what it must fit in is
+    checked where it is used, with the numbers)."""
+    return integer(value, name, 0)
+
+
+def real(value: Any, name: str, minimum: float | None = None,
+         maximum: float | None = None) -> float:
+    """``value`` as a finite ``float`` in [``minimum``, ``maximum``] (bounds optional)."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.number)):
+        raise TypeError(f"{name} must be a number, got {_kind(value)}")
+    if isinstance(value, np.complexfloating):
+        raise TypeError(f"{name} must be a real number, got {_kind(value)}")
+    number = float(value)
+    if not math.isfinite(number):
+        raise ValueError(f"{name} must be a finite number, got {show(value)}")
+    return _within(number, name, minimum, maximum, show(value))
+
+
+def _within(number: Any, name: str, minimum: Any, maximum: Any, shown: str) -> Any:
+    """``number`` if it lies in [``minimum``, ``maximum``] (either may be None)."""
+    if minimum is not None and number < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {shown}")
+    if maximum is not None and number > maximum:
+        raise ValueError(f"{name} must be <= {maximum}, got {shown}")
+    return number
+
+
+def flag(value: Any, name: str) -> bool:
+    """A ``bool`` (NumPy's too); nothing else is taken for true or false."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name} must be True or False, got {_kind(value)}")
+    return bool(value)
+
+
+def plain_dtype(dtype: Any, name: str = "dtype") -> np.dtype:
+    """A dtype whose elements are plain numbers in native byte order: bool, integers,
+    floats, complex, and ml_dtypes' numbers (bfloat16, float8). Only these cross to the
+    device: an object, string, void or structured dtype would copy raw pointers or
+    padding into device memory, or read device bytes back as Python objects."""
+    try:
+        found = np.dtype(dtype)
+    except TypeError:
+        raise TypeError(f"{name} must be a NumPy dtype, got {_kind(dtype)}") from None
+    ml = found.kind == "V" and found.type.__module__.split(".")[0] == "ml_dtypes"
+    if not (found.kind in _NUMERIC_KINDS or ml) or found.fields or found.subdtype:
+        shown = str(dtype) if isinstance(dtype, np.dtype) else show(dtype)
+        raise TypeError(f"{name} {shown} is not a plain numeric dtype: use bool, an "
+                        "integer, float or complex type, or an ml_dtypes number")
+    if found.byteorder not in "=|":
+        raise TypeError(f"{name} {found.str} is not in native byte order")
+    return found
+
+
+def dims(shape: Any, name: str = "shape") -> tuple[int, ...]:
+    """A shape (an integer or an iterable of them) as a tuple of sizes."""
+    if isinstance(shape, (str, bytes)) or not (
+            hasattr(shape, "__index__") or hasattr(shape, "__iter__")):
+        raise TypeError(f"{name} must be an integer or a tuple of integers, got "
+                        f"{_kind(shape)}")
+    if hasattr(shape, "__index__") and not (isinstance(shape, np.ndarray) and shape.ndim):
+        return (integer(shape, name, 0, MAX_SIZE),)
+    return tuple(integer(d, f"{name}[{i}]", 0, MAX_SIZE) for i, d in enumerate(shape))
+
+
+def nbytes_of(dtype: np.dtype, shape: tuple[int, ...], name: str = "shape") -> int:
+    """Bytes of ``shape`` of ``dtype``; ``ValueError`` past a 64-bit size."""
+    total = dtype.itemsize * math.prod(shape)
+    if total > MAX_SIZE:
+        raise ValueError(f"{name} {shape} of {dtype} is {total} bytes, more than a 64-bit "
+                         f"size ({MAX_SIZE})")
+    return total
+
+
+def hashable(value: Any, name: str) -> Hashable:
+    """``value`` if it can be a dictionary key (a sequence or request id)."""
+    try:
+        hash(value)
+    except TypeError:
+        raise TypeError(f"{name} must be hashable, got {_kind(value)}") from None
+    return value
+
+
+def id_list(values: Any, name: str) -> list[Hashable]:
+    """An iterable of ids as a list (a ``list`` is taken as is: the caller's hot path); a
+    string is refused, not read as its characters."""
+    if type(values) is list:
+        return values
+    if isinstance(values, (str, bytes)) or not hasattr(values, "__iter__"):
+        raise TypeError(f"{name} must be an iterable of ids, got {_kind(values)}")
+    return list(values)
+
+
+def host_array(value: Any, name: str) -> np.ndarray:
+    """``value`` as a C-contiguous NumPy array of a plain numeric dtype (see
+    ``plain_dtype``), ready to be copied to a device."""
+    try:
+        array = np.ascontiguousarray(value)
+    except (TypeError, ValueError) as exc:
+        raise TypeError(f"{name} must be array-like, got {_kind(value)}: {exc}") from None
+    plain_dtype(array.dtype, f"{name} dtype")
+    return array
