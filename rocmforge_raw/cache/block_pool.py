@@ -26,10 +26,12 @@ class BlockPool:
 
     @property
     def num_free(self) -> int:
+        """Blocks on the free stack (ref count 0)."""
         return self._top
 
     @property
     def num_used(self) -> int:
+        """Blocks held (ref count >= 1), the null block not counted."""
         return self.num_blocks - 1 - self._top
 
     def allocate(self, count: int) -> np.ndarray | None:
@@ -80,4 +82,5 @@ class BlockPool:
             raise ValueError(f"cannot {what} block {int(ids[~held][0])}: it is not held")
 
     def free_ids(self) -> np.ndarray:
+        """The free block ids (a copy), the next to be handed out last."""
         return self._free[: self._top].copy()

@@ -76,6 +76,7 @@ class KvCache:
 
     @property
     def closed(self) -> bool:
+        """Whether ``close()`` released the slab (the cache refuses new work then)."""
         return self.slab.buffer.closed
 
     def __enter__(self) -> KvCache:
@@ -98,6 +99,7 @@ class KvCache:
             return list(self._rows.index)
 
     def seq_len(self, seq_id: Hashable) -> int:
+        """Tokens ``seq_id`` holds (prompt plus appended), including reserved slots."""
         with self._lock:
             return int(self._rows.lens[self._rows.row(seq_id)])
 
@@ -253,13 +255,16 @@ class KvCache:
 
     # --- device work -------------------------------------------------------------------------
     def k_cache(self, layer: int) -> DeviceArray:
+        """Layer ``layer``'s K cache, ``[num_blocks, num_kv_heads, block_size, head_dim]``."""
         return self._plane(layer, 0)
 
     def v_cache(self, layer: int) -> DeviceArray:
+        """Layer ``layer``'s V cache, shaped like ``k_cache``."""
         return self._plane(layer, 1)
 
     def _plane(self, layer: int, kv: int) -> DeviceArray:
-        ptrs = self._steps.planes(layer)
+        with self._lock:
+            ptrs = self._steps.planes(layer)
         c = self.config
         return DeviceArray(self.slab.buffer, c.dtype, c.slab_shape[2:],
                            ptrs[kv] - self.slab.ptr)

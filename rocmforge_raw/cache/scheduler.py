@@ -75,6 +75,8 @@ class StepPlan:
 
 @dataclass(frozen=True)
 class FinishedRequest:
+    """What is kept of a finished request: when (``clock`` seconds) and its token counts."""
+
     request_id: Hashable
     finished_at: float
     prompt_tokens: int
@@ -129,8 +131,8 @@ class Scheduler:
     def try_submit(self, request: Request) -> bool:
         """Queue ``request`` and return True, or return False (changing nothing) when
         ``max_waiting`` requests wait. A bad request raises as in ``submit``."""
-        self._validate(request)
         with self._lock:
+            self._validate(request)
             seq_id = request.request_id
             if seq_id in self.running or seq_id in self._queued:
                 raise ValueError(f"request {seq_id!r} is already queued or running")
