@@ -6,7 +6,7 @@ Each mutant is applied, alone, to a scratch copy of the tree (never to the work 
 killed when they fail (or it no longer builds, or time runs out). Usage:
 
     python tools/mutants.py named        # the issue's list: each with the test that kills it
-    python tools/mutants.py core         # operators in pool.pyx, _registry.pyx, buffer.pyx
+    python tools/mutants.py core         # operators in the core's .pyx/.pxd files
     python tools/mutants.py core --limit 20 --only pool.pyx
 
 Prints one line per mutant and a summary; exits 1 if any survived.
@@ -135,9 +135,12 @@ OPERATORS = [(" < ", " <= "), (" <= ", " < "), (" > ", " >= "), (" >= ", " > "),
              (" == ", " != "), (" != ", " == "), (" + ", " - "), (" - ", " + "),
              (" += ", " -= "), (" -= ", " += "), (" and ", " or "), (" or ", " and "),
              ("if not ", "if "), ("return True", "return False"), ("return False", "return True")]
-CORE = {"pool.pyx": POOL_TESTS,
+CORE = {"_freelist.pxd": POOL_TESTS, "pool.pyx": POOL_TESTS,
         "_registry.pyx": ("tests/test_buffer.py", "tests/test_core.py", "tests/test_pool.py"),
         "buffer.pyx": ("tests/test_buffer.py", "tests/test_core.py")}
+
+#: Where a .pxd's inline code is compiled (its .c and .so are put back after a mutant).
+COMPILED_INTO = {"rocmforge_raw/_freelist.pxd": "rocmforge_raw/pool"}
 
 
 def core_mutants(only: str | None) -> list[Mutant]:
@@ -184,10 +187,10 @@ def run(mutant: Mutant, tree: Path, timeout: float) -> str:
     """'killed', 'survived', 'timeout' or 'no build' for ``mutant`` in ``tree``."""
     target = tree / mutant.path
     original = target.read_text()
-    compiled = mutant.path.endswith(".pyx")
+    compiled = mutant.path.endswith((".pyx", ".pxd"))
     saved = {}
     if compiled:  # keep the built module to put back rather than rebuild it
-        stem = target.with_suffix("")
+        stem = tree / COMPILED_INTO.get(mutant.path, mutant.path[:-len(".pyx")])
         saved = {p: p.read_bytes() for p in stem.parent.glob(stem.name + ".*")
                  if p.suffix in (".so", ".c")}
     try:
@@ -215,7 +218,7 @@ def run(mutant: Mutant, tree: Path, timeout: float) -> str:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("which", choices=["named", "core"])
-    parser.add_argument("--only", help="core: one file (pool.pyx, _registry.pyx, buffer.pyx)")
+    parser.add_argument("--only", help=f"core: one file ({', '.join(CORE)})")
     parser.add_argument("--limit", type=int, default=0, help="core: at most this many")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per mutant")
     args = parser.parse_args()
