@@ -244,11 +244,12 @@ cdef class MemoryPool(Allocator):
 
     cdef int fence(self, _Lane lane) except -1:
         """Record an event on ``lane``'s stream after every free so far on it."""
-        cdef unsigned long long seq = lane.freed
-        if seq == lane.fenced or not _is_open(lane.stream):
+        cdef unsigned long long seq
+        if lane.freed == lane.fenced or not _is_open(lane.stream):
             return 0
         handle = None if lane.stream is None else lane.stream.handle
         with self.lock:
+            seq = lane.freed  # read under the lock: fences are recorded in seq order
             if len(lane.fences) >= MAX_FENCES:  # move the newest forward, then say so
                 event = lane.fences[-1][1]
                 self.backend.event_record(event, handle)
@@ -262,7 +263,7 @@ cdef class MemoryPool(Allocator):
                     self.spare_events.append(event)
                     raise
                 lane.fences.append((seq, event))
-            lane.fenced = max(lane.fenced, seq)
+            lane.fenced = seq
         return 0
 
     cdef int poll(self, _Lane lane) except -1:

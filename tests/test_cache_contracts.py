@@ -88,6 +88,18 @@ def guarded(owner, held, names):
     return undo
 
 
+def run_guarded(owner, held, names, ops):
+    """Run each (name, call) of ``ops`` with ``owner``'s state ``names`` guarded."""
+    for name, op in ops:
+        undo = guarded(owner, held, names)
+        try:
+            op()
+        except AssertionError as exc:
+            raise AssertionError(f"{name}: {exc}") from None
+        finally:
+            undo()
+
+
 CACHE_STATE = ("_rows", "pool", "_finished", "_steps")
 
 
@@ -141,14 +153,7 @@ def test_every_cache_operation_holds_the_lock_throughout():
     cache = small_cache(num_blocks=12, clock=clock)
     ops, arrays = cache_operations(cache)
     try:
-        for name, op in ops:
-            undo = guarded(cache, cache._lock._is_owned, CACHE_STATE)
-            try:
-                op()
-            except AssertionError as exc:
-                raise AssertionError(f"{name}: {exc}") from None
-            finally:
-                undo()
+        run_guarded(cache, cache._lock._is_owned, CACHE_STATE, ops)
     finally:
         for array in arrays:
             array.buffer.close()
@@ -171,14 +176,7 @@ def test_every_scheduler_operation_holds_its_lock_throughout():
         ("finished", sched.finished),
         ("idle", lambda: sched.idle),
     ]
-    for name, op in ops:
-        undo = guarded(sched, sched._lock.locked, ("cache", "waiting", "running", "_finished"))
-        try:
-            op()
-        except AssertionError as exc:
-            raise AssertionError(f"{name}: {exc}") from None
-        finally:
-            undo()
+    run_guarded(sched, sched._lock.locked, ("cache", "waiting", "running", "_finished"), ops)
     assert sorted(sched.finished()) == ["a", "b"] and sched.idle
     cache.close()
 

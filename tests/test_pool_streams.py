@@ -88,19 +88,21 @@ def test_a_block_freed_on_a_busy_stream_is_reused_there_at_once(device):
     again.close()
 
 
-def test_a_block_goes_to_another_stream_only_after_the_device_passed_its_free(device):
+@pytest.mark.parametrize("taker", ["other stream", "default stream"])
+def test_a_block_goes_to_another_stream_only_after_the_device_passed_its_free(device, taker):
     backend, pool, a, b = device
+    to = pool.on(b) if taker == "other stream" else pool
     buf = rf.HipBuffer(N, pool=pool.on(a))
     ptr = buf.ptr
     backend.hold(a)
     buf.close()
-    other = rf.HipBuffer(N, pool=pool.on(b))
-    assert other.ptr != ptr and pool.stats()["handoffs"] == 0
+    early = rf.HipBuffer(N, pool=to)
+    assert early.ptr != ptr and pool.stats()["handoffs"] == 0
     assert backend.queries >= 1  # it asked the event, and did not wait for it
     backend.let_go(a)
-    later = rf.HipBuffer(N, pool=pool.on(b))
+    later = rf.HipBuffer(N, pool=to)
     assert later.ptr == ptr and pool.stats()["handoffs"] == 1
-    other.close()
+    early.close()
     later.close()
 
 
@@ -117,21 +119,6 @@ def test_default_stream_blocks_go_to_a_stream_after_a_fence_event(device):
     later = rf.HipBuffer(N, pool=pool.on(a))
     assert later.ptr == ptr
     held.close()
-    later.close()
-
-
-def test_stream_blocks_go_to_the_default_stream_after_the_device_passed_them(device):
-    backend, pool, a, _ = device
-    buf = rf.HipBuffer(N, pool=pool.on(a))
-    ptr = buf.ptr
-    backend.hold(a)
-    buf.close()
-    early = rf.HipBuffer(N, pool=pool)
-    assert early.ptr != ptr
-    backend.let_go(a)
-    later = rf.HipBuffer(N, pool=pool)
-    assert later.ptr == ptr
-    early.close()
     later.close()
 
 
