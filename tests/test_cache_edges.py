@@ -203,3 +203,123 @@ def test_a_negative_generated_count_is_refused():
     with pytest.raises(ValueError, match="'r': generated must be >= 0, got -1"):
         sched.submit(Request("r", 3, 2, generated=-1))
     cache.close()
+
+
+# --- rows and blocks ---------------------------------------------------------------------------
+def test_many_long_sequences_grow_the_rows_and_tables_and_stay_int32():
+    with small_cache(num_blocks=400) as cache:  # rows start at 16, tables 8 blocks wide
+        for i in range(40):
+            cache.add_sequence(i, 1 + i)
+        cache.add_sequence("long", 64)  # exactly 8 blocks: the next token widens the table
+        cache.append(["long"])
+        cache.check_invariants()
+        assert [cache.seq_len(i) for i in range(40)] == list(range(1, 41))
+        meta = cache.batch([*range(40), "long"])
+        assert meta.block_tables.dtype == np.int32 and meta.block_tables.shape == (41, 9)
+        assert meta.seq_lens.tolist() == [*range(1, 41), 65]
+
+
+def test_the_row_memo_never_answers_for_a_changed_index():
+    from rocmforge_raw.cache.rows import SequenceRows
+
+    rows = SequenceRows()
+    rows.add("a", 1)
+    rows.add("x", 1)
+    x = rows.rows(["x"]).tolist()
+    rows.release("a")
+    assert rows.rows(["x"]).tolist() == x
+    rows.release("x")
+    with pytest.raises(KeyError, match="no sequence 'x'"):
+        rows.rows(["x"])
+    rows.add("y", 1)
+    with pytest.raises(KeyError, match="no sequence 'x'"):
+        rows.rows(["x"])
+
+
+def test_appending_to_a_child_whose_shared_last_block_is_full_copies_nothing():
+    with small_cache() as cache:
+        cache.add_sequence("p", 16)  # two full blocks
+        cache.fork("p", "c")
+        used = cache.stats()["used_blocks"]
+        cache.append(["c"])
+        assert cache.stats()["cow_copies"] == 0 and cache.stats()["used_blocks"] == used + 1
+
+
+def test_when_every_holder_of_a_shared_block_appends_one_keeps_it():
+    with small_cache() as cache:
+        cache.add_sequence("p", 5)
+        cache.fork("p", "c")
+        cache.append(["p", "c"])
+        assert cache.stats()["cow_copies"] == 1 and cache.stats()["used_blocks"] == 2
+        cache.fork("p", "d")
+        cache.append(["d"])
+        cache.append(["c"])
+        assert cache.stats()["cow_copies"] == 2  # counted across appends
+        cache.check_invariants()
+
+
+def test_block_pool_bounds_and_dtypes():
+    from rocmforge_raw.cache import BlockPool
+
+    pool = BlockPool(2)  # the smallest: one usable block
+    assert pool.num_free == 1 and pool.ref_cnt.dtype == np.int32
+    assert pool.free_ids().dtype == np.int32 and pool.free(np.array([], np.int64)) == 0
+    with pytest.raises(ValueError, match=r"at least 2 blocks \(one is null\), got 1"):
+        BlockPool(1)
+    with pytest.raises(ValueError, match="cannot allocate -1 blocks"):
+        pool.allocate(-1)
+    ids = pool.allocate(1)
+    assert ids.dtype == np.int32 and pool.free(ids) == 1
+    assert pool.free_ids().dtype == np.int32
+
+
+def test_cache_errors_name_the_bad_values():
+    with small_cache(num_blocks=3) as cache:
+        cache.add_sequence("a", 3)
+        for call, error, text in [
+            (lambda: cache.add_sequence("b", True), TypeError, "not bool"),
+            (lambda: cache.add_sequence("b", 1.5), TypeError, "got 1.5"),
+            (lambda: cache.add_sequence("b", 0), ValueError, ">= 1, got 0"),
+            (lambda: cache.add_sequence("a", 1), ValueError, "sequence 'a' already exists"),
+            (lambda: cache.add_sequence("b", 17), rf.errors.CacheFullError,
+             "needs 3 blocks but 1 are free: a 17-token prompt exceeds the whole cache"),
+            (lambda: cache.append("ab"), TypeError, "not the string 'ab'"),
+            (lambda: cache.append(["a", "a"]), ValueError, "append lists a sequence twice"),
+            (lambda: cache.append([["a"]]), TypeError, r"sequence id \['a'\] is not hashable"),
+            (lambda: cache.append(["a"], stream=5), TypeError, "not int"),
+            (lambda: KvCache(cache.config, backend="host", stream=5), TypeError, "not int"),
+        ]:
+            with pytest.raises(error, match=text):
+                call()
+        cache.check_invariants()
+
+
+def test_an_append_needing_exactly_the_free_blocks_preempts_nothing():
+    with small_cache(num_blocks=3) as cache:  # 2 usable blocks
+        cache.add_sequence("a", 8)
+        assert cache.append(iter(["a"])).preempted == [] and cache.seq_len("a") == 9
+
+
+def test_stats_report_usage_and_the_peak():
+    with small_cache(num_blocks=5) as cache:  # 4 usable blocks
+        cache.add_sequence("a", 20)
+        cache.remove("a")
+        cache.add_sequence("b", 1)
+        stats = cache.stats()
+        assert stats["num_blocks"] == 4 and stats["usage"] == 0.25
+        assert stats["peak_used_blocks"] == 3
+
+
+def test_preemptions_of_one_request_add_up():
+    cache, sched = make(num_blocks=5)  # 4 usable blocks, four requests of up to 3 each
+    for i in range(4):
+        sched.submit(Request(i, 7, 17))
+    seen, preempted = {}, 0
+    while not sched.idle:
+        plan = sched.step()
+        seen.update({r.request_id: r for r, _ in plan.prefill})
+        preempted += len(plan.preempted)
+        sched.advance(plan)
+    assert sorted(r.preemptions for r in seen.values()) == [0, 1, 1, 2]
+    assert sched.num_preemptions == preempted == 4
+    cache.close()
