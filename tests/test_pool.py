@@ -20,6 +20,12 @@ def test_size_classes_round_up_by_at_most_a_quarter(nbytes, expected):
     assert size_class(nbytes) == expected
 
 
+def test_size_classes_end_at_two_to_the_62():
+    assert size_class(1 << 62) == 1 << 62
+    with pytest.raises(OverflowError, match=f"a pool block of {(1 << 62) + 1} bytes"):
+        size_class((1 << 62) + 1)
+
+
 def test_freed_block_is_reused(backend):
     pool = rf.MemoryPool(backend=backend)
     a = rf.HipBuffer(1000, pool=pool)

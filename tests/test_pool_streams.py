@@ -165,6 +165,22 @@ def test_allocate_and_free_name_their_stream(device):
     backend.let_go(a)
 
 
+def test_a_free_list_that_wraps_and_grows_keeps_every_block_once_in_order(device):
+    _, pool, a, b = device
+    bufs = [rf.HipBuffer(N, pool=pool.on(a)) for _ in range(10)]
+    freed = [buf.ptr for buf in bufs]
+    for buf in bufs[:8]:  # fills the first ring of 8
+        buf.close()
+    taken = rf.HipBuffer(N, pool=pool.on(b))  # the oldest leaves: the ring starts at 1
+    assert taken.ptr == freed[0]
+    for buf in bufs[8:]:  # wraps, then grows the ring
+        buf.close()
+    again = [rf.HipBuffer(N, pool=pool.on(a)) for _ in range(9)]
+    assert [buf.ptr for buf in again] == freed[:0:-1]  # newest first, each once
+    for buf in [taken, *again]:
+        buf.close()
+
+
 def test_pending_events_per_stream_are_bounded(device):
     backend, pool, a, b = device
     bufs = [rf.HipBuffer(N, pool=pool.on(a)) for _ in range(5 * MAX_FENCES)]
