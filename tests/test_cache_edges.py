@@ -323,3 +323,17 @@ def test_preemptions_of_one_request_add_up():
     assert sorted(r.preemptions for r in seen.values()) == [0, 1, 1, 2]
     assert sched.num_preemptions == preempted == 4
     cache.close()
+
+
+def test_for_memory_fits_the_budget_in_the_config_s_dtype():
+    block = CacheConfig(2, 2, 64, 8, 2, "float32").block_bytes
+    config = CacheConfig.for_memory(2, 2, 64, 8, "float32", num_q_heads=4,
+                                    budget_bytes=10 * block + block // 2)
+    assert (config.num_blocks, config.dtype, config.num_q_heads) == (10, np.float32, 4)
+    for kw, text in [({}, "give exactly one of budget_bytes and fraction"),
+                     ({"budget_bytes": 1, "fraction": 0.5}, "give exactly one"),
+                     ({"fraction": 0}, r"fraction must be in \(0, 1\], got 0"),
+                     ({"budget_bytes": block}, f"a budget of {block} bytes holds 1 blocks of "
+                                               f"{block} bytes; at least 2 are needed")]:
+        with pytest.raises(ValueError, match=text):
+            CacheConfig.for_memory(2, 2, 64, 8, "float32", **kw)

@@ -67,6 +67,15 @@ def test_limit_releases_cache_then_raises_with_numbers(backend):
     pool.free_all()
 
 
+def test_a_limit_runs_from_zero_to_below_size_max(backend):
+    pool = rf.MemoryPool(backend=backend, limit=0)
+    with pytest.raises(OutOfMemoryError, match="requested 512 bytes with 0 of 0 bytes free"):
+        rf.HipBuffer(1, pool=pool)
+    with pytest.raises(ValueError, match=f"got {(1 << 64) - 1}"):
+        rf.MemoryPool(backend=backend, limit=(1 << 64) - 1)
+    assert rf.MemoryPool(backend=backend, limit=(1 << 64) - 2).limit == (1 << 64) - 2
+
+
 def test_free_of_a_foreign_pointer_is_an_error(backend):
     pool = rf.MemoryPool(backend=backend)
     with pytest.raises(ValueError, match="not allocated by this pool"):
