@@ -237,6 +237,20 @@ def test_blocks_freed_on_a_closed_stream_go_nowhere_until_free_all(device):
     other.close()
 
 
+def test_free_all_forgets_streams_whose_blocks_were_reused_or_handed_on(device):
+    _, pool, a, b = device
+    rf.HipBuffer(N, pool=pool.on(a)).close()
+    rf.HipBuffer(N, pool=pool.on(a)).close()  # reused on a
+    handed = rf.HipBuffer(N, pool=pool.on(b))  # a's block, handed on to b
+    assert pool.stats()["handoffs"] == 1 and pool.stats()["hits"] == 2
+    handed.close()
+    ptr = pool.allocate(N)  # the default stream's own: no lane for it
+    pool.free(ptr)
+    assert pool.stats()["streams"] == 2
+    pool.free_all()
+    assert pool.stats()["streams"] == 0
+
+
 def test_the_accounts_balance_across_streams(device):
     backend, pool, a, b = device
     backend.hold(a)

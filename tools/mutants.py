@@ -220,9 +220,12 @@ def main() -> int:
     parser.add_argument("which", choices=["named", "core"])
     parser.add_argument("--only", help=f"core: one file ({', '.join(CORE)})")
     parser.add_argument("--limit", type=int, default=0, help="core: at most this many")
+    parser.add_argument("--match", help="only the mutants whose name matches this regex")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per mutant")
     args = parser.parse_args()
     mutants = NAMED if args.which == "named" else core_mutants(args.only)
+    if args.match:
+        mutants = [m for m in mutants if re.search(args.match, m.name)]
     if args.limit > 0:
         mutants = mutants[:args.limit]
     tree = scratch_copy()
