@@ -337,3 +337,17 @@ def test_for_memory_fits_the_budget_in_the_config_s_dtype():
                                                f"{block} bytes; at least 2 are needed")]:
         with pytest.raises(ValueError, match=text):
             CacheConfig.for_memory(2, 2, 64, 8, "float32", **kw)
+
+
+def test_layers_are_checked_and_numpy_integers_work():
+    with small_cache() as cache:
+        assert cache.k_cache(np.int64(0)).ptr == cache.k_cache(0).ptr
+        assert cache.v_cache(0).ptr - cache.k_cache(0).ptr == cache.k_cache(0).nbytes
+        with pytest.raises(TypeError, match=r"layer must be an integer, got 1\.5"):
+            cache.k_cache(1.5)
+        with pytest.raises(TypeError, match="layer must be an integer, got True"):
+            cache.k_cache(True)
+        with pytest.raises(IndexError, match=r"layer 1 outside \[0, 1\)"):
+            cache.k_cache(1)
+        with pytest.raises(IndexError, match=r"layer -1 outside"):
+            cache.k_cache(-1)
