@@ -22,7 +22,7 @@ CORE_SRC := $(wildcard rocmforge_raw/*.pyx rocmforge_raw/*.pxd rocmforge_raw/run
 CORE_STAMP := build/core.stamp
 
 .PHONY: all demo test core kernels kernels-nvidia kernels-amd toolchain pyheaders venv bench \
-        soak lint clean wheel wheel-check sanitize
+        soak lint mutate clean wheel wheel-check sanitize
 all: core kernels
 
 venv: $(PY)
@@ -124,7 +124,17 @@ sanitize:
 lint: $(PY)
 	$(VENV)/bin/ruff check rocmforge_raw tests tools
 
+# Mutation testing (long; not part of `make test`): mutmut over rocmforge_raw/cache (its
+# config is in pyproject.toml), then tools/mutants.py: the issue's named mutants, each with
+# the test that kills it, and operator mutants of the compiled core, rebuilt one by one.
+mutate: $(PY) core kernels
+	rm -rf mutants
+	$(VENV)/bin/mutmut run --max-children $$(nproc) || true
+	$(VENV)/bin/mutmut results || true
+	$(PY) tools/mutants.py named
+	$(PY) tools/mutants.py core
+
 clean:
 	rm -f $(KDIR)/*.cubin $(KDIR)/*.ptx $(KDIR)/*.hsaco
 	rm -f rocmforge_raw/*.so rocmforge_raw/*.c rocmforge_raw/runtime/*.so rocmforge_raw/runtime/*.c
-	rm -rf build dist *.egg-info .pytest_cache
+	rm -rf build dist *.egg-info .pytest_cache mutants

@@ -30,7 +30,7 @@ from . import _registry as _registry_module
 from . import checks
 from ._registry import Allocation, live_allocations, memory_stats, reset_peak, track_stacks
 from .errors import BufferClosedError, OutOfMemoryError
-from .pool import MemoryPool
+from .pool import MemoryPool, StreamAllocator
 from .runtime import get_backend
 from .stream import stream_handle
 
@@ -46,8 +46,9 @@ cdef object _default_pool = None
 def set_allocator(pool):
     """Route new buffers on ``pool``'s backend and device through ``pool`` (None: raw malloc)."""
     global _default_pool
-    if pool is not None and not isinstance(pool, MemoryPool):
-        raise TypeError(f"set_allocator takes a MemoryPool or None, got {checks.show(pool)}")
+    if pool is not None and not isinstance(pool, (MemoryPool, StreamAllocator)):
+        raise TypeError(f"set_allocator takes a MemoryPool (or its .on(stream)) or None, got "
+                        f"{checks.show(pool)}")
     _default_pool = pool
 
 
@@ -81,8 +82,9 @@ cdef class HipBuffer:
             nbytes = checks.size(nbytes, "nbytes")
         if device is not None and (type(device) is not int or device < 0):
             device = checks.integer(device, "device", 0)
-        if pool is not None and not isinstance(pool, MemoryPool):
-            raise TypeError(f"pool must be a MemoryPool or None, got {checks.show(pool)}")
+        if pool is not None and not isinstance(pool, (MemoryPool, StreamAllocator)):
+            raise TypeError(f"pool must be a MemoryPool (or its .on(stream)) or None, got "
+                            f"{checks.show(pool)}")
         if pool is None:
             if _default_pool is not None and _default_pool.serves(backend, device):
                 pool = _default_pool

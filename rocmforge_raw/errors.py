@@ -59,3 +59,7 @@ class CacheFullError(RocmforgeError, MemoryError):
         self.free_blocks = free_blocks
         super().__init__(f"needs {needed_blocks} blocks but {free_blocks} are free"
                          + (f": {detail}" if detail else ""))
+
+
+class QueueFullError(RocmforgeError):
+    """A Scheduler's waiting queue holds ``max_waiting`` requests: submit again later."""

@@ -1,5 +1,6 @@
 # cython: language_level=3, binding=True
-"""MemoryPool: an opt-in caching allocator for HipBuffer (CuPy's ``set_allocator`` model).
+"""MemoryPool: an opt-in caching allocator for HipBuffer (CuPy's ``set_allocator`` model),
+stream-ordered.
 
 Freed blocks stay cached per size class and are handed out again without a binding call.
 Size classes: 512 bytes and up, each power of two split in four steps, so at most 25% of a
@@ -7,55 +8,40 @@ block is rounding. ``limit`` caps the bytes the pool holds from the device (in u
 past it, cached blocks are released first, then ``OutOfMemoryError`` is raised. Raw
 malloc/free stays the default: use ``HipBuffer(n, pool=p)`` or ``set_allocator(p)``.
 
+Stream order (CuPy's model, with events): each stream has its own free lists (a *lane*). A
+block freed on a stream is reused on that stream at once (the stream orders the new work
+after the old), newest first. It goes to another stream only once an event recorded on the
+freeing stream after the free has completed -- queried, never waited for -- oldest first.
+``HipBuffer(n, pool=p.on(stream))`` and ``p.allocate(n, stream=stream)`` allocate and free
+on ``stream``; plain ``HipBuffer(n, pool=p)`` uses the default stream, the fast path: no
+event at its frees; a fence event is recorded on the default stream only when another stream
+looks for its blocks. Blocks freed on a stream record an event at the free (at most
+``MAX_FENCES`` per stream are pending; past that the newest is recorded again).
+
 Compiled, like HipBuffer, so that a pooled allocation and free stay under a microsecond:
 the pool is an ``Allocator`` whose C methods HipBuffer calls directly, and each size class
-keeps its cached pointers in a C array (no Python objects on the hot path).
+keeps its cached pointers in a C ring (no Python objects on the hot path).
 """
 
-from libc.stdint cimport SIZE_MAX, uintptr_t
-from libc.stdlib cimport free, realloc
+import threading
+from collections import deque
 
+from libc.stdint cimport SIZE_MAX, uintptr_t
+from libc.stdlib cimport free
+
+from rocmforge_raw._freelist cimport (NUM_CLASSES, FreeList, class_of, pop_newest,
+                                      pop_oldest, push, size_of_class)
 from rocmforge_raw._registry cimport current_generation, owns_memory_of
 from rocmforge_raw.runtime._alloc cimport Allocator
 
 from . import checks
 from .errors import OutOfMemoryError
 from .runtime import get_backend
+from .stream import Stream
 
 MIN_BLOCK = 512
-
-cdef enum:
-    NUM_CLASSES = 1 + 4 * 53  # 512 bytes, then four classes per power of two up to 2**62
-
-
-cdef struct FreeList:
-    uintptr_t* ptrs
-    size_t count, capacity
-
-
-cdef inline int class_of(size_t nbytes, size_t* size) noexcept:
-    """The size-class index of ``nbytes`` (> 0) and its block size, or -1 past 2**62."""
-    if nbytes <= 512:
-        size[0] = 512
-        return 0
-    if nbytes > (<size_t>1) << 62:
-        return -1
-    cdef int shift = 64 - __builtin_clzll(nbytes - 1)  # top = 2**shift >= nbytes
-    cdef size_t step = (<size_t>1) << (shift - 3)  # quarters of the lower half
-    cdef size_t steps = (nbytes + step - 1) // step  # 5..8
-    size[0] = steps * step
-    return 1 + 4 * (shift - 10) + <int>(steps - 5)
-
-
-cdef inline size_t size_of_class(int index) noexcept:
-    """The block size of size class ``index`` (the inverse of ``class_of``)."""
-    if index == 0:
-        return 512
-    return ((<size_t>1) << (7 + (index - 1) // 4)) * (5 + (index - 1) % 4)
-
-
-cdef extern from *:
-    int __builtin_clzll(unsigned long long) nogil
+#: Events pending per stream; past this many the newest is recorded again (moved forward).
+MAX_FENCES = 8
 
 
 def size_class(nbytes):
@@ -66,26 +52,58 @@ def size_class(nbytes):
     return size
 
 
+cdef bint _is_open(object stream):
+    """Whether events may still be recorded on ``stream`` (its handle is not destroyed)."""
+    return stream is None or stream._finalizer.alive
+
+
+cdef class _Lane:
+    """The blocks freed on one stream (``None``: the default stream) and the events that
+    show which of them the device has passed: ``fences`` holds (seq, event), oldest first;
+    a block whose seq is <= ``passed`` may go to another stream. Owned by one pool."""
+    cdef FreeList lists[NUM_CLASSES]
+    cdef readonly object stream
+    cdef object fences
+    cdef unsigned long long freed, fenced, passed  # frees so far; newest fence's; passed
+    cdef size_t blocks  # cached blocks in this lane
+
+    def __cinit__(self, stream):
+        self.stream = stream
+        self.fences = deque()
+
+    def __dealloc__(self):
+        cdef int index
+        for index in range(NUM_CLASSES):
+            free(self.lists[index].items)
+
+
 cdef class MemoryPool(Allocator):
-    """Caches freed device blocks of one device for reuse. Thread-safe.
+    """Caches freed device blocks of one device for reuse, per stream. Thread-safe.
 
     Invariant: ``reserved`` bytes = bytes of blocks lent out + ``cached`` bytes; a block is
-    either lent or in its class's free list, never both. Blocks lent to HipBuffers are
+    either lent or in exactly one lane's free list, never both. Blocks lent to HipBuffers are
     counted (the registry frees each once); blocks lent through the Python ``allocate`` are
     also kept in ``loose`` (pointer -> size), so that ``free`` can refuse a pointer it never
     lent. Cached blocks go back to the device on ``free_all()``, at the limit, and when the
-    pool dies (in the process that made it, and not once the interpreter is exiting).
+    pool dies (in the process that made it, and not once the interpreter is exiting); the
+    device's free waits for work still using them (hipFree/cuMemFree synchronize).
 
     Like the registry, the pool is made thread-safe by the GIL: each step that reads and
-    writes its state runs no Python code, so it is atomic. Only the device allocator may run
-    Python code (its fallback path), and it is called between steps: a block is reserved
-    before it is asked for, un-reserved if that fails.
+    writes its free lists and counters runs no Python code, so it is atomic. Python code
+    (the device allocator's fallback, event calls) runs between steps: a block is reserved
+    before it is asked for, un-reserved if that fails; a block is taken across streams only
+    in a step that checks, after the events were queried, that it is still there and passed.
+    The lanes and their events are changed under ``lock``.
     """
     cdef readonly object limit
-    cdef readonly size_t hits, misses
+    cdef readonly size_t hits, misses, handoffs
     cdef Allocator upstream
-    cdef FreeList lists[NUM_CLASSES]
+    cdef _Lane default
+    cdef dict lanes   # Stream -> _Lane, the streams other than the default one
     cdef dict loose   # pointer -> nbytes, for blocks lent through ``allocate``
+    cdef dict loose_lanes  # pointer -> _Lane, those of them lent on a stream
+    cdef list spare_events
+    cdef object lock
     cdef size_t reserved, cached, lent
     cdef size_t cap   # limit in bytes (SIZE_MAX: none)
     cdef unsigned long generation
@@ -102,40 +120,169 @@ cdef class MemoryPool(Allocator):
         self.limit = limit
         self.cap = SIZE_MAX if limit is None else limit
         self.upstream = self.backend.allocator
-        self.loose = {}
+        self.default = _Lane(None)
+        self.lanes, self.loose, self.loose_lanes = {}, {}, {}
+        self.spare_events = []
+        self.lock = threading.RLock()
         self.generation = current_generation()
 
     def __dealloc__(self):
-        cdef int index
         if self.upstream is not None and owns_memory_of(self.generation):
             try:
                 self.free_cached()
+                self.drop_events()
             except BaseException:  # a finalizer never raises; the process keeps the blocks
                 pass
-        for index in range(NUM_CLASSES):
-            free(self.lists[index].ptrs)
 
     def serves(self, backend, device):
         """Whether this pool allocates for a request naming ``backend`` and ``device``."""
         named = backend is None or backend is self.backend or backend == self.backend.name
         return named and device in (None, self.device)
 
+    def on(self, stream):
+        """The allocator of this pool for ``stream`` (None: the pool itself, the default
+        stream): ``HipBuffer(n, pool=pool.on(stream))`` allocates and frees on ``stream``."""
+        if stream is None:
+            return self
+        return StreamAllocator(self, self.lane(stream))
+
+    cdef _Lane lane(self, object stream):
+        """The lane of ``stream`` (checked: a Stream of this pool's backend and device)."""
+        if stream is None:
+            return self.default
+        found = self.lanes.get(stream)
+        if found is not None:
+            return found
+        if not isinstance(stream, Stream):
+            raise TypeError(f"stream must be a Stream or None, not {type(stream).__name__}")
+        if stream.backend is not self.backend or stream.device != self.device:
+            raise ValueError(f"{stream!r} is on {stream.backend.name}:{stream.device}, this "
+                             f"pool on {self.backend.name}:{self.device}")
+        if not _is_open(stream):
+            raise ValueError(f"{stream!r} was closed")
+        return self.register(stream)
+
+    cdef _Lane register(self, object stream):
+        with self.lock:
+            return self.lanes.setdefault(stream, _Lane(stream))
+
+    cdef _Lane current(self, _Lane lane):
+        """``lane``, or its stream's lane now if ``free_all`` dropped it (no block is ever
+        cached in a dropped lane)."""
+        if lane.stream is None or self.lanes.get(lane.stream) is lane:
+            return lane
+        return self.register(lane.stream)
+
+    # --- the C path --------------------------------------------------------------------------
     cdef uintptr_t alloc_ptr(self, size_t nbytes, int device) except 0:
+        return self.take(self.default, nbytes)
+
+    cdef int free_ptr(self, uintptr_t ptr, size_t nbytes, int device) except -1:
+        return self.give(self.default, ptr, nbytes)
+
+    cdef uintptr_t take(self, _Lane lane, size_t nbytes) except 0:
+        """A block for work on ``lane``'s stream: its own newest, else another stream's
+        oldest that the device has passed, else a new one."""
         cdef size_t size = 0
         cdef int index = class_of(nbytes, &size)
         if index < 0:
             raise OverflowError(f"a pool block of {nbytes} bytes is larger than any device")
-        cdef FreeList* blocks = &self.lists[index]
+        cdef FreeList* blocks = &lane.lists[index]
+        cdef uintptr_t ptr
         if blocks.count:  # a hit: one atomic step
-            blocks.count -= 1
+            ptr = pop_newest(blocks)
+            lane.blocks -= 1
             self.cached -= size
             self.hits += 1
             self.lent += 1
-            return blocks.ptrs[blocks.count]
-        cdef uintptr_t ptr = self.grow(size)
+            return ptr
+        if self.lanes:
+            ptr = self.take_passed(lane, index, size)
+            if ptr:
+                return ptr
+        ptr = self.grow(size)
         self.misses += 1
         self.lent += 1
         return ptr
+
+    cdef uintptr_t take_passed(self, _Lane taker, int index, size_t size) except? 0:
+        """The oldest block of class ``index`` that another lane's events show passed, or 0."""
+        cdef _Lane lane
+        cdef FreeList* blocks
+        cdef uintptr_t ptr
+        with self.lock:
+            for lane in [self.default, *self.lanes.values()]:
+                if lane is taker or not lane.lists[index].count:
+                    continue
+                self.poll(lane)  # Python calls: the list may change meanwhile
+                blocks = &lane.lists[index]
+                if blocks.count and blocks.items[blocks.head].seq <= lane.passed:
+                    ptr = pop_oldest(blocks)  # checked and taken in one atomic step
+                    lane.blocks -= 1
+                    self.cached -= size
+                    self.hits += 1
+                    self.handoffs += 1
+                    self.lent += 1
+                    return ptr
+        return 0
+
+    cdef int give(self, _Lane lane, uintptr_t ptr, size_t nbytes) except -1:
+        cdef size_t size = 0
+        cdef int index = class_of(nbytes, &size)
+        if push(&lane.lists[index], ptr, lane.freed + 1) < 0:  # no host memory for the list
+            self.lent -= 1
+            self.reserved -= size
+            self.upstream.free_ptr(ptr, size, self.device)
+            return 0
+        lane.freed += 1
+        lane.blocks += 1
+        self.cached += size
+        self.lent -= 1
+        if lane.stream is not None:
+            try:
+                self.fence(lane)
+            except Exception:  # no event: the block stays on its own stream, which is safe
+                pass
+        return 0
+
+    cdef int fence(self, _Lane lane) except -1:
+        """Record an event on ``lane``'s stream after every free so far on it."""
+        cdef unsigned long long seq
+        if lane.freed == lane.fenced or not _is_open(lane.stream):
+            return 0
+        handle = None if lane.stream is None else lane.stream.handle
+        with self.lock:
+            seq = lane.freed  # read under the lock: fences are recorded in seq order
+            if len(lane.fences) >= MAX_FENCES:  # move the newest forward, then say so
+                event = lane.fences[-1][1]
+                self.backend.event_record(event, handle)
+                lane.fences[-1] = (seq, event)
+            else:
+                event = self.spare_events.pop() if self.spare_events else (
+                    self.backend.event_create(self.device))
+                try:
+                    self.backend.event_record(event, handle)
+                except BaseException:
+                    self.spare_events.append(event)
+                    raise
+                lane.fences.append((seq, event))
+            lane.fenced = seq
+        return 0
+
+    cdef int poll(self, _Lane lane) except -1:
+        """Advance ``lane.passed`` past the fences that completed (lock held), after fencing
+        the default stream's frees that no event covers yet."""
+        if lane.stream is None:
+            self.fence(lane)
+        fences = lane.fences
+        while fences:
+            seq, event = fences[0]
+            if not self.backend.event_query(event):
+                break
+            fences.popleft()
+            lane.passed = max(lane.passed, seq)
+            self.spare_events.append(event)
+        return 0
 
     cdef uintptr_t grow(self, size_t size) except 0:
         """A new block from the device, within the limit."""
@@ -155,76 +302,127 @@ cdef class MemoryPool(Allocator):
             self.reserved -= size
             raise
 
-    cdef int free_ptr(self, uintptr_t ptr, size_t nbytes, int device) except -1:
-        cdef size_t size = 0
-        cdef FreeList* blocks = &self.lists[class_of(nbytes, &size)]
-        cdef uintptr_t* grown
-        if blocks.count == blocks.capacity:
-            grown = <uintptr_t*>realloc(blocks.ptrs,
-                                        (2 * blocks.capacity + 8) * sizeof(uintptr_t))
-            if grown == NULL:  # no host memory for the list: give the block back instead
-                self.lent -= 1
-                self.reserved -= size
-                self.upstream.free_ptr(ptr, size, self.device)
-                return 0
-            blocks.ptrs, blocks.capacity = grown, 2 * blocks.capacity + 8
-        blocks.ptrs[blocks.count] = ptr
-        blocks.count += 1
-        self.cached += size
-        self.lent -= 1
+    cdef int free_cached(self) except -1:
+        """Give every cached block of every lane back to the device, one atomic take at a
+        time."""
+        cdef _Lane lane
+        for lane in [self.default, *self.lanes.values()]:
+            self.release(lane)
         return 0
 
-    cdef int free_cached(self) except -1:
-        """Give every cached block back to the device, one atomic take at a time."""
+    cdef int release(self, _Lane lane) except -1:
         cdef int index
         cdef size_t size
         cdef FreeList* blocks
         cdef uintptr_t ptr
         for index in range(NUM_CLASSES):
-            blocks = &self.lists[index]
+            blocks = &lane.lists[index]
             size = size_of_class(index)
             while blocks.count:
-                blocks.count -= 1
-                ptr = blocks.ptrs[blocks.count]
+                ptr = pop_newest(blocks)
+                lane.blocks -= 1
                 self.cached -= size
                 self.reserved -= size
                 self.upstream.free_ptr(ptr, size, self.device)
         return 0
 
-    def allocate(self, nbytes):
-        """A device pointer to at least ``nbytes`` > 0 bytes, for ``free`` to take back."""
+    cdef int drop_events(self) except -1:
+        """Forget every lane's fences (no block is cached) and destroy the events."""
+        cdef _Lane lane
+        with self.lock:
+            for lane in [self.default, *self.lanes.values()]:
+                if lane.blocks == 0:
+                    self.spare_events.extend(event for _, event in lane.fences)
+                    lane.fences.clear()
+                    lane.passed = lane.fenced = lane.freed
+            while self.spare_events:
+                self.backend.event_destroy(self.spare_events.pop(), self.device)
+        return 0
+
+    # --- Python API --------------------------------------------------------------------------
+    def allocate(self, nbytes, stream=None):
+        """A device pointer to at least ``nbytes`` > 0 bytes for work on ``stream`` (None:
+        the default stream), for ``free`` to take back."""
         if type(nbytes) is not int:
             nbytes = checks.integer(nbytes, "nbytes")
         if nbytes <= 0:
             raise ValueError(f"a pool allocation needs nbytes > 0, got {nbytes}")
         if nbytes > 1 << 62:
             raise ValueError(f"a pool allocation needs nbytes <= 2**62, got {nbytes}")
-        ptr = self.alloc_ptr(nbytes, self.device)
+        if stream is None:
+            ptr = self.take(self.default, nbytes)
+        else:
+            lane = self.lane(stream)
+            ptr = self.take(lane, nbytes)
+            self.loose_lanes[ptr] = lane
         self.loose[ptr] = nbytes
         return ptr
 
-    def free(self, ptr, device=None):
-        """Return a block from ``allocate`` to the cache."""
+    def free(self, ptr, device=None, *, stream=...):
+        """Return a block from ``allocate`` to the cache, freed in the order of ``stream``:
+        by default the stream it was allocated for; None names the default stream."""
         nbytes = self.loose.pop(ptr, None)
         if nbytes is None:
             raise ValueError(f"pointer {ptr:#x} was not allocated by this pool's allocate(), "
                              "or was freed already")
-        self.free_ptr(ptr, nbytes, self.device)
+        lane = self.loose_lanes.pop(ptr, self.default) if self.loose_lanes else self.default
+        self.give(self.current(lane) if stream is ... else self.lane(stream), ptr, nbytes)
 
     def free_all(self):
-        """Give every cached (not in-use) block back to the device."""
+        """Give every cached (not in-use) block back to the device; forget the streams
+        whose blocks are all back."""
         self.free_cached()
+        self.drop_events()
+        with self.lock:
+            for stream in [s for s, lane in self.lanes.items() if not (<_Lane>lane).blocks]:
+                del self.lanes[stream]
 
     def stats(self):
-        """Bytes reserved from the device, in use, cached; cache hits and misses; the limit."""
+        """Bytes reserved from the device, in use, cached; cache hits (``handoffs``: blocks
+        that went to another stream than the one that freed them) and misses; the limit."""
         cdef size_t reserved = self.reserved, cached = self.cached, blocks = self.lent
-        cdef size_t hits = self.hits, misses = self.misses
+        cdef size_t hits = self.hits, misses = self.misses, handoffs = self.handoffs
         return {"reserved_bytes": reserved, "in_use_bytes": reserved - cached,
                 "cached_bytes": cached, "in_use_blocks": blocks, "hits": hits,
-                "misses": misses, "limit": self.limit}
+                "misses": misses, "handoffs": handoffs, "streams": len(self.lanes),
+                "limit": self.limit}
 
     def __reduce__(self):
         raise TypeError("a MemoryPool owns device memory and cannot be copied or pickled")
 
     def __repr__(self):
         return f"<MemoryPool {self.backend.name}:{self.device} {self.stats()}>"
+
+
+cdef class StreamAllocator(Allocator):
+    """A pool's allocator for one stream (``MemoryPool.on(stream)``): buffers made with it
+    get blocks for work on ``stream`` and, when freed, are freed in ``stream``'s order."""
+    cdef readonly MemoryPool pool
+    cdef _Lane lane
+
+    def __init__(self, MemoryPool pool, _Lane lane):
+        self.pool, self.lane = pool, lane
+        self.backend, self.device = pool.backend, pool.device
+
+    @property
+    def stream(self):
+        """The stream this allocator allocates and frees on."""
+        return self.lane.stream
+
+    def serves(self, backend, device):
+        """Whether the pool allocates for a request naming ``backend`` and ``device``."""
+        return self.pool.serves(backend, device)
+
+    cdef uintptr_t alloc_ptr(self, size_t nbytes, int device) except 0:
+        self.lane = self.pool.current(self.lane)
+        return self.pool.take(self.lane, nbytes)
+
+    cdef int free_ptr(self, uintptr_t ptr, size_t nbytes, int device) except -1:
+        self.lane = self.pool.current(self.lane)
+        return self.pool.give(self.lane, ptr, nbytes)
+
+    def __reduce__(self):
+        raise TypeError("a StreamAllocator belongs to its pool and cannot be copied")
+
+    def __repr__(self):
+        return f"<StreamAllocator of {self.pool!r} on {self.lane.stream!r}>"

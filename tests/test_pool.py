@@ -20,6 +20,12 @@ def test_size_classes_round_up_by_at_most_a_quarter(nbytes, expected):
     assert size_class(nbytes) == expected
 
 
+def test_size_classes_end_at_two_to_the_62():
+    assert size_class(1 << 62) == 1 << 62
+    with pytest.raises(OverflowError, match=f"a pool block of {(1 << 62) + 1} bytes"):
+        size_class((1 << 62) + 1)
+
+
 def test_freed_block_is_reused(backend):
     pool = rf.MemoryPool(backend=backend)
     a = rf.HipBuffer(1000, pool=pool)
@@ -58,6 +64,44 @@ def test_limit_releases_cache_then_raises_with_numbers(backend):
         rf.HipBuffer(10, pool=pool)
     a.close()
     c.close()
+    pool.free_all()
+
+
+def test_a_limit_runs_from_zero_to_below_size_max(backend):
+    pool = rf.MemoryPool(backend=backend, limit=0)
+    with pytest.raises(OutOfMemoryError, match="requested 512 bytes with 0 of 0 bytes free"):
+        rf.HipBuffer(1, pool=pool)
+    with pytest.raises(ValueError, match=f"got {(1 << 64) - 1}"):
+        rf.MemoryPool(backend=backend, limit=(1 << 64) - 1)
+    assert rf.MemoryPool(backend=backend, limit=(1 << 64) - 2).limit == (1 << 64) - 2
+
+
+def test_filling_the_limit_exactly_keeps_the_cache(backend):
+    pool = rf.MemoryPool(backend=backend, limit=4096)
+    rf.HipBuffer(1024, pool=pool).close()
+    buf = rf.HipBuffer(3072, pool=pool)  # 1024 cached + 3072 = the limit: nothing released
+    assert pool.stats()["cached_bytes"] == 1024 and pool.stats()["reserved_bytes"] == 4096
+    buf.close()
+    pool.free_all()
+
+
+def test_a_failed_device_allocation_leaves_nothing_reserved():
+    pool = rf.MemoryPool(backend="host")
+    with pytest.raises(OutOfMemoryError):
+        pool.allocate(1 << 60)
+    assert pool.stats()["reserved_bytes"] == 0 and pool.stats()["in_use_blocks"] == 0
+
+
+def test_a_pool_serves_its_own_backend_and_device_only(backend):
+    pool = rf.MemoryPool(backend=backend)
+    device = pool.device
+    assert pool.serves(None, None) and pool.serves(backend, device)
+    assert pool.serves(backend.name, None) and not pool.serves(backend, device + 1)
+    assert not pool.serves("no-such-backend", None)
+    buf = rf.HipBuffer(100, device, backend, pool=pool)
+    with pytest.raises(ValueError, match="cannot allocate on backend"):
+        rf.HipBuffer(100, device + 1, pool=pool)
+    buf.close()
     pool.free_all()
 
 

@@ -2,12 +2,27 @@
 
 from __future__ import annotations
 
-from rocmforge_raw.cache import CacheConfig, KvCache, Request, Scheduler
+import numpy as np
+import pytest
+
+from rocmforge_raw.cache import CacheConfig, KvCache, QueueFullError, Request, Scheduler
+from rocmforge_raw.errors import BufferClosedError, CacheFullError
 
 
-def make(num_blocks=20, **kw):
-    cache = KvCache(CacheConfig(1, 1, 64, 8, num_blocks, "float32"), backend="host")
+def make(num_blocks=20, strict=False, **kw):
+    cache = KvCache(CacheConfig(1, 1, 64, 8, num_blocks, "float32"), backend="host",
+                    strict=strict)
     return cache, Scheduler(cache, **kw)
+
+
+def snapshot(cache, sched):
+    """Everything a failed call must leave as it was."""
+    def fields(r):
+        return (r.request_id, r.prompt_tokens, r.max_new_tokens, r.generated, r.preemptions,
+                r.overtaken)
+    return ([fields(r) for r in sched.waiting], [fields(r) for r in sched.running.values()],
+            sched._pending, sched.num_preemptions, cache.stats(),
+            {s: (cache.seq_len(s), cache.block_ids(s).tolist()) for s in cache.seq_ids()})
 
 
 def test_finished_request_frees_its_kv_at_once():
@@ -50,13 +65,205 @@ def test_finished_records_are_bounded():
     cache.close()
 
 
-def test_bad_requests_are_refused():
-    import pytest
-
+def test_malformed_requests_are_refused_at_submit_naming_the_value():
     cache, sched = make()
-    with pytest.raises(ValueError, match="needs >= 1 prompt token"):
-        sched.submit(Request("x", 0, 5))
-    sched.submit(Request("y", 1, 1))
-    with pytest.raises(ValueError, match="already queued"):
+    for request, error, text in [
+        (Request("r", 2.5, 5), TypeError, "prompt_tokens must be an integer, got 2.5"),
+        (Request("r", np.float64(3.0), 5), TypeError, "got np.float64.3.0."),
+        (Request("r", 3, True), TypeError, "max_new_tokens must be an integer, got True"),
+        (Request("r", 0, 5), ValueError, "prompt_tokens must be >= 1, got 0"),
+        (Request("r", 3, 0), ValueError, "max_new_tokens must be >= 1, got 0"),
+        (Request("r", 3, 2, generated=2), ValueError, "generated 2 of 2 new tokens"),
+        (Request(["r"], 3, 2), TypeError, "request id \\['r'\\] is not hashable"),
+        (("r", 3, 2), TypeError, "submit takes a Request, not tuple"),
+    ]:
+        with pytest.raises(error, match=text):
+            sched.submit(request)
+    assert sched.idle  # nothing queued...
+    assert sched.step().prefill == [] and len(cache) == 0  # ...and nothing vanishes later
+    cache.close()
+
+
+def test_numpy_counts_are_accepted_as_ints():
+    cache, sched = make()
+    request = Request("r", np.int64(3), np.int32(2))
+    sched.submit(request)
+    assert type(request.prompt_tokens) is int and type(request.max_new_tokens) is int
+    assert [r.request_id for r, _ in sched.step().prefill] == ["r"]
+    cache.close()
+
+
+def test_a_request_larger_than_the_whole_cache_is_refused_at_submit():
+    cache, sched = make(num_blocks=20)  # 19 usable blocks of 8 tokens: 152 tokens
+    sched.submit(Request("fits", 149, 4))  # at most 149 + 3 = 152 tokens
+    with pytest.raises(ValueError, match=r"'big': 150 prompt \+ 4 new tokens need 20 blocks "
+                                         "of 8 tokens at their longest, but the whole cache "
+                                         "has 19"):
+        sched.submit(Request("big", 150, 4))
+    assert [r.request_id for r in sched.waiting] == ["fits"]
+    while not sched.idle:
+        sched.advance(sched.step())
+    assert sched.finished()["fits"].generated == 4
+    cache.close()
+
+
+def test_duplicate_ids_are_refused_queued_running_or_in_the_cache():
+    cache, sched = make()
+    sched.submit(Request("y", 1, 2))
+    with pytest.raises(ValueError, match="'y' is already queued or running"):
         sched.submit(Request("y", 2, 2))
+    sched.step()
+    with pytest.raises(ValueError, match="'y' is already queued or running"):
+        sched.submit(Request("y", 2, 2))
+    cache.add_sequence("z", 4)
+    with pytest.raises(ValueError, match="'z' has the id of a sequence the cache"):
+        sched.submit(Request("z", 2, 2))
+    assert [r.request_id for r in sched.waiting] == [] and list(sched.running) == ["y"]
+    cache.close()
+
+
+@pytest.mark.parametrize("kw, text", [
+    ({"max_running": 0}, "max_running must be >= 1, got 0"),
+    ({"max_running": 2.0}, "max_running must be an integer, got 2.0"),
+    ({"max_waiting": 0}, "max_waiting must be >= 1, got 0"),
+    ({"max_overtakes": -1}, "max_overtakes must be >= 0, got -1"),
+    ({"max_finished": 0}, "max_finished must be >= 1, got 0"),
+])
+def test_bad_limits_are_refused(kw, text):
+    cache = KvCache(CacheConfig(1, 1, 64, 8, 4, "float32"), backend="host")
+    with pytest.raises((TypeError, ValueError), match=text):
+        Scheduler(cache, **kw)
+    with pytest.raises(TypeError, match="cache must be a KvCache, not str"):
+        Scheduler("cache")
+    cache.close()
+
+
+def test_a_full_queue_refuses_submit_and_try_submit_returns_false():
+    cache, sched = make(max_waiting=2)
+    sched.submit(Request("a", 1, 1))
+    assert sched.try_submit(Request("b", 1, 1)) is True
+    with pytest.raises(QueueFullError, match="'c' refused: 2 requests are waiting"):
+        sched.submit(Request("c", 1, 1))
+    assert sched.try_submit(Request("c", 1, 1)) is False
+    assert [r.request_id for r in sched.waiting] == ["a", "b"]
+    sched.step()  # both admitted: room again
+    assert sched.try_submit(Request("c", 1, 1)) is True
+    cache.close()
+
+
+def blocked_head(max_overtakes):
+    """A cache of 10 usable blocks with 'big' running on 6 of them, then 'head' (5 blocks:
+    does not fit) and three 1-block requests behind it."""
+    cache, sched = make(num_blocks=11, max_overtakes=max_overtakes)
+    sched.submit(Request("big", 48, 10))
+    sched.advance(sched.step())
+    sched.submit(Request("head", 40, 1))
+    for i in range(3):
+        sched.submit(Request(f"s{i}", 8, 1))
+    return cache, sched
+
+
+def test_a_blocked_head_is_overtaken_at_most_max_overtakes_times():
+    cache, sched = blocked_head(max_overtakes=2)
+    plan = sched.step()
+    assert [r.request_id for r, _ in plan.prefill] == ["s0", "s1"]
+    assert sched.waiting[0].request_id == "head" and sched.waiting[0].overtaken == 2
+    sched.advance(plan)
+    order = []
+    while not sched.idle:
+        plan = sched.step()
+        order += [r.request_id for r, _ in plan.prefill]
+        sched.advance(plan)
+    assert order == ["head", "s2"] and sched.finished()["head"].generated == 1
+    cache.close()
+
+
+def test_max_overtakes_zero_is_first_come_first_served():
+    cache, sched = blocked_head(max_overtakes=0)
+    order = []
+    while not sched.idle:
+        plan = sched.step()
+        order += [r.request_id for r, _ in plan.prefill]
+        sched.advance(plan)
+    assert order == ["head", "s0", "s1", "s2"]
+    cache.close()
+
+
+def test_a_stream_of_small_requests_cannot_starve_a_large_one():
+    # 10 usable blocks; 'large' needs all of them; small requests (1 block, 3 steps) arrive
+    # two per step, so some always run: without the bound 'large' would wait forever
+    cache, sched = make(num_blocks=11, max_overtakes=4)
+    sched.submit(Request("small-0", 8, 3))
+    sched.advance(sched.step())
+    sched.submit(Request("large", 72, 9))
+    admitted_at = None
+    for step in range(1, 60):
+        for i in range(2):
+            sched.submit(Request(f"small-{step}-{i}", 8, 3))
+        plan = sched.step()
+        if any(r.request_id == "large" for r, _ in plan.prefill):
+            admitted_at = step
+            break
+        sched.advance(plan)
+    assert admitted_at is not None and admitted_at <= 6
+    assert sched.running["large"].overtaken == 4
+    cache.close()
+
+
+def test_advance_refuses_a_plan_twice_a_stale_plan_and_a_foreign_one():
+    cache, sched = make()
+    other_cache, other = make()
+    sched.submit(Request("r", 4, 5))
+    plan = sched.step()
+    sched.advance(plan)
+    before = snapshot(cache, sched)
+    with pytest.raises(ValueError, match="plan of step 1 was advanced already"):
+        sched.advance(plan)
+    assert snapshot(cache, sched) == before
+    stale = sched.step()
+    foreign = other.step()
+    for bad, text in [
+        (plan, "plan of step 1 is stale: step 2 came after it"),
+        (foreign, "plan must come from this scheduler's step"),
+        ([], "plan must come from this scheduler's step.., not list"),
+    ]:
+        before = snapshot(cache, sched)
+        with pytest.raises(ValueError, match=text):
+            sched.advance(bad)
+        assert snapshot(cache, sched) == before
+    current = sched.step()
+    with pytest.raises(ValueError, match="plan of step 2 is stale: step 3 came after it"):
+        sched.advance(stale)
+    sched.advance(current)
+    assert sched.running["r"].generated == 2  # one token per advanced plan
+    cache.close()
+    other_cache.close()
+
+
+def test_a_failed_step_changes_nothing():
+    cache, sched = make(num_blocks=3, strict=True)  # 2 usable blocks of 8 tokens
+    sched.submit(Request("a", 8, 4))
+    sched.submit(Request("b", 8, 4))
+    sched.advance(sched.step())  # both hold one full block: the next token needs two more
+    sched.submit(Request("c", 1, 1))
+    before = snapshot(cache, sched)
+    with pytest.raises(CacheFullError, match="strict"):
+        sched.step()
+    assert snapshot(cache, sched) == before
+    cache.close()
+    with pytest.raises(BufferClosedError):
+        sched.step()
+    assert [r.request_id for r in sched.waiting] == ["c"] and sorted(sched.running) == ["a", "b"]
+
+
+def test_a_step_refuses_a_waiting_id_the_cache_took_meanwhile():
+    cache, sched = make()
+    sched.submit(Request("a", 4, 2))
+    sched.advance(sched.step())
+    sched.submit(Request("x", 4, 2))
+    cache.add_sequence("x", 3)
+    before = snapshot(cache, sched)
+    with pytest.raises(ValueError, match="'x' is waiting but the cache already holds"):
+        sched.step()
+    assert snapshot(cache, sched) == before
     cache.close()

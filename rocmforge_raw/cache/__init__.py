@@ -1,6 +1,6 @@
 """Paged KV cache: config, one block pool, sequences, sharing, preemption, lifecycle."""
 
-from ..errors import CacheFullError
+from ..errors import CacheFullError, QueueFullError
 from .block_pool import NULL_BLOCK, BlockPool
 from .config import CacheConfig
 from .kv_cache import KvCache, Reservation
@@ -8,4 +8,5 @@ from .scheduler import FinishedRequest, Request, Scheduler, StepPlan
 from .step import BatchMetadata
 
 __all__ = ["NULL_BLOCK", "BatchMetadata", "BlockPool", "CacheConfig", "CacheFullError",
-           "FinishedRequest", "KvCache", "Request", "Reservation", "Scheduler", "StepPlan"]
+           "FinishedRequest", "KvCache", "QueueFullError", "Request", "Reservation", "Scheduler",
+           "StepPlan"]

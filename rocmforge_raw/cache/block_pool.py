@@ -41,10 +41,12 @@ class BlockPool:
 
     @property
     def num_free(self) -> int:
+        """Blocks on the free stack (ref count 0)."""
         return self._top
 
     @property
     def num_used(self) -> int:
+        """Blocks held (ref count >= 1), the null block not counted."""
         return self.num_blocks - 1 - self._top
 
     def allocate(self, count: int) -> np.ndarray | None:
@@ -115,6 +117,7 @@ class BlockPool:
         return self.ref_cnt.copy(), self._free.copy(), self._top
 
     def restore(self, state: tuple[np.ndarray, np.ndarray, int]) -> None:
+        """Put the pool back as ``snapshot`` saw it."""
         self.ref_cnt, self._free, self._top = state
 
     def __copy__(self) -> BlockPool:

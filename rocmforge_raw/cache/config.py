@@ -88,10 +88,12 @@ class CacheConfig:
 
     @property
     def total_bytes(self) -> int:
+        """Bytes of the whole slab, the null block included."""
         return self.block_bytes * self.num_blocks
 
     @property
     def slab_shape(self) -> tuple[int, ...]:
+        """``(num_layers, 2, num_blocks, num_kv_heads, block_size, head_dim)``."""
         return (self.num_layers, 2, self.num_blocks, self.num_kv_heads, self.block_size,
                 self.head_dim)
 

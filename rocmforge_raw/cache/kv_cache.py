@@ -93,6 +93,7 @@ class KvCache(CacheCore):
 
     @property
     def closed(self) -> bool:
+        """Whether ``close()`` released the slab (the cache refuses new work then)."""
         return self.slab.buffer.closed
 
     def __enter__(self) -> KvCache:
@@ -120,6 +121,7 @@ class KvCache(CacheCore):
 
     @operation
     def seq_len(self, seq_id: Hashable) -> int:
+        """Tokens ``seq_id`` holds (prompt plus appended), including reserved slots."""
         return int(self._rows.lens[self._rows.row(seq_id)])
 
     @operation
@@ -281,15 +283,18 @@ class KvCache(CacheCore):
 
     # --- device work -------------------------------------------------------------------------
     def k_cache(self, layer: int) -> DeviceArray:
+        """Layer ``layer``'s K cache, ``[num_blocks, num_kv_heads, block_size, head_dim]``."""
         self._check_open()
         return self._plane(layer, 0)
 
     def v_cache(self, layer: int) -> DeviceArray:
+        """Layer ``layer``'s V cache, shaped like ``k_cache``."""
         self._check_open()
         return self._plane(layer, 1)
 
     def _plane(self, layer: int, kv: int) -> DeviceArray:
-        ptrs = self._steps.planes(layer)
+        with self._lock:
+            ptrs = self._steps.planes(layer)
         c = self.config
         return DeviceArray(self.slab.buffer, c.dtype, c.slab_shape[2:],
                            ptrs[kv] - self.slab.ptr)
