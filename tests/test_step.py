@@ -127,7 +127,7 @@ def test_metadata_is_refused_once_stale_foreign_or_on_another_stream(backend, rn
     model = Decoder(backend, rng, lens=(5, 16))
     other = Decoder(backend, rng, lens=(3,))
     cache, c = model.cache, model.cache.config
-    q = DeviceArray.empty((2, 4, c.head_dim), c.dtype, backend=backend)
+    q = _random(rng, (2, 4, c.head_dim), c.dtype, backend)
     out = DeviceArray.empty(q.shape, c.dtype, backend=backend)
     cache.attention(0, out, q, cache.batch(model.ids))  # current: fine
     changes = {"append": lambda: cache.append(model.ids),
@@ -156,10 +156,10 @@ def test_step_calls_check_shapes_dtypes_and_layer(backend, rng):
     model = Decoder(backend, rng, lens=(5, 16))
     cache, c = model.cache, model.cache.config
     meta = cache.batch(model.ids)
-    q = DeviceArray.empty((2, 4, c.head_dim), c.dtype, backend=backend)
+    q = _random(rng, (2, 4, c.head_dim), c.dtype, backend)  # read by the launches that pass
     wrong = DeviceArray.empty((3, 4, c.head_dim), c.dtype, backend=backend)
     half = DeviceArray.empty((2, 4, c.head_dim), np.float16, backend=backend)
-    kv = DeviceArray.empty((2, c.num_kv_heads, c.head_dim), c.dtype, backend=backend)
+    kv = _random(rng, (2, c.num_kv_heads, c.head_dim), c.dtype, backend)
     three = DeviceArray.empty((2, 3, c.head_dim), c.dtype, backend=backend)
     with pytest.raises(ValueError, match="num_q_heads 3 is not a multiple of num_kv_heads 2"):
         cache.attention(0, three, three, meta)

@@ -37,7 +37,7 @@ slug=$(printf '%s_' "${args[@]}" | tr -c 'A-Za-z0-9._-' '_' | cut -c1-80)
 
 # The number in each "ERROR SUMMARY: 3 errors" / "LEAK SUMMARY: 96 bytes leaked in 2
 # allocations" line of a log, summed over the processes (pytest and any it starts).
-count() { grep -o "$1" "$2" | awk '{ for (i = 1; i <= NF; i++) if ($i ~ /^[0-9]+$/) {
+count() { grep -o "$1" "$2" | tr -d '(' | awk '{ for (i = 1; i <= NF; i++) if ($i ~ /^[0-9]+$/) {
   sum += $i; break } } END { print sum + 0 }'; }
 
 rc=0
@@ -46,7 +46,10 @@ for t in "${tools[@]}"; do
   # Host backtraces stay off: capturing one keeps the Python frames active at every CUDA call
   # alive, with their locals, so buffers freed by garbage collection leak under the sanitizer
   # (tools/who_holds.py shows the frames holding them); device backtraces stay on.
-  flags=(--tool "$t" --target-processes all --report-api-errors no --error-exitcode 86
+  # Only pytest's own process: a forked child (tests fork to show a child frees nothing it
+  # inherited) would report the parent's allocations as its leaks when it exits.
+  flags=(--tool "$t" --target-processes application-only --report-api-errors no
+         --error-exitcode 86
          --show-backtrace device)
   [ "$t" = memcheck ] && flags+=(--leak-check full)
   log="$out/$t.${slug%_}.log"
@@ -55,9 +58,12 @@ for t in "${tools[@]}"; do
     "$sanitizer" "${flags[@]}" python3 -m pytest -q -p no:cacheprovider "${args[@]}" \
     >"$log" 2>&1
   status=$?
-  errors=$(count 'ERROR SUMMARY: [0-9]\+ errors\?$' "$log")  # not "N errors were not printed"
+  # "ERROR SUMMARY: N errors" (not "N errors were not printed"); racecheck says
+  # "RACECHECK SUMMARY: H hazards displayed (N errors, W warnings)"
+  errors=$(( $(count 'ERROR SUMMARY: [0-9]\+ errors\?$' "$log")
+             + $(count 'hazards displayed ([0-9]\+ error' "$log") ))
   leaked=$(count 'LEAK SUMMARY: [0-9]\+ bytes' "$log")
-  summaries=$(grep -c 'ERROR SUMMARY' "$log")
+  summaries=$(grep -c 'ERROR SUMMARY: [0-9]\+ errors\?$\|RACECHECK SUMMARY' "$log")
   tests=$(grep -E '(passed|failed|error|no tests ran).* in [0-9.]+s' "$log" | tail -1)
   verdict=ok
   if [ "$status" = 124 ] || [ "$status" = 137 ]; then verdict="TIMEOUT (split the run)"
