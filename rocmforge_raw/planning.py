@@ -309,16 +309,27 @@ def plan_attention(backend: Backend, device: int, dtype: np.dtype, num_seqs: int
     """The launch plan for checked shapes. ``lens`` (host) sizes the split; without it the
     block tables' width bounds the length. ``num_partitions`` forces the split-K factor."""
     found = attention_kernel(backend, device, dtype, head_dim, num_q_heads // num_kv_heads)
-    grid_x = num_kv_heads * found.groups
     max_len = int(lens.max(initial=0)) if lens is not None else max_blocks * block_size
+    mean_len = float(lens.mean()) if lens is not None and lens.size else None
+    grid, tokens = attention_split(found, num_kv_heads, num_seqs, max_len, mean_len,
+                                   num_partitions)
+    return AttentionPlan(found.kernel, grid, found.shared_bytes, tokens, num_q_heads,
+                         num_kv_heads, head_dim, block_size, max_blocks)
+
+
+def attention_split(found: AttentionKernel, num_kv_heads: int, num_seqs: int, max_len: int,
+                    mean_len: float | None, num_partitions: int | None = None
+                    ) -> tuple[tuple[int, int, int], int]:
+    """(grid: kv-head groups x sequences x partitions, tokens per partition) of ``found``
+    over ``num_seqs`` sequences of at most ``max_len`` tokens (``num_partitions`` forces the
+    split-K factor)."""
+    grid_x = num_kv_heads * found.groups
     if num_partitions is None:
-        mean_len = float(lens.mean()) if lens is not None and lens.size else None
         tokens, parts = plan_partitions(grid_x * num_seqs, max_len, found.slots, mean_len)
     else:
         parts = max(1, min(int(num_partitions), MAX_PARTITIONS))
         tokens = PARTITION_GRANULE * math.ceil(max(max_len, 1) / (parts * PARTITION_GRANULE))
-    return AttentionPlan(found.kernel, (grid_x, num_seqs, parts), found.shared_bytes, tokens,
-                         num_q_heads, num_kv_heads, head_dim, block_size, max_blocks)
+    return (grid_x, num_seqs, parts), tokens
 
 
 # --- K/V writes ----------------------------------------------------------------------------

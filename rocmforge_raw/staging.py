@@ -105,8 +105,9 @@ class Fence:
 class Workspace:
     """Split-K scratch that lives across launches: partial outputs and the per-group
     counters through which the last CTA of a group finds out it is last (zero between
-    launches: each launch resets the counters it uses). Grows on demand; the old buffers go
-    only once the fence of their last use has passed. Pass one to ``ops.paged_attention`` to
+    launches: each launch resets the counters it uses). Grows on demand; outgrown buffers are
+    kept until ``close()`` (a free waits for the whole device), which frees them once the
+    fence of their last use has passed. Pass one to ``ops.paged_attention`` to
     avoid allocations per call; one per stream."""
 
     def __init__(self) -> None:

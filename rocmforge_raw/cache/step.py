@@ -31,9 +31,9 @@ from ..planning import (
     WRITE_THREADS,
     AttentionPlan,
     attention_kernel,
+    attention_split,
     check_tables,
     default_scale,
-    plan_partitions,
     split_workspace,
     write_arguments,
     write_kernel,
@@ -206,21 +206,19 @@ class StepPlanner:
         found = attention_kernel(self.backend, self.device, c.dtype, c.head_dim,
                                  num_q_heads // c.num_kv_heads)
         lens, width = meta.seq_lens, meta.block_tables.shape[1]
-        grid_x = c.num_kv_heads * found.groups
-        tokens, parts = plan_partitions(grid_x * n, int(lens.max()), found.slots,
-                                        int(lens.sum()) / n)
+        grid, tokens = attention_split(found, c.num_kv_heads, n, int(lens.max()),
+                                       int(lens.sum()) / n)
         slot, partials, counters = meta._staging, 0, 0
-        if parts > 1:
+        if grid[2] > 1:
             part_buf, count_buf = slot.workspace.get(
-                *split_workspace((grid_x, n, parts), num_q_heads, c.head_dim), self.slab,
-                meta.stream)
+                *split_workspace(grid, num_q_heads, c.head_dim), self.slab, meta.stream)
             partials, counters = part_buf.ptr, count_buf.ptr
-        key = (num_q_heads, n, width, tokens, parts, partials, counters, meta.stream)
+        key = (num_q_heads, width, grid, tokens, partials, counters, meta.stream)
         launch = slot.launches.get(key)
         if launch is None:
             if len(slot.launches) > 64:  # widths and splits change as sequences grow
                 slot.launches.clear()
-            plan = AttentionPlan(found.kernel, (grid_x, n, parts), found.shared_bytes, tokens,
+            plan = AttentionPlan(found.kernel, grid, found.shared_bytes, tokens,
                                  num_q_heads, c.num_kv_heads, c.head_dim, c.block_size, width)
             tables, lens_ptr, _ = meta._addresses
             launch = slot.launches[key] = plan.kernel.prepare(
