@@ -243,3 +243,14 @@ def test_ragged_batches_split_their_longest_sequences():
     assert ops.plan_partitions(512, 8192, 396, mean_len=8000)[1] == 3
     tokens, parts = ops.plan_partitions(512, 8192, 396, mean_len=4096)
     assert parts == 4 and tokens == 2048
+
+
+def test_attention_split_groups_kv_heads_and_forces_or_plans_partitions():
+    from rocmforge_raw.planning import AttentionKernel, attention_split
+
+    found = AttentionKernel(kernel=None, group=4, groups=2, shared_bytes=0, slots=396)
+    grid, tokens = attention_split(found, num_kv_heads=8, num_seqs=64, max_len=2048,
+                                   mean_len=2048.0)
+    assert grid == (16, 64, ops.plan_partitions(16 * 64, 2048, 396, 2048.0)[1])
+    grid, tokens = attention_split(found, 8, 8, 1000, 1000.0, num_partitions=3)
+    assert grid == (16, 8, 3) and tokens == 336 and tokens * 3 >= 1000
