@@ -41,8 +41,13 @@ RF_DEVICE unsigned rf_smem_addr(const void* smem) {
   return addr;
 }
 RF_DEVICE void rf_copy16_async(void* smem, const void* gmem) {
+#if defined(RF_COPY_CG)
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(rf_smem_addr(smem)),
                "l"(gmem) : "memory");
+#else
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 16;" ::"r"(rf_smem_addr(smem)),
+               "l"(gmem) : "memory");
+#endif
 }
 RF_DEVICE void rf_copy_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
 // Wait until at most `pending` committed groups are still in flight.
@@ -82,6 +87,13 @@ RF_DEVICE void rf_bulk_copy(void* smem, const void* gmem, unsigned bytes, rf_u64
                "r"(rf_smem_addr(bar)) : "memory");
 }
 RF_DEVICE unsigned rf_warp_sum_u32(unsigned v) { return __reduce_add_sync(0xffffffffu, v); }
+// Orders this thread's earlier generic-proxy accesses to shared memory before later bulk
+// copies (the async proxy) into the same bytes.
+RF_DEVICE void rf_fence_proxy_async() {
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+}
+#else
+RF_DEVICE void rf_fence_proxy_async() {}  // cp.async and plain copies: one proxy
 #endif
 // Device-scope ordering between CTAs: a fence, a relaxed counter, and a load past L1.
 RF_DEVICE void rf_fence_device() { __threadfence(); }
@@ -185,6 +197,7 @@ RF_DEVICE int rf_atomic_add_device(int* p, int v) {
   return __atomic_fetch_add(p, v, __ATOMIC_RELAXED);
 }
 RF_DEVICE float rf_load_cg(const float* p) { return *p; }
+RF_DEVICE void rf_fence_proxy_async() {}  // no bulk copies: one proxy
 #define RF_DYNAMIC_SHARED(type, name) extern __attribute__((shared)) type name[]
 #define RF_INF __builtin_inff()
 

@@ -32,8 +32,6 @@ from .planning import (
     DTYPES,
     GROUP_SIZES,
     HEAD_DIMS,
-    MAX_PARTITIONS,
-    PARTITION_GRANULE,
     THREADS,
     WRITE_THREADS,
     attention_shared_bytes,
@@ -47,7 +45,7 @@ from .planning import (
     expect,
     host_ints,
     plan_attention,
-    plan_partitions,
+    plan_work,
     write_arguments,
     write_kernel,
 )
@@ -55,9 +53,8 @@ from .staging import Staging, StagingRing, Workspace
 from .stream import Stream
 
 __all__ = ["ATTENTION_STAGES", "BLOCK_SIZES", "DTYPES", "GROUP_SIZES", "HEAD_DIMS",
-           "MAX_PARTITIONS", "PARTITION_GRANULE", "THREADS", "Workspace",
-           "attention_shared_bytes", "copy_blocks", "host_view", "paged_attention",
-           "plan_partitions", "release_staging", "reshape_and_cache"]
+           "THREADS", "Workspace", "attention_shared_bytes", "copy_blocks", "host_view",
+           "paged_attention", "plan_work", "release_staging", "reshape_and_cache"]
 
 
 def host_view(array: DeviceArray) -> np.ndarray:
@@ -122,9 +119,12 @@ def paged_attention(out: DeviceArray, query: DeviceArray, k_cache: DeviceArray,
                     stream: Stream | None = None, workspace: Workspace | None = None,
                     check: bool = True) -> None:
     """``out[s, h] = softmax(scale * q[s, h] . K[s]) V[s]`` over the first ``seq_lens[s]``
-    tokens of sequence ``s``'s blocks. ``num_partitions`` forces the split-K factor; split-K
-    scratch comes from ``workspace`` or from the staging slot of this call. ``check``
-    validates host metadata against the cache (device metadata is never read back)."""
+    tokens of sequence ``s``'s blocks. The work is split evenly over one wave of CTAs, over
+    the real lengths when ``seq_lens`` is on the host (else every sequence counts the block
+    tables' width); ``num_partitions`` instead cuts the longest sequence into that many
+    pieces. Scratch for split sequences comes from ``workspace`` or from the staging slot of
+    this call. ``check`` validates host metadata against the cache (device metadata is never
+    read back)."""
     check_options(query, stream, check, num_partitions, workspace)
     num_seqs, num_q_heads, head_dim, num_blocks, num_kv_heads, block_size = (
         check_attention_arrays(out, query, k_cache, v_cache))
@@ -145,18 +145,16 @@ def paged_attention(out: DeviceArray, query: DeviceArray, k_cache: DeviceArray,
                           num_kv_heads, head_dim, block_size, block_tables.shape[1], lens,
                           num_partitions)
     with _staging(query, stream) as slot:
-        uploads = [a for a in (tables, lens) if a is not None]
+        uploads = [a for a in (tables, lens) if a is not None] + plan.work.arrays
         addresses = iter(slot.put(uploads, stream))
         d_tables = block_tables if tables is None else next(addresses)
         d_lens = seq_lens if lens is None else next(addresses)
-        partials = counters = 0
+        cum16, first_seq = (next(addresses), next(addresses)) if plan.work.arrays else (0, 0)
         work = workspace or slot.workspace
-        if plan.num_partitions > 1:
-            part_buf, count_buf = work.get(plan.partial_bytes, plan.num_counters, query, stream)
-            partials, counters = part_buf.ptr, count_buf.ptr
+        part_buf, count_buf = work.get(plan.partial_bytes, plan.num_counters, query, stream)
         plan.kernel.launch(plan.grid, THREADS, *plan.arguments(
-            out, query, k_cache, v_cache, d_tables, d_lens, scale, partials, counters),
-            shared_bytes=plan.shared_bytes, stream=stream)
+            out, query, k_cache, v_cache, d_tables, d_lens, scale, part_buf.ptr, count_buf.ptr,
+            cum16, first_seq), shared_bytes=plan.shared_bytes, stream=stream)
         if workspace is not None:
             workspace.used(stream)
 

@@ -29,15 +29,12 @@ HEAD_DIMS = (64, 128, 256)
 BLOCK_SIZES = (8, 16, 32, 64, 128)
 THREADS = 128  # RF_PA_THREADS
 WRITE_THREADS = 256  # RF_CO_THREADS
-#: Partitions are a multiple of this many tokens (the kernel takes a partition at any token,
-#: so the plan can split a sequence into as many nearly equal pieces as fill the device).
-PARTITION_GRANULE = 16
-MAX_PARTITIONS = 512  # most partitions a split uses (bounds the workspace)
+#: Rows ([num_blocks * num_kv_heads * block_size]) of a K or V cache the attention kernel
+#: indexes (int32).
+MAX_CACHE_ROWS = (1 << 31) - 1
 GROUP_SIZES = (1, 2, 4, 8)  # query heads one CTA serves (template G)
 #: The attention kernel's pipeline per backend: (RF_PA_STAGES, RF_PA_STAGE_BYTES).
 ATTENTION_STAGES = {"cuda": (2, 32768), "hip": (2, 16384)}
-#: Arguments a prepared launch replaces per call (``Kernel.prepare``'s ``patch``).
-ATTENTION_PATCH = (0, 4, 5, 6)  # out, query, k_cache, v_cache
 WRITE_PATCH = (0, 1, 2, 3)  # k_cache, v_cache, key, value
 
 
@@ -123,6 +120,9 @@ def check_attention_arrays(out: Any, query: Any, k_cache: Any, v_cache: Any
     if cache_dim != head_dim or v_cache.shape != k_cache.shape:
         raise ValueError(f"k_cache {k_cache.shape} and v_cache {v_cache.shape} must both be "
                          f"[num_blocks, num_kv_heads, block_size, {head_dim}]")
+    if num_blocks * num_kv_heads * block_size > MAX_CACHE_ROWS:
+        raise ValueError(f"k_cache {k_cache.shape} has {num_blocks * num_kv_heads * block_size} "
+                         f"rows of head_dim; the kernel indexes at most {MAX_CACHE_ROWS}")
     if num_kv_heads == 0 or num_q_heads % num_kv_heads:
         raise ValueError(f"num_q_heads {num_q_heads} is not a multiple of num_kv_heads "
                          f"{num_kv_heads}")
@@ -184,62 +184,95 @@ def check_write_arrays(key: Any, value: Any, k_cache: Any, v_cache: Any
     return num_tokens, num_blocks, block_size
 
 
-# --- the split-K plan ----------------------------------------------------------------------
-def plan_partitions(num_ctas: int, max_len: int, slots: int, mean_len: float | None = None
-                    ) -> tuple[int, int]:
-    """(tokens per partition, number of partitions) for ``num_ctas`` CTAs before splitting on
-    a device that runs ``slots`` CTAs at once.
+# --- the work split ------------------------------------------------------------------------
+#: Work is counted in tokens rounded up to this (and every unit owns at least this many, so an
+#: empty sequence still has a position): pieces start at multiples of it.
+WORK_GRANULE = 16
+#: The least work one CTA gets (tokens): less costs more in per-piece fixed work than it
+#: gains in parallel streams.
+MIN_TOKENS_PER_CTA = 64
 
-    A launch costs whole waves, so the split is the smallest one whose last wave is (within
-    2 %) as full as any split can make it. Partitions stay at least 1024 tokens when the
-    device is already full without splitting (short partitions cost more than they save)
-    and 256 tokens otherwise. In a ragged batch (longest > 1.5 x mean) the longest sequences
-    are cut into pieces of about half the mean length so they do not set the pace.
+
+@dataclass(frozen=True)
+class WorkSplit:
+    """How one attention launch divides its work (``native/paged_attention.cu``, top): units
+    (sequence, group of query heads of one kv head), ``groups`` per sequence, laid end to end,
+    each ``len16`` work tokens long; CTA ``c`` of ``num_ctas`` takes work tokens
+    ``[c * per_cta, min((c + 1) * per_cta, total))``.
+
+    With the lengths known on the host, ``cum16`` (int64 ``[num_seqs + 1]``, exclusive prefix
+    sums of each sequence's ``len16``) and ``first_seq`` (int32 ``[num_ctas]``, the sequence
+    holding each CTA's first work token) go to the device; without them (None) every
+    sequence counts ``uniform16`` work tokens and the kernel skips what its length lacks.
     """
-    if max_len <= 0:
-        return PARTITION_GRANULE, 1
-    num_ctas = max(num_ctas, 1)
-    shortest = 256 if num_ctas < slots else 1024
-    most = max(1, min(MAX_PARTITIONS, max_len // shortest))
-    parts = _fullest_split(num_ctas, max(slots, 1), most)
-    if mean_len and max_len > 1.5 * mean_len:
-        parts = min(max(parts, math.ceil(2 * max_len / mean_len)), most)
-    tokens = PARTITION_GRANULE * math.ceil(math.ceil(max_len / parts) / PARTITION_GRANULE)
-    return tokens, math.ceil(max_len / tokens)
+
+    num_ctas: int
+    per_cta: int
+    total: int
+    groups: int
+    uniform16: int
+    cum16: np.ndarray | None = None
+    first_seq: np.ndarray | None = None
+
+    @property
+    def arrays(self) -> list[np.ndarray]:
+        """The arrays the kernel reads from device memory (none in uniform mode)."""
+        return [] if self.cum16 is None else [self.cum16, self.first_seq]
 
 
-@functools.lru_cache(maxsize=4096)
-def _fullest_split(num_ctas: int, slots: int, most: int) -> int:
-    """The smallest split in [1, most] whose last wave is within 2 % of the fullest (cached:
-    a decode loop asks the same few questions every step)."""
-
-    def fullness(parts: int) -> float:
-        waves = num_ctas * parts / slots
-        return waves / math.ceil(waves)
-
-    best = max(fullness(p) for p in range(1, most + 1))
-    return next(p for p in range(1, most + 1) if fullness(p) >= best - 0.02)
+def _round16(tokens: np.ndarray | int) -> np.ndarray | int:
+    """Work tokens of a sequence of ``tokens``: rounded up to WORK_GRANULE, at least that."""
+    return np.maximum(WORK_GRANULE, -(-tokens // WORK_GRANULE) * WORK_GRANULE)
 
 
-def split_workspace(grid: tuple[int, int, int], num_q_heads: int, head_dim: int
+def plan_work(groups: int, slots: int, num_seqs: int, lens: np.ndarray | None = None,
+              max_len: int = 0, num_partitions: int | None = None) -> WorkSplit:
+    """The split of ``num_seqs`` sequences x ``groups`` units over a device that runs
+    ``slots`` CTAs at once: one wave of CTAs with equal shares (at least
+    ``MIN_TOKENS_PER_CTA`` tokens each). ``lens`` (host, int32) gives each sequence's length;
+    without it every sequence counts ``max_len``. ``num_partitions`` instead cuts the longest
+    sequence into that many pieces (a test and tuning knob)."""
+    if lens is not None:
+        cum16 = np.zeros(num_seqs + 1, np.int64)
+        np.cumsum(_round16(lens.astype(np.int64)), out=cum16[1:])
+        total, longest = int(cum16[-1]) * groups, int(_round16(int(lens.max(initial=0))))
+        uniform16 = 0
+    else:
+        cum16, uniform16 = None, int(_round16(max_len))
+        total, longest = num_seqs * groups * uniform16, uniform16
+    if num_partitions is not None:
+        share = -(-longest // max(1, int(num_partitions)))
+    else:
+        share = max(MIN_TOKENS_PER_CTA, -(-total // max(slots, 1)))
+    per_cta = -(-share // WORK_GRANULE) * WORK_GRANULE
+    num_ctas = -(-total // per_cta)
+    first_seq = None
+    if cum16 is not None:
+        starts = np.arange(num_ctas, dtype=np.int64) * per_cta
+        first_seq = np.searchsorted(cum16[1:] * groups, starts, side="right").astype(np.int32)
+    return WorkSplit(num_ctas, per_cta, total, groups, uniform16, cum16, first_seq)
+
+
+def split_workspace(num_ctas: int, group: int, head_dim: int, num_units: int
                     ) -> tuple[int, int]:
-    """(bytes of partial outputs and (max, sum) pairs, int32 counters) that an attention
-    launch on ``grid`` (groups, sequences, partitions) needs; (0, 0) without split-K."""
-    groups, num_seqs, parts = grid
-    if parts == 1:
-        return 0, 0
-    return num_seqs * num_q_heads * parts * (head_dim + 2) * 4, groups * num_seqs
+    """(bytes of partials, int32 counters) of a launch of ``num_ctas`` CTAs of ``group``
+    query heads over ``num_units`` units: two partial slots per CTA (its first and last piece
+    may be parts of units split with its neighbours), each a record per query head of
+    ``head_dim`` floats and the (max, sum) pair; one counter per unit. Records sit at fixed
+    places whatever the CTA count, so a prepared launch keeps its workspace address."""
+    return 2 * num_ctas * group * (head_dim + 2) * 4, num_units
 
 
 @dataclass(frozen=True)
 class AttentionPlan:
-    """How one paged-attention launch runs: the kernel, its grid (kv-head groups x sequences
-    x partitions), dynamic shared memory (bytes) and split-K (tokens per partition)."""
+    """How one paged-attention launch runs: the kernel (``group`` query heads per CTA), its
+    work split (one CTA per share), dynamic shared memory (bytes) and the shapes."""
 
     kernel: Kernel
-    grid: tuple[int, int, int]
+    group: int
+    work: WorkSplit
     shared_bytes: int
-    partition_tokens: int
+    num_seqs: int
     num_q_heads: int
     num_kv_heads: int
     head_dim: int
@@ -247,33 +280,55 @@ class AttentionPlan:
     max_blocks: int
 
     @property
-    def num_partitions(self) -> int:
-        return self.grid[2]
+    def grid(self) -> tuple[int, int, int]:
+        return (self.work.num_ctas, 1, 1)
 
     @property
     def partial_bytes(self) -> int:
-        """Workspace bytes for partial outputs and (max, sum) pairs; 0 without split-K."""
-        return split_workspace(self.grid, self.num_q_heads, self.head_dim)[0]
+        """Workspace bytes for partial records."""
+        return self.workspace_sizes[0]
 
     @property
     def num_counters(self) -> int:
-        return split_workspace(self.grid, self.num_q_heads, self.head_dim)[1]
+        return self.workspace_sizes[1]
+
+    @property
+    def workspace_sizes(self) -> tuple[int, int]:
+        return split_workspace(self.work.num_ctas, self.group, self.head_dim,
+                               self.num_seqs * self.work.groups)
 
     def arguments(self, out: Any, query: Any, k_cache: Any, v_cache: Any, tables: Any,
-                  lens: Any, scale: float, partials: int = 0, counters: int = 0) -> tuple:
-        """The kernel's arguments in order (``partials``/``counters``: workspace addresses,
-        needed when split)."""
-        part_out = part_ml = 0
-        if self.num_partitions > 1:
-            heads = self.grid[1] * self.num_q_heads * self.num_partitions
-            part_out, part_ml = partials, partials + heads * self.head_dim * 4
-        else:
-            counters = 0
-        i32 = np.int32
-        return (out, part_out, part_ml, counters, query, k_cache, v_cache, tables, lens,
-                np.float32(scale), i32(self.num_q_heads), i32(self.num_kv_heads),
-                i32(self.max_blocks), i32(self.block_size.bit_length() - 1),
-                i32(self.partition_tokens), i32(self.num_partitions))
+                  lens: Any, scale: float, partials: int, counters: int, cum16: int = 0,
+                  first_seq: int = 0) -> tuple:
+        """The kernel's arguments in order (``partials``/``counters``: workspace addresses;
+        ``cum16``/``first_seq``: device copies of the work split's arrays, 0 in uniform
+        mode)."""
+        i32, i64 = np.int32, np.int64
+        work = self.work
+        if work.cum16 is None:
+            cum16 = first_seq = 0
+        return (out, partials, counters, query, k_cache, v_cache, tables, lens,
+                cum16, first_seq, np.float32(scale), i32(self.num_q_heads),
+                i32(self.num_kv_heads), i32(self.max_blocks),
+                i32(self.block_size.bit_length() - 1), i32(self.num_seqs), i32(work.uniform16),
+                i64(work.per_cta), i64(work.total))
+
+
+    def update(self, launch: Any) -> None:
+        """Make a launch prepared from another plan of the same shapes (``Launch``) run
+        this plan's work split: its grid and its three work arguments."""
+        launch.set_grid(self.work.num_ctas)
+        for index, value in zip(WORK_ARGS, (self.work.uniform16, self.work.per_cta,
+                                            self.work.total)):
+            launch.set_int(index, value)
+
+
+#: Indices in ``AttentionPlan.arguments``: the scale, the work split's numbers (uniform16,
+#: per_cta, total) and the pointers a prepared launch replaces per call (``Kernel.prepare``'s
+#: ``patch``).
+SCALE_ARG = 10
+WORK_ARGS = (16, 17, 18)
+ATTENTION_PATCH = (0, 3, 4, 5)  # out, query, k_cache, v_cache
 
 
 @dataclass(frozen=True)
@@ -306,30 +361,14 @@ def plan_attention(backend: Backend, device: int, dtype: np.dtype, num_seqs: int
                    num_q_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
                    max_blocks: int, lens: np.ndarray | None = None,
                    num_partitions: int | None = None) -> AttentionPlan:
-    """The launch plan for checked shapes. ``lens`` (host) sizes the split; without it the
-    block tables' width bounds the length. ``num_partitions`` forces the split-K factor."""
+    """The launch plan for checked shapes. ``lens`` (host) balances the split over the
+    real lengths; without it the block tables' width stands for every length.
+    ``num_partitions`` cuts the longest sequence into that many pieces instead."""
     found = attention_kernel(backend, device, dtype, head_dim, num_q_heads // num_kv_heads)
-    max_len = int(lens.max(initial=0)) if lens is not None else max_blocks * block_size
-    mean_len = float(lens.mean()) if lens is not None and lens.size else None
-    grid, tokens = attention_split(found, num_kv_heads, num_seqs, max_len, mean_len,
-                                   num_partitions)
-    return AttentionPlan(found.kernel, grid, found.shared_bytes, tokens, num_q_heads,
-                         num_kv_heads, head_dim, block_size, max_blocks)
-
-
-def attention_split(found: AttentionKernel, num_kv_heads: int, num_seqs: int, max_len: int,
-                    mean_len: float | None, num_partitions: int | None = None
-                    ) -> tuple[tuple[int, int, int], int]:
-    """(grid: kv-head groups x sequences x partitions, tokens per partition) of ``found``
-    over ``num_seqs`` sequences of at most ``max_len`` tokens (``num_partitions`` forces the
-    split-K factor)."""
-    grid_x = num_kv_heads * found.groups
-    if num_partitions is None:
-        tokens, parts = plan_partitions(grid_x * num_seqs, max_len, found.slots, mean_len)
-    else:
-        parts = max(1, min(int(num_partitions), MAX_PARTITIONS))
-        tokens = PARTITION_GRANULE * math.ceil(max(max_len, 1) / (parts * PARTITION_GRANULE))
-    return (grid_x, num_seqs, parts), tokens
+    work = plan_work(num_kv_heads * found.groups, found.slots, num_seqs, lens,
+                     max_blocks * block_size, num_partitions)
+    return AttentionPlan(found.kernel, found.group, work, found.shared_bytes, num_seqs,
+                         num_q_heads, num_kv_heads, head_dim, block_size, max_blocks)
 
 
 # --- K/V writes ----------------------------------------------------------------------------

@@ -169,30 +169,38 @@ class Staging:
         self.host: PinnedBuffer | None = None
         self.buffer: HipBuffer | None = None
         self._bytes = np.zeros(0, np.uint8)  # the pinned bytes as a NumPy view
+        self._used = 0  # bytes the puts since the last fence filled
         self._outgrown: list[PinnedBuffer | HipBuffer] = []
 
-    def put(self, arrays: list[np.ndarray], stream: Stream | None) -> list[int]:
+    def put(self, arrays: list[np.ndarray], stream: Stream | None, append: bool = False
+            ) -> list[int]:
         """Copy ``arrays`` into pinned memory, each at a multiple of ``ALIGN`` bytes, and
         queue one upload on ``stream``. Returns each array's device address. The fence must
         have passed (``StagingRing.acquire`` sees to it); ``mark`` it after the last launch
-        that reads these addresses."""
-        offsets, total = [], 0
+        that reads these addresses. ``append`` keeps what earlier puts since the fence
+        uploaded (their addresses stay valid) and places ``arrays`` after it."""
+        start = self._used if append else 0
+        offsets, total = [], start
         for array in arrays:
             offsets.append(total)
             total += -(-array.nbytes // ALIGN) * ALIGN
-        self._reserve(max(total, ALIGN))
+        if self._reserve(max(total, ALIGN)) and start:  # a new buffer: earlier puts stay
+            offsets = [offset - start for offset in offsets]  # in the old one, kept
+            start, total = 0, total - start
         for array, offset in zip(arrays, offsets):
             target = self._bytes[offset : offset + array.nbytes].view(array.dtype)
             np.copyto(target.reshape(array.shape), array)
-        if total:
-            self.backend.upload(self.buffer.ptr, self.host.ptr, total,
+        if total > start:
+            self.backend.upload(self.buffer.ptr + start, self.host.ptr + start, total - start,
                                 None if stream is None else stream.handle)
+        self._used = total
         base = self.buffer.ptr
         return [base + offset for offset in offsets]
 
-    def _reserve(self, nbytes: int) -> None:
+    def _reserve(self, nbytes: int) -> bool:
+        """Room for ``nbytes``; True when that took new buffers."""
         if self.buffer is not None and self.buffer.nbytes >= nbytes:
-            return
+            return False
         if self.buffer is not None:  # outgrown: kept until close (a free waits)
             self._outgrown += [self.host, self.buffer]
             nbytes = max(nbytes, 2 * self.buffer.nbytes)
@@ -200,6 +208,7 @@ class Staging:
         self.buffer = HipBuffer(nbytes, self.device, self.backend)
         self._bytes = self.host.array(np.uint8, nbytes)
         self.launches.clear()
+        return True
 
     def close(self) -> None:
         """Free everything, once the device has passed the last use."""

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import rocmforge_raw as rf
-from rocmforge_raw import ops, reference
+from rocmforge_raw import ops, planning, reference
 from rocmforge_raw.array import DeviceArray
 
 DTYPES = [np.float16, ml_dtypes.bfloat16, np.float32]
@@ -40,7 +40,7 @@ def random_tables(rng, seq_lens, block_size, num_blocks):
 
 
 def run_attention(backend, rng, dtype, head_dim, block_size, ratio, seq_lens, num_kv_heads=2,
-                  num_partitions=None, workspace=None):
+                  num_partitions=None, workspace=None, device_lens=False):
     num_q_heads = num_kv_heads * ratio
     num_blocks = sum(math.ceil(n / block_size) for n in seq_lens) + 3
     k, v, dk, dv = random_cache(rng, backend, dtype, num_blocks, num_kv_heads, block_size,
@@ -52,8 +52,11 @@ def run_attention(backend, rng, dtype, head_dim, block_size, ratio, seq_lens, nu
     out = DeviceArray.empty(q.shape, dtype, backend=backend)
     out.buffer.fill(POISON)
     scale = 1.0 / math.sqrt(head_dim)
-    ops.paged_attention(out, dq, dk, dv, tables, lens, num_partitions=num_partitions,
+    d_lens = DeviceArray.from_numpy(lens, backend=backend) if device_lens else lens
+    ops.paged_attention(out, dq, dk, dv, tables, d_lens, num_partitions=num_partitions,
                         workspace=workspace)
+    if device_lens:
+        d_lens.buffer.close()
     got = out.to_numpy().astype(np.float64)
     want = reference.paged_attention(q, k, v, tables, lens, scale, accum=np.float64)
     for array in (out, dq, dk, dv):
@@ -85,6 +88,13 @@ def test_split_k_agrees_with_one_partition_on_gpu(gpu, rng, parts):
     assert relative_error(got, want) < 1e-5
 
 
+@pytest.mark.parametrize("parts", [None, 5])
+def test_lengths_on_the_device_split_every_sequence_as_the_longest_on_gpu(gpu, rng, parts):
+    got, want = run_attention(gpu, rng, np.float16, 128, 16, 4, [0, 3, 700, 2500],
+                              num_partitions=parts, device_lens=True)
+    assert relative_error(got, want) < 1e-2
+
+
 def test_a_reused_workspace_grows_keeps_its_counters_zero_and_is_freed_by_close(gpu, rng):
     workspace = ops.Workspace()
     # (partitions, seq_lens, kv heads): the counters in use change shape from call to call
@@ -96,7 +106,9 @@ def test_a_reused_workspace_grows_keeps_its_counters_zero_and_is_freed_by_close(
         assert relative_error(got, want) < 1e-2
         counters = workspace._counters.to_numpy(np.int32)
         assert not counters.any(), f"counters left set after {parts} partitions: {counters}"
-    assert workspace._partials.nbytes >= 4 * 8 * 40 * (64 + 2) * 4
+    split = ops.plan_work(1, 1, 4, np.array([900, 2000, 50, 3000], np.int32),
+                          num_partitions=40)
+    assert workspace._partials.nbytes >= 2 * split.num_ctas * 8 * (64 + 2) * 4
     workspace.close()
     assert workspace._partials is None and workspace._counters is None
 
@@ -229,28 +241,100 @@ def test_bad_slots_and_pairs_raise(backend):
         ops.copy_blocks(slab, np.array([[1, 2], [2, 3]], np.int64))
 
 
-def test_partition_plan_wastes_as_little_of_the_last_wave_as_it_can():
-    # 512 CTAs on 396 slots: 1 part leaves the second wave 29 % full, 3 parts fill 3.9 waves
-    assert ops.plan_partitions(num_ctas=512, max_len=4096, slots=396)[1] == 3
-    tokens, parts = ops.plan_partitions(num_ctas=8, max_len=32768, slots=396)
-    assert 45 <= parts <= 49 and tokens * parts >= 32768 > tokens * (parts - 1)
-    assert tokens % ops.PARTITION_GRANULE == 0
-    assert ops.plan_partitions(2048, 512, 396)[1] == 1  # short contexts are not split
-    assert ops.plan_partitions(8, 10**7, 528)[1] <= ops.MAX_PARTITIONS
+def walk(split, lens):
+    """What each CTA of ``split`` computes, as the kernel's walker does (the spec in Python):
+    {cta: [(seq, group, start, end), ...]} with token ranges clipped to the real lengths."""
+    groups, pieces = split.groups, {}
+    len16 = (np.full(len(lens), split.uniform16) if split.cum16 is None
+             else np.diff(split.cum16))
+    unit_starts = np.concatenate([[0], np.cumsum(np.repeat(len16, groups))])
+    for cta in range(split.num_ctas):
+        p0 = cta * split.per_cta
+        p1 = min(p0 + split.per_cta, split.total)
+        for u in range(len(unit_starts) - 1):
+            u0, u1 = unit_starts[u], unit_starts[u + 1]
+            if u1 <= p0 or u0 >= p1:
+                continue
+            s = u // groups
+            end = min(int(min(u1, p1) - u0), int(lens[s]))
+            start = min(int(max(p0, u0) - u0), end)
+            pieces.setdefault(cta, []).append((s, u % groups, start, end))
+    return pieces
 
 
-def test_ragged_batches_split_their_longest_sequences():
-    assert ops.plan_partitions(512, 8192, 396, mean_len=8000)[1] == 3
-    tokens, parts = ops.plan_partitions(512, 8192, 396, mean_len=4096)
-    assert parts == 4 and tokens == 2048
+@pytest.mark.parametrize("lens, groups, slots", [
+    ([4096] * 64, 8, 396), ([32768], 8, 396), ([512] * 256, 8, 396), ([0, 5, 17, 0], 3, 100),
+    ([1, 8000, 3, 900, 2047], 2, 7), ([0], 1, 396)])
+def test_the_work_split_covers_every_token_once_in_one_balanced_wave(lens, groups, slots):
+    lens = np.asarray(lens, np.int32)
+    split = ops.plan_work(groups, slots, len(lens), lens)
+    assert split.num_ctas <= slots and split.per_cta % 16 == 0
+    assert split.per_cta >= planning.MIN_TOKENS_PER_CTA
+    assert split.total == sum(max(16, -(-n // 16) * 16) for n in lens) * groups
+    pieces = walk(split, lens)
+    covered = {}
+    for _cta, items in pieces.items():
+        for s, x, start, end in items:
+            covered.setdefault((s, x), []).append((start, end))
+    for s, n in enumerate(lens):  # every unit, empty ones too, in order and exactly once
+        for x in range(groups):
+            ranges = covered[s, x]
+            assert ranges[0][0] == 0 and ranges[-1][1] == n
+            assert all(a[1] == b[0] for a, b in itertools.pairwise(ranges))
+    # the kernel finds each CTA's first sequence in first_seq
+    assert [items[0][0] for _, items in sorted(pieces.items())] == split.first_seq.tolist()
 
 
-def test_attention_split_groups_kv_heads_and_forces_or_plans_partitions():
-    from rocmforge_raw.planning import AttentionKernel, attention_split
+def test_a_balanced_split_gives_every_cta_but_the_last_the_same_work():
+    lens = np.random.default_rng(3).integers(1, 8193, 64).astype(np.int32)
+    split = ops.plan_work(8, 396, 64, lens)
+    assert split.num_ctas in (395, 396)  # one wave
+    assert split.total - (split.num_ctas - 1) * split.per_cta <= split.per_cta
 
-    found = AttentionKernel(kernel=None, group=4, groups=2, shared_bytes=0, slots=396)
-    grid, tokens = attention_split(found, num_kv_heads=8, num_seqs=64, max_len=2048,
-                                   mean_len=2048.0)
-    assert grid == (16, 64, ops.plan_partitions(16 * 64, 2048, 396, 2048.0)[1])
-    grid, tokens = attention_split(found, 8, 8, 1000, 1000.0, num_partitions=3)
-    assert grid == (16, 8, 3) and tokens == 336 and tokens * 3 >= 1000
+
+def test_without_lengths_every_sequence_counts_the_tables_width():
+    split = ops.plan_work(4, 396, 10, None, max_len=1000)
+    assert split.cum16 is None and split.first_seq is None and split.arrays == []
+    assert split.uniform16 == 1008 and split.total == 10 * 4 * 1008
+
+
+def test_num_partitions_cuts_the_longest_sequence_into_that_many_pieces():
+    lens = np.array([3000, 700, 5], np.int32)
+    split = ops.plan_work(2, 396, 3, lens, num_partitions=3)
+    assert split.per_cta == 1008  # ceil(3008 / 3) rounded up to 16
+    pieces = walk(split, lens)
+    longest = [p for items in pieces.values() for p in items if p[:2] == (0, 0)]
+    assert 3 <= len(longest) <= 4  # 3 pieces, one more where a boundary falls inside
+
+
+def test_few_tokens_get_few_ctas():
+    split = ops.plan_work(1, 396, 2, np.array([10, 20], np.int32))
+    assert split.per_cta == planning.MIN_TOKENS_PER_CTA and split.num_ctas == 1
+
+
+def test_work_sizes_beyond_int32_are_planned_in_int64():
+    lens = np.full(4096, 2**20, np.int32)
+    split = ops.plan_work(32, 396, 4096, lens)
+    assert split.total == 4096 * 2**20 * 32 > 2**31 and split.cum16.dtype == np.int64
+    unit = 2**20 * 32  # work tokens per sequence
+    assert split.first_seq[-1] == (split.num_ctas - 1) * split.per_cta // unit
+
+
+def test_a_prepared_launch_updated_to_another_split_equals_one_prepared_for_it():
+    # a decode step reuses the launch an earlier step prepared (same shapes and addresses)
+    # and rewrites only the grid and planning.WORK_ARGS: nothing else may depend on the split
+    def plan(lens):
+        work = ops.plan_work(2, 396, 3, np.asarray(lens, np.int32))
+        return planning.AttentionPlan(None, 4, work, 0, 3, 8, 2, 128, 16, 64)
+
+    before, after = plan([100, 7, 3000]), plan([101, 8, 3100])
+    assert before.work.num_ctas != after.work.num_ctas
+    pointers = [i << 40 for i in range(1, 11)]
+    args = list(before.arguments(*pointers[:6], 0.125, *pointers[6:]))
+    for index, value in zip(planning.WORK_ARGS, (after.work.uniform16, after.work.per_cta,
+                                                  after.work.total)):
+        args[index] = type(args[index])(value)
+    want = after.arguments(*pointers[:6], 0.125, *pointers[6:])
+    assert [type(a) for a in args] == [type(a) for a in want]
+    assert [int(a) if not isinstance(a, np.floating) else float(a) for a in args] == [
+        int(a) if not isinstance(a, np.floating) else float(a) for a in want]

@@ -26,15 +26,16 @@ from .. import ops
 from ..array import DeviceArray
 from ..planning import (
     ATTENTION_PATCH,
+    SCALE_ARG,
     THREADS,
     WRITE_PATCH,
     WRITE_THREADS,
     AttentionPlan,
+    WorkSplit,
     attention_kernel,
-    attention_split,
     check_tables,
     default_scale,
-    split_workspace,
+    plan_work,
     write_arguments,
     write_kernel,
 )
@@ -42,8 +43,6 @@ from ..runtime._launch import Launch
 from ..staging import Staging, StagingRing
 from ..stream import Stream
 from .config import CacheConfig
-
-SCALE_ARG = 9  # the attention kernel's `scale` argument
 
 
 @dataclass(eq=False)
@@ -107,12 +106,17 @@ class StepPlanner:
         meta = BatchMetadata(seq_ids, tables, lens, slots, stream, owner, epoch)
         meta._kv_shape = (len(seq_ids), *self.row_shape)
         try:
+            work, work_addresses = None, []
             if not self.on_host and seq_ids:
+                if c.num_q_heads is not None:  # planned now: its arrays go in the same upload
+                    work = self._work(meta, c.num_q_heads)
                 meta._staging = self.ring.acquire()
-                meta._addresses = tuple(meta._staging.put([tables, lens, slots], stream))
+                addresses = meta._staging.put([tables, lens, slots, *work.arrays] if work
+                                              else [tables, lens, slots], stream)
+                meta._addresses, work_addresses = tuple(addresses[:3]), addresses[3:]
                 meta._write = self._write_launch(meta)
             if c.num_q_heads is not None:
-                self._plan_attention(meta, c.num_q_heads)
+                self._plan_attention(meta, c.num_q_heads, work, work_addresses)
         except BaseException:  # the upload may be queued: its slot waits for it all the same
             if meta._staging is not None:
                 meta._staging.fence.mark(stream)
@@ -193,9 +197,24 @@ class StepPlanner:
             ops.paged_attention(out, query, k, v, meta.block_tables, meta.seq_lens,
                                 meta._scale, check=False)
 
-    def _plan_attention(self, meta: BatchMetadata, num_q_heads: int) -> None:
-        """The attention launch of ``meta``'s step: its split from the step's lengths, the
-        launch itself reused from the staging slot when an earlier step planned the same."""
+    def _work(self, meta: BatchMetadata, num_q_heads: int) -> WorkSplit:
+        """The work split of ``meta``'s step over its sequences' real lengths."""
+        c = self.config
+        if num_q_heads < 1 or num_q_heads % c.num_kv_heads:
+            raise ValueError(f"num_q_heads {num_q_heads} is not a multiple of num_kv_heads "
+                             f"{c.num_kv_heads}")
+        found = attention_kernel(self.backend, self.device, c.dtype, c.head_dim,
+                                 num_q_heads // c.num_kv_heads)
+        return plan_work(c.num_kv_heads * found.groups, found.slots, len(meta.seq_ids),
+                         meta.seq_lens)
+
+    def _plan_attention(self, meta: BatchMetadata, num_q_heads: int,
+                        work: WorkSplit | None = None, work_addresses: list[int] = ()
+                        ) -> None:
+        """The attention launch of ``meta``'s step: its work split over the step's lengths
+        (with the device addresses of its arrays; planned and uploaded here when not given),
+        the launch itself reused from the staging slot when an earlier step prepared one
+        for the same shapes and addresses."""
         c, n = self.config, len(meta.seq_ids)
         if num_q_heads < 1 or num_q_heads % c.num_kv_heads:
             raise ValueError(f"num_q_heads {num_q_heads} is not a multiple of num_kv_heads "
@@ -205,27 +224,28 @@ class StepPlanner:
             return
         found = attention_kernel(self.backend, self.device, c.dtype, c.head_dim,
                                  num_q_heads // c.num_kv_heads)
-        lens, width = meta.seq_lens, meta.block_tables.shape[1]
-        grid, tokens = attention_split(found, c.num_kv_heads, n, int(lens.max()),
-                                       int(lens.sum()) / n)
-        slot, partials, counters = meta._staging, 0, 0
-        if grid[2] > 1:
-            part_buf, count_buf = slot.workspace.get(
-                *split_workspace(grid, num_q_heads, c.head_dim), self.slab, meta.stream)
-            partials, counters = part_buf.ptr, count_buf.ptr
-        key = (num_q_heads, width, grid, tokens, partials, counters, meta.stream)
+        slot, width = meta._staging, meta.block_tables.shape[1]
+        if work is None:  # num_q_heads came with the first attention call
+            work = self._work(meta, num_q_heads)
+            work_addresses = slot.put(work.arrays, meta.stream, append=True)
+        plan = AttentionPlan(found.kernel, found.group, work, found.shared_bytes, n,
+                             num_q_heads, c.num_kv_heads, c.head_dim, c.block_size, width)
+        part_buf, count_buf = slot.workspace.get(*plan.workspace_sizes, self.slab, meta.stream)
+        cum16, first_seq = work_addresses
+        key = (num_q_heads, n, width, part_buf.ptr, count_buf.ptr, cum16, first_seq,
+               meta.stream)
         launch = slot.launches.get(key)
         if launch is None:
-            if len(slot.launches) > 64:  # widths and splits change as sequences grow
+            if len(slot.launches) > 64:  # widths and addresses change as sequences grow
                 slot.launches.clear()
-            plan = AttentionPlan(found.kernel, grid, found.shared_bytes, tokens,
-                                 num_q_heads, c.num_kv_heads, c.head_dim, c.block_size, width)
             tables, lens_ptr, _ = meta._addresses
             launch = slot.launches[key] = plan.kernel.prepare(
                 plan.grid, THREADS, *plan.arguments(0, 0, 0, 0, tables, lens_ptr, meta._scale,
-                                                    partials, counters),
+                                                    part_buf.ptr, count_buf.ptr, cum16,
+                                                    first_seq),
                 shared_bytes=plan.shared_bytes, stream=meta.stream, patch=ATTENTION_PATCH)
         else:
+            plan.update(launch)  # this step's split
             launch.set_float(SCALE_ARG, meta._scale)  # an earlier step may have changed it
         meta._attention = launch
 

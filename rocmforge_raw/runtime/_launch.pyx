@@ -126,6 +126,19 @@ cdef class Launch:
         self.slots[index] = 0
         memcpy(&self.slots[index], &value, sizeof(float))
 
+    def set_int(self, int index, long long value):
+        """Argument ``index`` becomes the integer ``value`` (an int32 argument reads the low
+        four bytes of its slot, an int64 all eight)."""
+        if not 0 <= index < self.num_args:
+            raise IndexError(f"argument {index} outside [0, {self.num_args})")
+        self.slots[index] = <uint64_t>value
+
+    def set_grid(self, unsigned int x, unsigned int y=1, unsigned int z=1):
+        """The grid of the following launches (CTAs along x, y, z; each at least 1)."""
+        if x == 0 or y == 0 or z == 0:
+            raise ValueError(f"grid ({x}, {y}, {z}) must be at least 1 along each axis")
+        self.grid[0], self.grid[1], self.grid[2] = x, y, z
+
     def slot(self, int index):
         """The 8 bytes of argument ``index`` as an unsigned integer (for tests)."""
         if not 0 <= index < self.num_args:
