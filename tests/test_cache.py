@@ -125,8 +125,9 @@ def test_prompt_larger_than_the_whole_cache_is_refused_before_preempting():
 
 
 @pytest.mark.parametrize("kwargs, error, words", [
-    (dict(num_blocks=(1 << 31) - 1, num_layers=1 << 20, num_kv_heads=1 << 12), OverflowError,
+    (dict(num_blocks=1 << 26, num_layers=1 << 27, num_kv_heads=1), OverflowError,
      "overflows 64-bit"),
+    (dict(num_blocks=(1 << 31) - 1), ValueError, "rows per K/V plane exceed 2147483647"),
     (dict(num_blocks=1), ValueError, r"num_blocks must be in \[2,"),
     (dict(head_dim=100), ValueError, "head_dim 100 is not supported"),
     (dict(block_size=12), ValueError, "block_size 12 is not supported"),
@@ -354,3 +355,15 @@ def test_reference_attention_agrees_with_batch_layout():
         q = rng.standard_normal((1, 4, 64)).astype(np.float32)
         out = reference.paged_attention(q, k, k, meta.block_tables, meta.seq_lens, 0.125)
         assert out.shape == (1, 4, 64) and np.isfinite(out).all()
+
+
+def test_a_config_whose_planes_have_more_rows_than_the_kernels_index_is_refused():
+    from rocmforge_raw.cache.config import MAX_ROWS
+
+    with pytest.raises(ValueError, match=r"524288 blocks x 64 kv heads x 128 tokens = "
+                                         r"4294967296 rows per K/V plane exceed 2147483647"):
+        CacheConfig(1, 64, 128, 128, 2**19, "float16")
+    fits = CacheConfig(1, 64, 128, 128, MAX_ROWS // (64 * 128), "float16")
+    assert fits.num_blocks * 64 * 128 <= MAX_ROWS
+    assert CacheConfig.for_memory(1, 64, 128, 128, budget_bytes=1 << 50).num_blocks == (
+        fits.num_blocks)

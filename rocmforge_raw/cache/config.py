@@ -17,9 +17,11 @@ from ..planning import DTYPES as KERNEL_DTYPES
 
 #: What the kernels support, by name: float16, bfloat16, float32.
 DTYPES = {dtype.name: dtype for dtype in KERNEL_DTYPES}
-#: Element indices in the kernels are signed 64-bit; block ids are int32.
+#: Element indices in the kernels are signed 64-bit; block ids are int32, and so are the
+#: rows of one layer's K (or V) plane, [num_blocks * num_kv_heads * block_size, head_dim].
 MAX_SLAB_ELEMENTS = (1 << 63) - 1
 MAX_BLOCKS = (1 << 31) - 1
+MAX_ROWS = (1 << 31) - 1
 
 
 def _positive(name: str, value: Any) -> int:
@@ -72,6 +74,11 @@ class CacheConfig:
         if not 2 <= self.num_blocks <= MAX_BLOCKS:
             raise ValueError(f"num_blocks must be in [2, {MAX_BLOCKS}] (block 0 is the null "
                              f"block), got {self.num_blocks}")
+        rows = self.num_blocks * self.num_kv_heads * self.block_size
+        if rows > MAX_ROWS:
+            raise ValueError(f"{self.num_blocks} blocks x {self.num_kv_heads} kv heads x "
+                             f"{self.block_size} tokens = {rows} rows per K/V plane exceed "
+                             f"{MAX_ROWS}, the most the kernels index")
         elements = self.total_bytes // self.dtype.itemsize
         if elements > MAX_SLAB_ELEMENTS:
             raise OverflowError(f"a slab of {elements} elements overflows 64-bit indexing")
@@ -122,7 +129,7 @@ class CacheConfig:
             budget_bytes = int(free * fraction)
         probe = cls(num_layers, num_kv_heads, head_dim, block_size, 2, dtype)
         num_blocks = min(checks.integer(budget_bytes, "budget_bytes", 1) // probe.block_bytes,
-                         MAX_BLOCKS)
+                         MAX_BLOCKS, MAX_ROWS // (probe.num_kv_heads * probe.block_size))
         if num_blocks < 2:
             raise ValueError(f"a budget of {budget_bytes} bytes holds {num_blocks} blocks of "
                              f"{probe.block_bytes} bytes; at least 2 are needed")
