@@ -129,10 +129,22 @@ def _us(value: float | None) -> str:
     return "-" if value is None else f"{value:.2f}"
 
 
+def _attention_table(rows: list[dict[str, Any]]) -> list[str]:
+    """One line per attention row: time, bandwidth, % of copy and of read (with targets)."""
+    width = max(len(r["name"]) for r in rows)
+    lines = [f"{'shape':{width}} {'ms':>8} {'GB/s':>8} {'% copy':>7} {'% read':>7} "
+             f"{'target':>7} {'host us':>8}"]
+    lines += [f"{r['name']:{width}} {r['ms']:8.3f} {r['gb_per_s']:8.0f} "
+              f"{r['pct_of_copy']:6.1f}% {r['pct_of_read']:6.1f}% {r['read_target_pct']:6}% "
+              f"{r['host_us']:8.1f}" for r in rows]
+    return lines
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     from . import bench
 
     backend, device = _target(args)
+    args.attention = args.attention or args.sweep
     everything = not (args.alloc or args.attention or args.cache or args.step)
     result: dict[str, Any] = {"backend": backend.name,
                               "device": backend.properties(device).name}
@@ -152,11 +164,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
                                                            read_gbs=read)
         lines.append(f"copy bandwidth: {copy:.0f} GB/s (read + write, 1 GiB device copy); "
                      f"read bandwidth: {read:.0f} GB/s (1 GiB read-only)")
-        lines.append(f"{'shape':5} {'ms':>8} {'GB/s':>8} {'% copy':>7} {'target':>7} "
-                     f"{'% read':>7} {'host us':>8}")
-        lines += [f"{r['name']:5} {r['ms']:8.3f} {r['gb_per_s']:8.0f} {r['pct_of_copy']:6.1f}% "
-                  f"{r['target_pct']:6}% {r['pct_of_read']:6.1f}% {r['host_us']:8.1f}"
-                  for r in rows]
+        lines += _attention_table(rows)
+        if args.sweep:
+            rows = result["sweep"] = bench.bench_attention(
+                backend, device, copy, args.iters, bench.sweep_shapes(), read_gbs=read)
+            lines.append("sweep: bf16, 8 kv heads, q heads = 8 x GQA ratio")
+            lines += _attention_table(rows)
     elif args.attention:
         lines.append("attention bench needs a GPU backend (host runs the NumPy reference)")
     if (args.step or everything) and backend.name != "host":
@@ -214,6 +227,8 @@ def main(argv: list[str] | None = None) -> int:
     _common(bench)
     bench.add_argument("--alloc", action="store_true", help="alloc+free round trips")
     bench.add_argument("--attention", action="store_true", help="paged attention vs copy BW")
+    bench.add_argument("--sweep", action="store_true",
+                       help="with --attention: head_dim x GQA x block x batch shapes (GPU)")
     bench.add_argument("--cache", action="store_true", help="KV cache decode step (CPU)")
     bench.add_argument("--step", action="store_true",
                        help="a whole decode step through the cache's API (GPU)")

@@ -1,9 +1,10 @@
 """Bench tuning builds of paged_attention side by side on one GPU.
 
 Loads each ``.variants/NAME.cubin`` (see tools/build_variants.sh) in place of the packaged
-object and runs the reference shapes; prints one row per variant and shape. A name ending in
-``_sSTAGESxBYTES`` sets the pipeline (so the launch's shared memory) to match. Usage:
-    python3 tools/attention_variants.py [--iters 30] [--partitions 1 2 4]
+object and runs the reference shapes (or ``--shapes`` by name, sweep rows included); prints
+one row per variant and shape. A name ending in ``_sSTAGESxBYTES`` sets the pipeline (so the
+launch's shared memory) to match. Usage:
+    python3 tools/attention_variants.py [--iters 30] [--partitions 1 2 4] [--shapes S1 ...]
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import os
 import re
 from pathlib import Path
 
-from rocmforge_raw import bench, module, ops
+from rocmforge_raw import bench, module, planning
 from rocmforge_raw.runtime import get_backend
 
 
@@ -22,23 +23,31 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--iters", type=int, default=30)
     parser.add_argument("--partitions", type=int, nargs="*", default=[])
+    parser.add_argument("--shapes", nargs="*", default=[])
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     args = parser.parse_args()
+    known = {s.name: s for s in (*bench.SHAPES, *bench.sweep_shapes())}
+    shapes = tuple(known[name] for name in args.shapes) or bench.SHAPES
     backend = get_backend("cuda")
     copy = bench.copy_bandwidth(backend, 0)
-    print(f"copy bandwidth {copy:.0f} GB/s")
+    read = bench.read_bandwidth(backend, 0)
+    print(f"copy bandwidth {copy:.0f} GB/s, read bandwidth {read:.0f} GB/s")
     results = []
+    default_stages = planning.ATTENTION_STAGES["cuda"]
     for path in sorted(Path(".variants").glob("*.cubin")):
         module._loaded[("cuda", 0, "paged_attention")] = module.Module(path, 0, backend)
+        planning.attention_kernel.cache_clear()
         stages = re.search(r"_s(\d+)x(\d+)$", path.stem)  # NAME_sSTAGESxBYTES
-        if stages:  # built with -DRF_PA_STAGES=STAGES -DRF_PA_STAGE_BYTES=BYTES
-            ops.ATTENTION_STAGES["cuda"] = (int(stages[1]), int(stages[2]))
+        planning.ATTENTION_STAGES["cuda"] = ((int(stages[1]), int(stages[2])) if stages
+                                             else default_stages)
         for parts in [None, *args.partitions]:
-            rows = bench.bench_attention(backend, 0, copy, args.iters, num_partitions=parts)
+            rows = bench.bench_attention(backend, 0, copy, args.iters, shapes,
+                                         num_partitions=parts, read_gbs=read)
             for r in rows:
                 r.update(variant=path.stem, forced_partitions=parts)
-                print(f"{path.stem:10} parts={parts!s:5} {r['name']} {r['ms']:7.3f} ms "
-                      f"{r['gb_per_s']:6.0f} GB/s {r['pct_of_copy']:5.1f}%")
+                print(f"{path.stem:16} parts={parts!s:5} {r['name']:22} {r['ms']:7.4f} ms "
+                      f"{r['gb_per_s']:6.0f} GB/s {r['pct_of_copy']:5.1f}% copy "
+                      f"{r['pct_of_read']:5.1f}% read")
             results += rows
     Path(args.out, "variants.json").write_text(json.dumps(results, indent=1))
 

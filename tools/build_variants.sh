@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
-# Tuning builds of paged_attention for sm_90 (bench shapes only) into .variants/NAME.cubin.
-# Usage: tools/build_variants.sh NAME_s3x16384 "-DRF_PA_STAGES=3 -DRF_PA_STAGE_BYTES=16384" ...
+# Tuning builds of paged_attention for sm_90 into .variants/NAME.cubin (every instance, so any
+# shape runs). Usage: tools/build_variants.sh NAME_s3x32768 "-DRF_PA_STAGES=3 -DRF_PA_MIN_BLOCKS=2" ...
 # (a name ending in _sSTAGESxBYTES tells tools/attention_variants.py the shared memory size)
 set -euo pipefail
 mkdir -p .variants
 while [ $# -ge 2 ]; do
-  nvcc -O3 -std=c++17 -Inative -cubin -arch=sm_90 -DRF_PA_BENCH_ONLY $2 \
-    -o ".variants/$1.cubin" native/paged_attention.cu &
+  nvcc -O3 -std=c++17 -Inative -cubin -arch=sm_90 ${RF_VARIANT_FLAGS:-} $2 -o ".variants/$1.cubin" \
+    native/paged_attention.cu &
   shift 2
 done
 wait
