@@ -1,5 +1,6 @@
 """Builds the compiled core with Cython: the allocators (``runtime/_alloc``), C kernel launches (``runtime/_launch``), the registry
-(``_registry``), ``HipBuffer`` (``buffer``) and ``MemoryPool`` (``pool``). Plain C against Python's
+(``_registry``), ``HipBuffer`` (``buffer``), ``MemoryPool`` (``pool``) and the attention's
+work split (``_worksplit``). Plain C against Python's
 headers only: the GPU fast paths take the bindings' C functions at run time, so neither cuda.h
 nor the ROCm headers are needed. Everything else is in pyproject.toml.
 """
@@ -8,7 +9,8 @@ from Cython.Build import cythonize
 from setuptools import Extension, setup
 
 MODULES = ("rocmforge_raw.runtime._alloc", "rocmforge_raw.runtime._launch",
-           "rocmforge_raw._registry", "rocmforge_raw.buffer", "rocmforge_raw.pool")
+           "rocmforge_raw._registry", "rocmforge_raw.buffer", "rocmforge_raw.pool",
+           "rocmforge_raw._worksplit")
 
 extensions = [Extension(name, [name.replace(".", "/") + ".pyx"],
                         extra_compile_args=["-O2", "-Wno-array-bounds"]) for name in MODULES]

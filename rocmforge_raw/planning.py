@@ -17,6 +17,7 @@ import ml_dtypes
 import numpy as np
 
 from . import checks
+from ._worksplit import first_sequences, prefix_sums
 from .array import DeviceArray
 from .module import Kernel, load_kernels
 from .runtime import Backend
@@ -220,9 +221,9 @@ class WorkSplit:
         return [] if self.cum16 is None else [self.cum16, self.first_seq]
 
 
-def _round16(tokens: np.ndarray | int) -> np.ndarray | int:
+def _round16(tokens: int) -> int:
     """Work tokens of a sequence of ``tokens``: rounded up to WORK_GRANULE, at least that."""
-    return np.maximum(WORK_GRANULE, -(-tokens // WORK_GRANULE) * WORK_GRANULE)
+    return max(WORK_GRANULE, -(-tokens // WORK_GRANULE) * WORK_GRANULE)
 
 
 def plan_work(groups: int, slots: int, num_seqs: int, lens: np.ndarray | None = None,
@@ -233,9 +234,9 @@ def plan_work(groups: int, slots: int, num_seqs: int, lens: np.ndarray | None = 
     without it every sequence counts ``max_len``. ``num_partitions`` instead cuts the longest
     sequence into that many pieces (a test and tuning knob)."""
     if lens is not None:
-        cum16 = np.zeros(num_seqs + 1, np.int64)
-        np.cumsum(_round16(lens.astype(np.int64)), out=cum16[1:])
-        total, longest = int(cum16[-1]) * groups, int(_round16(int(lens.max(initial=0))))
+        cum16 = np.empty(num_seqs + 1, np.int64)
+        total = prefix_sums(np.ascontiguousarray(lens, np.int32), WORK_GRANULE, cum16) * groups
+        longest = int(_round16(int(lens.max(initial=0)))) if num_partitions else 0
         uniform16 = 0
     else:
         cum16, uniform16 = None, int(_round16(max_len))
@@ -248,8 +249,8 @@ def plan_work(groups: int, slots: int, num_seqs: int, lens: np.ndarray | None = 
     num_ctas = -(-total // per_cta)
     first_seq = None
     if cum16 is not None:
-        starts = np.arange(num_ctas, dtype=np.int64) * per_cta
-        first_seq = np.searchsorted(cum16[1:] * groups, starts, side="right").astype(np.int32)
+        first_seq = np.empty(num_ctas, np.int32)
+        first_sequences(cum16, groups, per_cta, first_seq)
     return WorkSplit(num_ctas, per_cta, total, groups, uniform16, cum16, first_seq)
 
 
