@@ -5,9 +5,14 @@ the cache writes and block copies against theirs, and the emulator's own diagnos
 from __future__ import annotations
 
 import math
+import re
+import signal
+import subprocess
+import sys
 import textwrap
 import threading
 import time
+from pathlib import Path
 
 import ml_dtypes
 import numpy as np
@@ -195,6 +200,11 @@ PROBES = textwrap.dedent("""\
     RF_KERNEL(64) rf_mixed_barriers() {
       if (rf_tid() < 8) rf_syncwarp(); else rf_sync();
     }
+    // work-item 0 writes element n of its dynamic shared memory
+    RF_KERNEL(64) rf_overrun(int n) {
+      RF_DYNAMIC_SHARED(float, buffer);
+      if (rf_tid() == 0) buffer[n] = 1.f;
+    }
     // waits for a flag that no one sets
     RF_KERNEL(64) rf_wait_forever(const volatile int* flag) {
       while (!*flag) rf_nap();
@@ -255,6 +265,22 @@ def test_a_wait_that_never_ends_stops_at_the_time_limit(probes):
     flag = np.zeros(1, np.int32)
     with pytest.raises(EmulationError, match=r"rf_wait_forever: workgroup .* time limit"):
         probes[64].launch("rf_wait_forever", 1, 64, ptr(flag), timeout_s=0.2)
+
+
+def test_a_fault_names_the_kernel_workgroup_and_lane(probes):
+    script = textwrap.dedent(f"""\
+        import sys
+        import numpy as np
+        sys.path.insert(1, "tests")
+        from amd_emu.emulator import load
+        load({str(probes[64].build.source)!r}, 64).launch("rf_overrun", 1, 64, np.int32(16),
+                                                          shared_bytes=64)
+        """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          cwd=Path(__file__).parents[1], timeout=120)
+    assert done.returncode == -signal.SIGSEGV, done.stderr
+    assert re.search(r"rf_amd_emu: fault at 0x[0-9a-f]+ \(past the end of the launch's dynamic "
+                     r"shared memory\) in rf_overrun, workgroup \(0, 0, 0\), lane 0", done.stderr)
 
 
 def test_launches_are_checked_against_the_kernel(probes):

@@ -2,7 +2,8 @@
 
 ``load(source, wave_size)`` compiles ``source`` (unchanged: it includes ``compat.h``) with
 the host C++ compiler into a shared library together with ``rf_amd_emu.h`` (the target's
-attributes and builtins) and ``runtime.cc`` (the scheduler), and loads it. Every kernel the
+attributes and builtins), ``runtime.cc`` (the builtins and the launch) and ``scheduler.cc``
+(the work-items as fibers), and loads it. Every kernel the
 source defines is found by preprocessing it and registered with a launcher that unpacks the
 ``void*[]`` kernelParams by the kernel's own parameter types, so the harness needs no list
 of kernel names or signatures. Libraries are cached in ``build/amd_emu/`` under a hash of
@@ -36,11 +37,12 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 BUILD_DIR = ROOT / "build" / "amd_emu"
 NATIVE_DIR = ROOT / "native"  # compat.h: searched after the source's own directory
-EMULATOR_FILES = ("rf_amd_emu.h", "fiber.h", "runtime.cc", "emulator.py")
+EMULATOR_FILES = ("rf_amd_emu.h", "fiber.h", "scheduler.h", "scheduler.cc", "runtime.cc",
+                  "emulator.py")
 WAVE_SIZES = (64, 32)
 #: Optimisation ($RF_EMU_OPT, default -O1: the paged-attention library compiles in 3/4 of
-#: the time -O2 takes, and the tests run about as fast).
-OPTIMIZE = os.environ.get("RF_EMU_OPT") or "-O1"
+#: the time -O2 takes, and the tests run about as fast; "-O0 -g" to debug a kernel).
+OPTIMIZE = tuple((os.environ.get("RF_EMU_OPT") or "-O1").split())
 FLAGS = ("-std=c++17", "-fPIC", "-fvisibility=hidden", "-fno-strict-aliasing",
          "-Wno-unknown-pragmas")
 _KERNEL = re.compile(r'rf_emu_kernel_threads\s*\((.*?)\)\s*extern\s*"C"\s*void\s+(\w+)\s*\(',
@@ -92,7 +94,7 @@ class Build:
         version = _version(self.compiler)
         headers = sorted({p for d in (self.source.parent, NATIVE_DIR) for p in d.iterdir()
                           if p.suffix in (".h", ".cuh")})
-        for part in (self.compiler, version, OPTIMIZE, *self.flags()):
+        for part in (self.compiler, version, *OPTIMIZE, *self.flags()):
             digest.update(part.encode() + b"\0")
         for path in (self.source, *headers, *(HERE / f for f in EMULATOR_FILES)):
             digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
@@ -134,8 +136,8 @@ def compile_library(build: Build) -> Path:
         generated = Path(tmp) / f"{build.source.stem}.emu.cc"
         generated.write_text(generated_source(build, discover(build)))
         output = Path(tmp) / target.name
-        _run([build.compiler, *build.flags(), OPTIMIZE, "-shared", "-o", str(output),
-              str(generated), str(HERE / "runtime.cc"), "-ldl"])
+        _run([build.compiler, *build.flags(), *OPTIMIZE, "-shared", "-o", str(output),
+              str(generated), str(HERE / "scheduler.cc"), str(HERE / "runtime.cc"), "-ldl"])
         os.replace(output, target)
     return target
 
@@ -218,10 +220,7 @@ class Emulator:
         memory. Workgroups run in grid order, x fastest; ``seed`` != 0 shuffles that order
         and the order lanes run in. Raises KeyError for an unknown kernel, TypeError for
         arguments that do not fit it and EmulationError for what the emulator diagnoses."""
-        if name not in self.kernels:
-            raise KeyError(f"no kernel {name!r} in {self.build.source.name} (it has "
-                           f"{len(self.kernels)}: {', '.join(sorted(self.kernels)[:4])}, ...)")
-        kernel = self.kernels[name]
+        kernel = self.info(name)
         config = LaunchConfig(grid, block, shared_bytes)
         params = pack_args(args)
         check_arguments(name, kernel.signature, params.format[1:].replace("x", ""))
@@ -232,11 +231,17 @@ class Emulator:
                                    error, len(error)):
             raise EmulationError(error.value.decode())
 
+    def info(self, name: str) -> KernelInfo:
+        """Kernel ``name``'s entry; KeyError naming it if the source defines no such kernel."""
+        if name not in self.kernels:
+            raise KeyError(f"no kernel {name!r} in {self.build.source.name} (it has "
+                           f"{len(self.kernels)}: {', '.join(sorted(self.kernels)[:3])}, ...)")
+        return self.kernels[name]
+
     def kernel(self, name: str, seed: int = 0) -> EmulatedKernel:
         """``name`` as an object launched like ``rocmforge_raw.module.Kernel`` (with
         ``seed`` for every launch)."""
-        if name not in self.kernels:
-            self.launch(name, 1, 1)  # raises the KeyError
+        self.info(name)
         return EmulatedKernel(self, name, seed)
 
 

@@ -11,37 +11,9 @@
 #include <cstring>
 
 #if defined(__x86_64__) && !defined(RF_EMU_UCONTEXT)
+// Saves the registers on this stack and its pointer in *save_sp, then restores a fiber from
+// load_sp (defined in scheduler.cc).
 extern "C" void rf_emu_switch(void** save_sp, void* load_sp);
-asm(R"(
-  .text
-  .p2align 4
-  .globl rf_emu_switch
-  .hidden rf_emu_switch
-  .type rf_emu_switch, @function
-rf_emu_switch:
-  pushq %rbp
-  pushq %rbx
-  pushq %r12
-  pushq %r13
-  pushq %r14
-  pushq %r15
-  subq $8, %rsp
-  stmxcsr (%rsp)
-  fnstcw 4(%rsp)
-  movq %rsp, (%rdi)
-  movq %rsi, %rsp
-  ldmxcsr (%rsp)
-  fldcw 4(%rsp)
-  addq $8, %rsp
-  popq %r15
-  popq %r14
-  popq %r13
-  popq %r12
-  popq %rbx
-  popq %rbp
-  ret
-  .size rf_emu_switch, .-rf_emu_switch
-)");
 #else
 #include <ucontext.h>
 #endif
