@@ -83,9 +83,10 @@ class Build:
 
     def flags(self) -> list[str]:
         wave = self.wave_size
+        includes = dict.fromkeys((HERE, self.source.parent, NATIVE_DIR))
         return [*FLAGS, f"-D__AMDGCN_WAVEFRONT_SIZE__={wave}",
-                f"-D__AMDGCN_WAVEFRONT_SIZE={wave}", f"-I{HERE}", f"-I{self.source.parent}",
-                f"-I{NATIVE_DIR}", *(f"-D{d}" for d in self.defines)]
+                f"-D__AMDGCN_WAVEFRONT_SIZE={wave}", *(f"-I{d}" for d in includes),
+                *(f"-D{d}" for d in self.defines)]
 
     def key(self) -> str:
         """Hash of everything the library depends on: compiler, options, the source, the
