@@ -131,13 +131,18 @@ RF_DEVICE void rf_mma16816(float (&d)[4], const unsigned (&a)[4], const unsigned
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
 
-#elif defined(__HIP__) || defined(__HIPCC_RTC__) || defined(__AMDGCN__)
+#elif defined(__HIP__) || defined(__HIPCC_RTC__) || defined(__AMDGCN__) || \
+    defined(RF_AMD_EMULATION)
 #define RF_AMD 1
+// Target attributes (these four and RF_DYNAMIC_SHARED): under RF_AMD_EMULATION the CPU
+// emulation's header (tests/amd_emu/rf_amd_emu.h) defines host versions; the rest is verbatim.
+#ifndef RF_AMD_EMULATION
 #define RF_KERNEL(threads) \
   extern "C" __attribute__((global, amdgpu_flat_work_group_size(1, threads))) void
 #define RF_KERNEL_OCCUPANCY(threads, blocks) RF_KERNEL(threads)
 #define RF_DEVICE __attribute__((device)) inline __attribute__((always_inline))
 #define RF_SHARED __attribute__((shared))
+#endif
 #if defined(__AMDGCN_WAVEFRONT_SIZE__)
 #define RF_WARP __AMDGCN_WAVEFRONT_SIZE__
 #elif defined(__AMDGCN_WAVEFRONT_SIZE)
@@ -198,7 +203,9 @@ RF_DEVICE int rf_atomic_add_device(int* p, int v) {
 }
 RF_DEVICE float rf_load_cg(const float* p) { return *p; }
 RF_DEVICE void rf_fence_proxy_async() {}  // no bulk copies: one proxy
+#ifndef RF_AMD_EMULATION
 #define RF_DYNAMIC_SHARED(type, name) extern __attribute__((shared)) type name[]
+#endif
 #define RF_INF __builtin_inff()
 
 #else

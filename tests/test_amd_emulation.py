@@ -1,0 +1,313 @@
+"""The kernels' lane logic on the CPU emulation of the AMD target (tests/amd_emu), for wave64
+and wave32: paged attention (the split-K combine included) against the float64 reference,
+the cache writes and block copies against theirs, and the emulator's own diagnoses."""
+
+from __future__ import annotations
+
+import math
+import re
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+import pytest
+from amd_emu.emulator import (
+    NATIVE_DIR,
+    Build,
+    EmulationError,
+    compile_all,
+    find_compiler,
+    load,
+)
+from test_ops import POISON, TOLERANCE, random_tables, relative_error
+
+from rocmforge_raw import planning, reference
+
+if find_compiler() is None:
+    pytest.skip("no C++ compiler (g++ or clang++) to build the AMD emulation",
+                allow_module_level=True)
+
+WAVES = (64, 32)
+DTYPES = (np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16), np.dtype(np.float32))
+HEAD_DIMS = (64, 128, 256)
+RATIOS = (1, 4, 8)
+BLOCK_SIZES = (8, 16, 128)
+#: An orthogonal array L9(3^4): any two of (dtype, head_dim, ratio, block_size) meet in every
+#: pair of their levels exactly once in these nine rows.
+L9 = [(a, b, (a + b) % 3, (a + 2 * b) % 3) for a in range(3) for b in range(3)]
+CASES = [(DTYPES[a], HEAD_DIMS[b], RATIOS[c], BLOCK_SIZES[d]) for a, b, c, d in L9]
+LONG = 333  # tokens: a few tiles at every tile size, not a multiple of any
+
+
+def ptr(array: np.ndarray) -> int:
+    return array.ctypes.data
+
+
+@pytest.fixture(scope="session")
+def libraries():
+    """The kernel libraries for both wave sizes, compiled at most once per session, two at
+    a time (their on-disk cache makes a later session load them at once)."""
+    builds = [Build(NATIVE_DIR / f"{stem}.cu", wave)
+              for stem in ("paged_attention", "cache_ops", "basic") for wave in WAVES]
+    compile_all(builds)
+    return {(build.source.stem, build.wave_size): load(build.source, build.wave_size)
+            for build in builds}
+
+
+@pytest.fixture(params=WAVES, ids=lambda wave: f"wave{wave}")
+def wave(request):
+    return request.param
+
+
+# --- paged attention ---------------------------------------------------------------------
+def attention(emulator, rng, dtype, head_dim, block_size, ratio, lens, num_kv_heads=2,
+              num_partitions=None, seed=0, slots=7, uniform=False):
+    """One emulated launch planned by ``rocmforge_raw.planning`` as ops.paged_attention plans
+    it for the hip backend, on a device of ``slots`` resident workgroups (``uniform``: the
+    lengths stay on the device): (output as float64, float64 reference, counters after)."""
+    num_q_heads, num_seqs = num_kv_heads * ratio, len(lens)
+    num_blocks = sum(math.ceil(n / block_size) for n in lens) + 3
+    shape = (num_blocks, num_kv_heads, block_size, head_dim)
+    k = rng.standard_normal(shape, np.float32).astype(dtype)
+    v = rng.standard_normal(shape, np.float32).astype(dtype)
+    q = rng.standard_normal((num_seqs, num_q_heads, head_dim), np.float32).astype(dtype)
+    tables = random_tables(rng, lens, block_size, num_blocks)
+    lens = np.asarray(lens, np.int32)
+    out = np.empty_like(q)
+    out.view(np.uint8)[...] = POISON
+
+    group = next(g for g in planning.GROUP_SIZES if g >= min(ratio, planning.GROUP_SIZES[-1]))
+    name = f"rf_paged_attention_{planning.DTYPES[dtype]}_d{head_dim}_g{group}"
+    shared = planning.attention_shared_bytes("hip", head_dim * dtype.itemsize)
+    work = planning.plan_work(num_kv_heads * math.ceil(ratio / group), slots, num_seqs,
+                              None if uniform else lens, tables.shape[1] * block_size,
+                              num_partitions)
+    plan = planning.AttentionPlan(emulator.kernel(name, seed), group, work, shared, num_seqs,
+                                  num_q_heads, num_kv_heads, head_dim, block_size,
+                                  tables.shape[1])
+    partials = np.full(plan.partial_bytes // 4, np.nan, np.float32)
+    counters = np.zeros(plan.num_counters, np.int32)
+    scale = 1.0 / math.sqrt(head_dim)
+    plan.kernel.launch(plan.grid, planning.THREADS, *plan.arguments(
+        ptr(out), ptr(q), ptr(k), ptr(v), ptr(tables), ptr(lens), scale, ptr(partials),
+        ptr(counters), *(ptr(a) for a in work.arrays)), shared_bytes=plan.shared_bytes)
+    want = reference.paged_attention(q, k, v, tables, lens, scale, accum=np.float64)
+    return out.astype(np.float64), want, counters
+
+
+@pytest.mark.parametrize("mode", ["balanced", "partitions", "uniform"])
+@pytest.mark.parametrize("row", range(len(CASES)),
+                         ids=[f"{d.name}-d{h}-r{r}-bs{b}" for d, h, r, b in CASES])
+def test_paged_attention_matches_reference(libraries, wave, rng, row, mode):
+    dtype, head_dim, ratio, block_size = CASES[row]
+    lens = [0, 1, block_size - 1, block_size + 1, LONG]
+    # balanced: one wave of 7 shares, so units split at arbitrary 16-token boundaries;
+    # partitions: the longest cut into 3, 5 or 7 pieces; uniform: lengths on the device only.
+    # The split runs with a seeded schedule (workgroups, waves and lanes shuffled), so the
+    # piece that combines is not always the last.
+    seed = row + 1
+    options = {"balanced": {}, "partitions": {"num_partitions": 3 + 2 * (row % 3)},
+               "uniform": {"uniform": True, "slots": 5}}[mode]
+    got, want, counters = attention(libraries["paged_attention", wave], rng, dtype, head_dim,
+                                    block_size, ratio, lens, seed=seed, **options)
+    assert relative_error(got, want) < TOLERANCE[dtype]
+    assert not counters.any(), f"counters left set: {counters}"
+
+
+@pytest.mark.parametrize("parts", [1, 4])
+def test_paged_attention_with_twelve_query_heads_per_kv_head(libraries, wave, rng, parts):
+    # G = 8: the second CTA of the kv head serves the remaining four query heads
+    got, want, _ = attention(libraries["paged_attention", wave], rng, np.dtype(np.float16), 64,
+                             16, 12, [33, 400], num_kv_heads=1, num_partitions=parts)
+    assert relative_error(got, want) < TOLERANCE[np.dtype(np.float16)]
+
+
+# --- cache writes and copies ----------------------------------------------------------------
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: d.name)
+def test_reshape_and_cache_writes_slots_and_skips_minus_one(libraries, wave, rng, dtype):
+    num_blocks, heads, block_size, dim = 6, 2, 16, 128
+    shape = (num_blocks, heads, block_size, dim)
+    k = rng.standard_normal(shape, np.float32).astype(dtype)
+    v = rng.standard_normal(shape, np.float32).astype(dtype)
+    key = rng.standard_normal((5, heads, dim), np.float32).astype(dtype)
+    value = rng.standard_normal((5, heads, dim), np.float32).astype(dtype)
+    slots = np.array([17, -1, 3, 95, -1], np.int64)
+    want_k, want_v = k.copy(), v.copy()
+    reference.reshape_and_cache(key, value, want_k, want_v, slots)
+    emulator = libraries["cache_ops", wave]
+    emulator.launch("rf_reshape_and_cache", len(slots), planning.WRITE_THREADS,
+                    *planning.write_arguments(ptr(k), ptr(v), ptr(key), ptr(value), ptr(slots),
+                                              heads, block_size, dim * dtype.itemsize))
+    np.testing.assert_array_equal(k.view(np.uint8), want_k.view(np.uint8))
+    np.testing.assert_array_equal(v.view(np.uint8), want_v.view(np.uint8))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: d.name)
+def test_copy_blocks_copies_exactly_the_listed_blocks(libraries, wave, rng, dtype):
+    slab = rng.standard_normal((3, 2, 8, 2, 16, 64), np.float32).astype(dtype)
+    pairs = np.array([[1, 4], [2, 7], [1, 5]], np.int64)
+    want = slab.copy()
+    reference.copy_blocks(want, pairs)
+    block_vecs = math.prod(slab.shape[3:]) * dtype.itemsize // 16
+    # the arguments ops.copy_blocks passes
+    libraries["cache_ops", wave].launch(
+        "rf_copy_blocks", (len(pairs), slab.shape[0] * 2), planning.WRITE_THREADS, ptr(slab),
+        ptr(pairs), np.int32(slab.shape[2]), np.int64(block_vecs))
+    np.testing.assert_array_equal(slab.view(np.uint8), want.view(np.uint8))
+
+
+def test_basic_kernels_fill_scale_and_hold_by_the_clock(libraries, wave):
+    emulator = libraries["basic", wave]
+    x, y = np.zeros(1000, np.float32), np.zeros(1000, np.float32)
+    emulator.launch("rf_fill_f32", 4, 256, ptr(x), np.float32(2.5), 1000)
+    emulator.launch("rf_scale_f32", 4, 256, ptr(y), ptr(x), np.float32(3.0), 1000)
+    assert (x == 2.5).all() and (y == 7.5).all()
+    start = time.perf_counter()
+    emulator.launch("rf_hold_ns", 1, 32, 2_000_000)  # s_memrealtime and s_sleep
+    assert time.perf_counter() - start >= 0.002
+
+
+# --- the emulator itself ----------------------------------------------------------------------
+PROBES = textwrap.dedent("""\
+    #include "compat.h"
+    // every lane gets the sum of the lane ids of its wave, and lane 0 the wave size
+    RF_KERNEL(128) rf_wave_sums(float* sums, int* warp) {
+      sums[rf_tid()] = rf_warp_sum((float)(rf_tid() % RF_WARP));
+      if (rf_tid() == 0) *warp = RF_WARP;
+    }
+    // each lane reads the id its neighbour wrote to shared memory, after a barrier or not
+    RF_KERNEL(128) rf_neighbour(int* out, int synced) {
+      RF_SHARED int ids[128];
+      const int tid = (int)rf_tid();
+      ids[tid] = tid;
+      if (synced) rf_sync();
+      out[tid] = ids[(tid + 1) % 128];
+    }
+    // lanes 0-15 shuffle, the rest of the wave does not
+    RF_KERNEL(64) rf_divergent_shuffle(float* out) {
+      float v = (float)rf_tid();
+      if (rf_tid() < 16) v = rf_shfl_xor(v, 1);
+      out[rf_tid()] = v;
+    }
+    // work-item 0 of workgroup 2 leaves; the others wait at the barrier for it
+    RF_KERNEL(128) rf_early_exit(int* out) {
+      if (rf_tid() == 0 && rf_bid_x() == 2) return;
+      rf_sync();
+      out[rf_tid()] = 1;
+    }
+    // lanes 0-7 wait at a wave barrier, the rest of the wave at the workgroup's barrier
+    RF_KERNEL(64) rf_mixed_barriers() {
+      if (rf_tid() < 8) rf_syncwarp(); else rf_sync();
+    }
+    // work-item 0 writes element n of its dynamic shared memory
+    RF_KERNEL(64) rf_overrun(int n) {
+      RF_DYNAMIC_SHARED(float, buffer);
+      if (rf_tid() == 0) buffer[n] = 1.f;
+    }
+    // waits for a flag that no one sets
+    RF_KERNEL(64) rf_wait_forever(const volatile int* flag) {
+      while (!*flag) rf_nap();
+    }
+    """)
+
+
+@pytest.fixture(scope="module")
+def probes(tmp_path_factory):
+    """The probe kernels for both wave sizes, by wave size."""
+    source = tmp_path_factory.mktemp("amd_emu") / "probes.cu"
+    source.write_text(PROBES)
+    compile_all([Build(source, wave) for wave in WAVES])
+    return {wave: load(source, wave) for wave in WAVES}
+
+
+def test_wave32_and_wave64_builds_differ_in_the_wave_size(probes, wave):
+    sums, warp = np.zeros(128, np.float32), np.zeros(1, np.int32)
+    probes[wave].launch("rf_wave_sums", 1, 128, ptr(sums), ptr(warp))
+    assert warp[0] == wave == probes[wave].wave_size
+    np.testing.assert_array_equal(sums, np.full(128, wave * (wave - 1) / 2))
+
+
+def test_a_missing_barrier_reads_poisoned_shared_memory(probes, wave):
+    out = np.zeros(128, np.int32)
+    # first in a thread of its own: its shared memory is poisoned from the first launch on
+    thread = threading.Thread(target=probes[wave].launch,
+                              args=("rf_neighbour", 1, 128, ptr(out), np.int32(0)))
+    thread.start()
+    thread.join()
+    assert (out == -1).sum() >= 64, f"unsynchronised reads saw written values: {out}"
+    probes[wave].launch("rf_neighbour", 1, 128, ptr(out), np.int32(1))
+    np.testing.assert_array_equal(out, (np.arange(128) + 1) % 128)
+
+
+def test_a_divergent_shuffle_is_diagnosed(probes, wave):
+    out = np.zeros(64, np.float32)
+    with pytest.raises(EmulationError, match=r"divergent ds_bpermute in rf_divergent_shuffle: "
+                       r"workgroup \(0, 0, 0\), wave 0 .*lanes 0-15 at ds_bpermute #1 .*exited"):
+        probes[wave].launch("rf_divergent_shuffle", 1, 64, ptr(out))
+
+
+def test_a_lane_leaving_before_a_barrier_is_diagnosed(probes, wave):
+    out = np.zeros(128, np.int32)
+    with pytest.raises(EmulationError, match=r"deadlock at s_barrier .* in rf_early_exit: "
+                       r"workgroup \(2, 0, 0\): lane 0 exited, lanes 1-127 at s_barrier"):
+        probes[wave].launch("rf_early_exit", 3, 128, ptr(out))
+
+
+def test_lanes_at_different_barriers_are_diagnosed(probes, wave):
+    with pytest.raises(EmulationError, match=r"deadlock at wave_barrier in rf_mixed_barriers: "
+                       r"workgroup \(0, 0, 0\), wave 0 .*lanes 0-7 at wave_barrier .*"
+                       r"lanes 8-(31|63) at s_barrier"):
+        probes[wave].launch("rf_mixed_barriers", 1, 64)
+
+
+def test_a_wait_that_never_ends_stops_at_the_time_limit(probes):
+    flag = np.zeros(1, np.int32)
+    with pytest.raises(EmulationError, match=r"rf_wait_forever: workgroup .* time limit"):
+        probes[64].launch("rf_wait_forever", 1, 64, ptr(flag), timeout_s=0.2)
+
+
+def test_a_fault_names_the_kernel_workgroup_and_lane(probes):
+    script = textwrap.dedent(f"""\
+        import sys
+        import numpy as np
+        sys.path.insert(1, "tests")
+        from amd_emu.emulator import load
+        load({str(probes[64].build.source)!r}, 64).launch("rf_overrun", 1, 64, np.int32(16),
+                                                          shared_bytes=64)
+        """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          cwd=Path(__file__).parents[1], timeout=120)
+    assert done.returncode == -signal.SIGSEGV, done.stderr
+    assert re.search(r"rf_amd_emu: fault at 0x[0-9a-f]+ \(past the end of the launch's dynamic "
+                     r"shared memory\) in rf_overrun, workgroup \(0, 0, 0\), lane 0", done.stderr)
+
+
+def test_launches_are_checked_against_the_kernel(probes):
+    emulator = probes[64]
+    with pytest.raises(KeyError, match=r"no kernel 'rf_missing' in probes\.cu"):
+        emulator.launch("rf_missing", 1, 64)
+    out = np.zeros(128, np.int32)
+    with pytest.raises(TypeError, match="argument 1 of rf_neighbour is int32, got uint64"):
+        emulator.launch("rf_neighbour", 1, 128, ptr(out), 1)
+    with pytest.raises(TypeError, match=r"rf_neighbour takes 2 arguments \(pi\), got 1"):
+        emulator.launch("rf_neighbour", 1, 128, ptr(out))
+    with pytest.raises(EmulationError, match="block of 256 work-items exceeds the kernel's "
+                       "bound of 128"):
+        emulator.launch("rf_neighbour", 1, 256, ptr(out), np.int32(1))
+
+
+def test_the_ucontext_fibers_schedule_as_the_assembly_ones(tmp_path):
+    source = tmp_path / "probes.cu"
+    source.write_text(PROBES)
+    emulator = load(source, 32, defines=["RF_EMU_UCONTEXT"])
+    sums, warp = np.zeros(128, np.float32), np.zeros(1, np.int32)
+    emulator.launch("rf_wave_sums", 1, 128, ptr(sums), ptr(warp))
+    np.testing.assert_array_equal(sums, np.full(128, 32 * 31 / 2))
+    with pytest.raises(EmulationError, match="divergent ds_bpermute"):
+        emulator.launch("rf_divergent_shuffle", 1, 64, ptr(sums))
