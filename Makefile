@@ -86,11 +86,11 @@ $(KDIR)/%.sm_90.cubin: native/%.cu native/compat.h
 $(KDIR)/%.compute_90.ptx: native/%.cu native/compat.h
 	$(NVCC) $(NVFLAGS) -ptx -arch=compute_90 -o $@ $<
 $(KDIR)/%.gfx90a.hsaco: native/%.cu native/compat.h
-	HIP_PLATFORM=amd $(HIPCC) --genco --offload-arch=gfx90a $(AMDFLAGS) -o $@ $<
+	HIP_PLATFORM=amd $(HIPCC) --genco --offload-arch=gfx90a $(AMDFLAGS) -DRF_WAVE_SIZE=64 -o $@ $<
 $(KDIR)/%.gfx942.hsaco: native/%.cu native/compat.h
-	$(CLANG) -x hip --cuda-device-only --offload-arch=gfx942 $(AMDFLAGS) -o $@ $<
+	$(CLANG) -x hip --cuda-device-only --offload-arch=gfx942 $(AMDFLAGS) -DRF_WAVE_SIZE=64 -o $@ $<
 $(KDIR)/%.gfx1100.hsaco: native/%.cu native/compat.h
-	$(CLANG) -x hip --cuda-device-only --offload-arch=gfx1100 $(AMDFLAGS) -o $@ $<
+	$(CLANG) -x hip --cuda-device-only --offload-arch=gfx1100 $(AMDFLAGS) -DRF_WAVE_SIZE=32 -o $@ $<
 
 demo: $(PY) core kernels
 	$(VENV)/bin/rocmforge-raw demo

@@ -143,12 +143,23 @@ RF_DEVICE void rf_mma16816(float (&d)[4], const unsigned (&a)[4], const unsigned
 #define RF_DEVICE __attribute__((device)) inline __attribute__((always_inline))
 #define RF_SHARED __attribute__((shared))
 #endif
+// The wavefront size the code is built for: the compiler's macro (newer compilers deprecate
+// the unsuffixed one), or RF_WAVE_SIZE given by the build. Guessing is never safe: lane
+// arithmetic built for 64 lanes computes wrong results on a wave32 target.
 #if defined(__AMDGCN_WAVEFRONT_SIZE__)
 #define RF_WARP __AMDGCN_WAVEFRONT_SIZE__
 #elif defined(__AMDGCN_WAVEFRONT_SIZE)
 #define RF_WARP __AMDGCN_WAVEFRONT_SIZE
+#elif defined(RF_WAVE_SIZE)
+#define RF_WARP RF_WAVE_SIZE
 #else
-#define RF_WARP 64
+#error "compat.h: unknown wavefront size (no __AMDGCN_WAVEFRONT_SIZE__): build with -DRF_WAVE_SIZE=64 or 32"
+#endif
+#if defined(RF_WAVE_SIZE) && RF_WAVE_SIZE != RF_WARP
+#error "compat.h: RF_WAVE_SIZE differs from the compiler's wavefront size for this target"
+#endif
+#if RF_WARP != 64 && RF_WARP != 32
+#error "compat.h: the wavefront size must be 64 or 32"
 #endif
 RF_DEVICE unsigned rf_tid() { return __builtin_amdgcn_workitem_id_x(); }
 RF_DEVICE unsigned rf_bid_x() { return __builtin_amdgcn_workgroup_id_x(); }
