@@ -19,6 +19,11 @@ RF_DEVICE unsigned rf_bid_z() { return blockIdx.z; }
 RF_DEVICE void rf_sync() { __syncthreads(); }
 RF_DEVICE void rf_syncwarp() { __syncwarp(); }
 RF_DEVICE float rf_shfl_xor(float v, int mask) { return __shfl_xor_sync(0xffffffffu, v, mask); }
+template <int MASK>
+RF_DEVICE float rf_shfl_xor_c(float v) { return __shfl_xor_sync(0xffffffffu, v, MASK); }
+RF_DEVICE void rf_sched_fence() {}   // AMD's register-pressure controls: not needed here
+RF_DEVICE int rf_uniform(int x) { return x; }
+RF_DEVICE void rf_opaque(int& x) { asm volatile("" : "+r"(x)); }  // as on AMD (below)
 RF_DEVICE float rf_exp2(float x) {
   float y;
   asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
@@ -180,6 +185,22 @@ RF_DEVICE float rf_shfl_xor(float v, int mask) {
   int bits = __builtin_amdgcn_ds_bpermute((lane ^ mask) << 2, __builtin_bit_cast(int, v));
   return __builtin_bit_cast(float, bits);
 }
+// The value of lane `lane ^ MASK`, by the cheapest cross-lane move that does it: DPP
+// quad_perm for 1 and 2 (a VALU operand modifier), ds_swizzle's bit mode within 32 lanes for
+// 4, 8 and 16 (no address register, no LDS access), ds_bpermute across the halves of a wave64.
+template <int MASK>
+RF_DEVICE float rf_shfl_xor_c(float v) {
+  const int bits = __builtin_bit_cast(int, v);
+  if constexpr (MASK == 1) {
+    return __builtin_bit_cast(float, __builtin_amdgcn_mov_dpp(bits, 0xB1, 0xF, 0xF, false));
+  } else if constexpr (MASK == 2) {
+    return __builtin_bit_cast(float, __builtin_amdgcn_mov_dpp(bits, 0x4E, 0xF, 0xF, false));
+  } else if constexpr (MASK < 32) {  // and_mask 0x1F, or_mask 0, xor_mask MASK
+    return __builtin_bit_cast(float, __builtin_amdgcn_ds_swizzle(bits, (MASK << 10) | 0x1F));
+  } else {
+    return rf_shfl_xor(v, MASK);
+  }
+}
 RF_DEVICE float rf_exp2(float x) { return __builtin_exp2f(x); }
 RF_DEVICE float rf_half_to_float(unsigned short h) {
   return (float)__builtin_bit_cast(_Float16, h);
@@ -209,11 +230,89 @@ RF_DEVICE void rf_nap() { __builtin_amdgcn_s_sleep(127); }
 // The agent-scope fence also invalidates this CU's L1, so plain loads after it see other
 // workgroups' published writes.
 RF_DEVICE void rf_fence_device() { __builtin_amdgcn_fence(__ATOMIC_SEQ_CST, "agent"); }
-RF_DEVICE int rf_atomic_add_device(int* p, int v) {
-  return __atomic_fetch_add(p, v, __ATOMIC_RELAXED);
+RF_DEVICE int rf_atomic_add_device(int* p, int v) {  // agent scope: no system-wide traffic
+  return __hip_atomic_fetch_add(p, v, __ATOMIC_RELAXED, __HIP_MEMORY_SCOPE_AGENT);
 }
 RF_DEVICE float rf_load_cg(const float* p) { return *p; }
+// Matrix cores. MFMA (gfx90a, gfx94x: v_mfma_f32_16x16x16{f16,bf16_1k}, a wave64 computes
+// D[16x16] += A[16x16] B[16x16]): lane l holds A[l % 16][4 (l / 16) + i],
+// B[4 (l / 16) + i][l % 16] and C/D[4 (l / 16) + i][l % 16], i = 0..3 (composable_kernel's
+// mfma_type: 16 threads per block along M/N, 4 blocks along K, 4 consecutive k per lane).
+// WMMA (gfx11, wave32: v_wmma_f32_16x16x16_{f16,bf16}): lanes l and l + 16 both hold
+// A[l % 16][0..15] and B[0..15][l % 16]; C/D[2 i + l / 16][l % 16], i = 0..7 (the RDNA 3
+// WMMA layout of AMD's GPUOpen notes).
+#if defined(__gfx90a__) || defined(__gfx940__) || defined(__gfx941__) || defined(__gfx942__)
+#define RF_HAVE_MFMA 1
+#elif defined(__GFX11__) && RF_WARP == 32
+#define RF_HAVE_WMMA 1
+#endif
+#if defined(RF_AMD_EMULATION)  // GCC vectors; the emulator's builtins take these
+typedef _Float16 rf_half4v __attribute__((vector_size(8)));
+typedef short rf_short4v __attribute__((vector_size(8)));
+typedef float rf_float4v __attribute__((vector_size(16)));
+typedef _Float16 rf_half16v __attribute__((vector_size(32)));
+typedef short rf_short16v __attribute__((vector_size(32)));
+typedef float rf_float8v __attribute__((vector_size(32)));
+#else
+typedef _Float16 rf_half4v __attribute__((ext_vector_type(4)));
+typedef short rf_short4v __attribute__((ext_vector_type(4)));
+typedef float rf_float4v __attribute__((ext_vector_type(4)));
+typedef _Float16 rf_half16v __attribute__((ext_vector_type(16)));
+typedef short rf_short16v __attribute__((ext_vector_type(16)));
+typedef float rf_float8v __attribute__((ext_vector_type(8)));
+#endif
+struct rf_u32x8 { unsigned u[8]; };
+#if defined(RF_HAVE_MFMA)
+// c += a . b for one MFMA tile; a and b: 4 packed 16-bit values each (KIND 1 fp16, 2 bf16).
+template <int KIND>
+RF_DEVICE void rf_mfma16(float (&c)[4], rf_u64 a, rf_u64 b) {
+  rf_float4v acc = {c[0], c[1], c[2], c[3]};
+  if constexpr (KIND == 2)
+    acc = __builtin_amdgcn_mfma_f32_16x16x16bf16_1k(__builtin_bit_cast(rf_short4v, a),
+                                                     __builtin_bit_cast(rf_short4v, b), acc,
+                                                     0, 0, 0);
+  else
+    acc = __builtin_amdgcn_mfma_f32_16x16x16f16(__builtin_bit_cast(rf_half4v, a),
+                                                __builtin_bit_cast(rf_half4v, b), acc, 0, 0, 0);
+  for (int i = 0; i < 4; ++i) c[i] = acc[i];
+}
+#endif
+#if defined(RF_HAVE_WMMA)
+// c += a . b for one WMMA tile; a and b: 16 packed 16-bit values each (KIND 1 fp16, 2 bf16).
+template <int KIND>
+RF_DEVICE void rf_wmma16(float (&c)[8], const rf_u32x8& a, const rf_u32x8& b) {
+  rf_float8v acc = {c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7]};
+  if constexpr (KIND == 2)
+    acc = __builtin_amdgcn_wmma_f32_16x16x16_bf16_w32(__builtin_bit_cast(rf_short16v, a),
+                                                      __builtin_bit_cast(rf_short16v, b), acc);
+  else
+    acc = __builtin_amdgcn_wmma_f32_16x16x16_f16_w32(__builtin_bit_cast(rf_half16v, a),
+                                                     __builtin_bit_cast(rf_half16v, b), acc);
+  for (int i = 0; i < 8; ++i) c[i] = acc[i];
+}
+#endif
 RF_DEVICE void rf_fence_proxy_async() {}  // no bulk copies: one proxy
+// A scheduling fence: the compiler moves no instruction across it, which bounds how many
+// values (hoisted loads) are live at once where registers are short.
+#if !defined(RF_AMD_EMULATION) && __clang_major__ >= 15
+RF_DEVICE void rf_sched_fence() { __builtin_amdgcn_sched_barrier(0); }
+#else
+RF_DEVICE void rf_sched_fence() {}
+#endif
+// x, which the compiler may no longer assume it knows: loads addressed through it stay where
+// they are written (not hoisted out of a loop to hold their values in registers throughout).
+// rf_depend: x (an address offset, 0) now waits for v, so loads addressed through it are
+// issued after v is computed: a bound on how many operands are loaded ahead.
+// rf_uniform: a value every lane of the wave holds alike, in a scalar register.
+#if defined(RF_AMD_EMULATION)
+RF_DEVICE void rf_opaque(int& x) { asm volatile("" : "+r"(x)); }
+RF_DEVICE void rf_depend(int&, float) {}
+RF_DEVICE int rf_uniform(int x) { return x; }
+#else
+RF_DEVICE void rf_opaque(int& x) { asm volatile("" : "+v"(x)); }
+RF_DEVICE void rf_depend(int& x, float v) { asm volatile("" : "+v"(x) : "v"(v)); }
+RF_DEVICE int rf_uniform(int x) { return __builtin_amdgcn_readfirstlane(x); }
+#endif
 #ifndef RF_AMD_EMULATION
 #define RF_DYNAMIC_SHARED(type, name) extern __attribute__((shared)) type name[]
 #endif
@@ -236,6 +335,22 @@ RF_DEVICE unsigned short rf_float_to_bf16(float f) {  // round to nearest even, 
 // 16 bytes, the width of one vector load/store.
 struct alignas(16) rf_vec16 { unsigned x, y, z, w; };
 struct alignas(16) rf_float4 { float x, y, z, w; };
+
+// 16 bytes of shared memory at p: 16-byte aligned on NVIDIA; 8-byte aligned on AMD, whose
+// stage rows are padded by 8 bytes (so two 8-byte accesses).
+#if defined(RF_AMD)
+RF_DEVICE rf_vec16 rf_lds_load16(const void* p) {
+  const rf_u64 lo = static_cast<const rf_u64*>(p)[0], hi = static_cast<const rf_u64*>(p)[1];
+  return rf_vec16{(unsigned)lo, (unsigned)(lo >> 32), (unsigned)hi, (unsigned)(hi >> 32)};
+}
+RF_DEVICE void rf_lds_store16(void* p, const rf_vec16& v) {
+  static_cast<rf_u64*>(p)[0] = v.x | (rf_u64)v.y << 32;
+  static_cast<rf_u64*>(p)[1] = v.z | (rf_u64)v.w << 32;
+}
+#else
+RF_DEVICE rf_vec16 rf_lds_load16(const void* p) { return *static_cast<const rf_vec16*>(p); }
+RF_DEVICE void rf_lds_store16(void* p, const rf_vec16& v) { *static_cast<rf_vec16*>(p) = v; }
+#endif
 
 // Element types: `storage` is what the cache holds; PER_VEC elements fit in one rf_vec16.
 struct rf_f32 {
@@ -269,14 +384,20 @@ struct rf_16bit {
 typedef rf_16bit<rf_half_to_float, rf_float_to_half, 1> rf_f16;
 typedef rf_16bit<rf_bf16_to_float, rf_float_to_bf16, 2> rf_bf16;
 
+// Sum or max over the lanes whose indices differ in the bits [FIRST, LAST) of the lane
+// index (FIRST, LAST powers of two): a butterfly of constant-mask shuffles; every lane of
+// such a group gets the result.
+template <int FIRST, int LAST>
+RF_DEVICE float rf_xor_sum(float v) {
+  if constexpr (FIRST < LAST) return rf_xor_sum<FIRST * 2, LAST>(v + rf_shfl_xor_c<FIRST>(v));
+  else return v;
+}
+template <int FIRST, int LAST>
+RF_DEVICE float rf_xor_max(float v) {
+  if constexpr (FIRST < LAST)
+    return rf_xor_max<FIRST * 2, LAST>(rf_fmax(v, rf_shfl_xor_c<FIRST>(v)));
+  else return v;
+}
 // Sum or max over one warp/wavefront; every lane gets the result.
-RF_DEVICE float rf_warp_sum(float v) {
-#pragma unroll
-  for (int m = RF_WARP / 2; m > 0; m >>= 1) v += rf_shfl_xor(v, m);
-  return v;
-}
-RF_DEVICE float rf_warp_max(float v) {
-#pragma unroll
-  for (int m = RF_WARP / 2; m > 0; m >>= 1) v = rf_fmax(v, rf_shfl_xor(v, m));
-  return v;
-}
+RF_DEVICE float rf_warp_sum(float v) { return rf_xor_sum<1, RF_WARP>(v); }
+RF_DEVICE float rf_warp_max(float v) { return rf_xor_max<1, RF_WARP>(v); }

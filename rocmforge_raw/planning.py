@@ -34,17 +34,19 @@ WRITE_THREADS = 256  # RF_CO_THREADS
 #: indexes (int32).
 MAX_CACHE_ROWS = (1 << 31) - 1
 GROUP_SIZES = (1, 2, 4, 8)  # query heads one CTA serves (template G)
-#: The attention kernel's pipeline per backend: (RF_PA_STAGES, RF_PA_STAGE_BYTES).
-ATTENTION_STAGES = {"cuda": (2, 32768), "hip": (2, 16384)}
+#: The attention kernel's shared-memory pipeline per backend: (RF_PA_STAGES,
+#: RF_PA_STAGE_BYTES, bytes each K/V row is padded by). AMD holds one stage and the next
+#: tile in registers.
+ATTENTION_STAGES = {"cuda": (2, 32768, 16), "hip": (1, 16384, 8)}
 WRITE_PATCH = (0, 1, 2, 3)  # k_cache, v_cache, key, value
 
 
 def attention_shared_bytes(backend: str, row_bytes: int) -> int:
     """Dynamic shared memory of the attention kernel whose K/V rows are ``row_bytes`` long:
-    its stages, each holding the K and V rows of a tile padded by 16 bytes per row."""
-    stages, stage_bytes = ATTENTION_STAGES[backend]
+    its stages, each holding the K and V rows of a tile, every row padded."""
+    stages, stage_bytes, pad = ATTENTION_STAGES[backend]
     rows = stage_bytes // 2 // row_bytes
-    return stages * (stage_bytes + 2 * rows * 16)
+    return stages * (stage_bytes + 2 * rows * pad)
 
 
 # --- argument checks -----------------------------------------------------------------------

@@ -38,7 +38,7 @@ def main() -> None:
         module._loaded[("cuda", 0, "paged_attention")] = module.Module(path, 0, backend)
         planning.attention_kernel.cache_clear()
         stages = re.search(r"_s(\d+)x(\d+)$", path.stem)  # NAME_sSTAGESxBYTES
-        planning.ATTENTION_STAGES["cuda"] = ((int(stages[1]), int(stages[2])) if stages
+        planning.ATTENTION_STAGES["cuda"] = ((int(stages[1]), int(stages[2]), 16) if stages
                                              else default_stages)
         for parts in [None, *args.partitions]:
             rows = bench.bench_attention(backend, 0, copy, args.iters, shapes,

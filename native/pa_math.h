@@ -1,0 +1,580 @@
+// The arithmetic of paged attention, per warp: each warp owns WROWS rows of every tile and
+// keeps its own online softmax (base-2 exponent, float32) over them. Three paths with one
+// interface, chosen per target, dtype and group size by rf_pa_math:
+//   rf_pa_core    CUDA cores / VALU: TPT threads per token score q from shared memory, each
+//                 lane accumulates V for its chunks of the row (any dtype, any G, any target);
+//   rf_pa_mma     NVIDIA tensor cores (mma.sync, sm_80+), 16-bit caches, G >= 4;
+//   rf_pa_matrix  AMD matrix cores (MFMA on gfx90a/gfx94x, WMMA on gfx11), 16-bit, G >= 4.
+// Interface (every call warp-uniform): load_queries (then a CTA barrier if QUERIES_SHARED),
+// reset, tile (one tile's rows of this warp, tokens [t0, end) of the piece valid), publish
+// (the warp's max and sum per head into wm_s/wl_s), add_to (this warp's accumulators,
+// rescaled from its max to the CTA's, into out_s[G][D]; warps take turns).
+#pragma once
+#include "compat.h"
+
+// Weight of a warp whose running max is m_warp in a sum rescaled to max m_cta (0 if empty).
+RF_DEVICE float l_part_scale(float m_warp, float m_cta) {
+  return m_warp == -RF_INF ? 0.f : rf_exp2(m_warp - m_cta);
+}
+
+// Where a thread is: its index in the CTA, its lane, its warp.
+struct rf_pa_thread {
+  int tid, lane, warp;
+};
+
+// The type A when C holds, else B (the standard library's conditional, which NVRTC and
+// -nogpuinc builds lack).
+template <bool C, class A, class B>
+struct rf_pa_pick {
+  typedef A type;
+};
+template <class A, class B>
+struct rf_pa_pick<false, A, B> {
+  typedef B type;
+};
+
+// ---- CUDA cores -----------------------------------------------------------------------------
+template <class E, int D, int G, class Tile>
+struct rf_pa_core {
+  static constexpr int PV = E::PER_VEC, T = Tile::TOKENS, VPR = Tile::VPR, TPT = Tile::TPT;
+  static constexpr int CHUNKS = Tile::CHUNKS, WROWS = T / RF_PA_WARPS;
+  static constexpr int LPR = VPR < RF_WARP ? VPR : RF_WARP;  // V: lanes per row
+  static constexpr int CPL = VPR / LPR;                       // V: chunks per lane
+  static constexpr int VSTEP = RF_WARP / LPR;                 // V: rows a warp covers per step
+  static constexpr bool QUERIES_SHARED = true;
+  static_assert(CHUNKS * TPT == VPR && T * TPT == RF_PA_THREADS, "tile shape");
+  static_assert(WROWS * TPT == RF_WARP, "a warp's QK rows are its V rows");
+  struct Shared {
+    __attribute__((aligned(16))) float q[G][D];  // the group's queries, scaled
+    float p[G][T];                               // each row's weight per head
+  };
+  Shared& sh;
+  rf_pa_thread th;
+  float acc[G][CPL * PV], m_run[G], l_part[G];
+
+  // Every thread: the piece's queries, scaled, into shared memory (zeros past nh heads).
+  RF_DEVICE void load_queries(const typename E::storage* q, int s, int num_q_heads, int q0,
+                              int nh, float qscale) {
+    for (int i = th.tid; i < G * D; i += RF_PA_THREADS) {
+      const int g = i / D, d = i % D;
+      sh.q[g][d] = g < nh ? E::to_float(q[((rf_i64)s * num_q_heads + q0 + g) * D + d]) * qscale
+                          : 0.f;
+    }
+  }
+  RF_DEVICE void reset() {
+#pragma unroll
+    for (int g = 0; g < G; ++g) {
+      m_run[g] = -RF_INF;
+      l_part[g] = 0.f;
+#pragma unroll
+      for (int e = 0; e < CPL * PV; ++e) acc[g][e] = 0.f;
+    }
+  }
+  RF_DEVICE void tile(const char* k_plane, const char* v_plane, int t0, int end, float) {
+    // scores: TPT threads per token, each over CHUNKS chunks, then summed across them
+    const int my_row = th.tid / TPT, my_chunk0 = (th.tid % TPT) * CHUNKS;
+    const int tok = t0 + my_row;
+    // the queries are read from shared memory per tile: held across the loop, eight heads'
+    // would take G x CHUNKS x PV registers
+    int q_at = 0;
+    if constexpr (G >= 8) rf_opaque(q_at);
+    const float(*q_s)[D] = reinterpret_cast<const float(*)[D]>(
+        reinterpret_cast<const char*>(&sh.q[0][0]) + q_at);
+    // two accumulators (chunks alternate, halving the FMA chains) where registers allow
+    constexpr int CHAINS = G < 8 ? 2 : 1;
+    float s[G], s_odd[G];
+#pragma unroll
+    for (int g = 0; g < G; ++g) s[g] = s_odd[g] = 0.f;
+#pragma unroll
+    for (int c = 0; c < CHUNKS; ++c) {
+      // chunks rotate by thread, so the lanes of a shared-memory phase hit distinct banks
+      const int j = my_chunk0 + (c + (th.tid % TPT) * Tile::ROTATE) % CHUNKS;
+      float k[PV];
+      E::unpack(rf_lds_load16(Tile::chunk(k_plane, my_row, j)), k);
+#pragma unroll
+      for (int g = 0; g < G; ++g) {
+        float dot = 0.f;
+#pragma unroll
+        for (int e = 0; e < PV; e += 4) {
+          const rf_float4 qv = *reinterpret_cast<const rf_float4*>(&q_s[g][j * PV + e]);
+          dot += qv.x * k[e] + qv.y * k[e + 1] + qv.z * k[e + 2] + qv.w * k[e + 3];
+        }
+        if (CHAINS == 2 && (c & 1)) s_odd[g] += dot; else s[g] += dot;
+        if constexpr (G >= 8) rf_sched_fence();  // one head's queries live at a time
+      }
+    }
+#pragma unroll
+    for (int g = 0; g < G; ++g) s[g] += s_odd[g];
+    // online softmax over this warp's rows (every lane of the warp gets the same max)
+    const bool leader = th.tid % TPT == 0;
+#pragma unroll
+    for (int g = 0; g < G; ++g) {
+      s[g] = rf_xor_sum<1, TPT>(s[g]);
+      if (tok >= end) s[g] = -RF_INF;
+      const float m_new = rf_fmax(m_run[g], rf_warp_max(s[g]));
+      const float alpha = m_run[g] == -RF_INF ? 0.f : rf_exp2(m_run[g] - m_new);
+      const float p = tok < end ? rf_exp2(s[g] - m_new) : 0.f;
+      if (leader) sh.p[g][my_row] = p;
+      l_part[g] = l_part[g] * alpha + (leader ? p : 0.f);
+      m_run[g] = m_new;
+#pragma unroll
+      for (int e = 0; e < CPL * PV; ++e) acc[g][e] *= alpha;
+    }
+    rf_syncwarp();
+    // values: lane owns chunks [vchunk0, vchunk0 + CPL) of rows vrow0, vrow0 + VSTEP, ...
+    const int rows = end - t0 < T ? end - t0 : T;
+    const int vrow0 = th.warp * WROWS + th.lane / LPR, vchunk0 = (th.lane % LPR) * CPL;
+    for (int r = vrow0; r < (th.warp + 1) * WROWS; r += VSTEP) {
+      if (r < rows) {
+#pragma unroll
+        for (int cc = 0; cc < CPL; ++cc) {
+          float v[PV];
+          E::unpack(rf_lds_load16(Tile::chunk(v_plane, r, vchunk0 + cc)), v);
+#pragma unroll
+          for (int g = 0; g < G; ++g) {
+            const float p = sh.p[g][r];
+#pragma unroll
+            for (int e = 0; e < PV; ++e) acc[g][cc * PV + e] += p * v[e];
+          }
+        }
+      }
+    }
+  }
+  RF_DEVICE void publish(float (*wm_s)[RF_PA_WARPS], float (*wl_s)[RF_PA_WARPS]) {
+#pragma unroll
+    for (int g = 0; g < G; ++g) {
+#pragma unroll
+      for (int e = 0; e < CPL * PV; ++e) acc[g][e] = rf_xor_sum<LPR, RF_WARP>(acc[g][e]);
+      const float l = rf_warp_sum(l_part[g]);
+      if (th.lane == 0) {
+        wm_s[g][th.warp] = m_run[g];
+        wl_s[g][th.warp] = l;
+      }
+    }
+  }
+  RF_DEVICE void add_to(float (*out_s)[D], const float* m_cta) {
+    if (th.lane >= LPR) return;
+    const int vchunk0 = (th.lane % LPR) * CPL;
+#pragma unroll
+    for (int g = 0; g < G; ++g) {
+      const float scale_w = l_part_scale(m_run[g], m_cta[g]);
+#pragma unroll
+      for (int e = 0; e < CPL * PV; ++e) out_s[g][vchunk0 * PV + e] += scale_w * acc[g][e];
+    }
+  }
+};
+
+#if defined(RF_HAVE_MMA)
+// ---- NVIDIA tensor cores ---------------------------------------------------------------------
+// QK: S^T[16 tokens x 8 heads] = K[16 x D] . Q^T[D x 8] per warp and m-tile, K by ldmatrix from
+// the padded stage, Q^T fragments in registers, or for D > 128 (where registers are short)
+// read per k-step from shared memory, rows padded by 16 bytes so the reads are
+// conflict-free; heads past the group are zero, and scores are scaled after the product.
+// PV: O^T[16 dims x 8 heads] += V^T[16 dims x 16 tokens] . P^T[16 tokens x 8 heads], V^T by
+// ldmatrix.trans, P rounded to the cache's type through shared memory.
+template <class E, int D, int G, class Tile>
+struct rf_pa_mma {
+  static constexpr int T = Tile::TOKENS, WROWS = T / RF_PA_WARPS, KSTEPS = D / 16;
+  static constexpr int DTILES = D / 16, MROWS = WROWS < 16 ? WROWS : 16;
+  static constexpr int MTILES = WROWS < 16 ? 1 : WROWS / 16;
+  static constexpr bool Q_IN_SMEM = D > 128, QUERIES_SHARED = Q_IN_SMEM;
+  struct Shared {
+    typename E::storage p16[G][T];
+    typename E::storage q16[Q_IN_SMEM ? 8 : 1][Q_IN_SMEM ? D + 8 : 2];
+  };
+  Shared& sh;
+  rf_pa_thread th;
+  unsigned qb[Q_IN_SMEM ? 1 : KSTEPS][2];
+  float acc2[DTILES][4], m_run[G], l_part[G];
+
+  RF_DEVICE void load_queries(const typename E::storage* q, int s, int num_q_heads, int q0,
+                              int nh, float) {
+    if constexpr (Q_IN_SMEM) {
+      for (int i = th.tid; i < 8 * D; i += RF_PA_THREADS) {
+        const int g = i / D, d = i % D;
+        sh.q16[g][d] = g < nh ? q[((rf_i64)s * num_q_heads + q0 + g) * D + d] : 0;
+      }
+    } else {
+      const int head = th.lane / 4, k0 = (th.lane % 4) * 2;
+      const typename E::storage* qrow = q + ((rf_i64)s * num_q_heads + q0 + head) * D;
+#pragma unroll
+      for (int ks = 0; ks < KSTEPS; ++ks)
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          const int d = ks * 16 + half * 8 + k0;
+          qb[ks][half] = head < nh ? (unsigned)qrow[d] | ((unsigned)qrow[d + 1] << 16) : 0u;
+        }
+    }
+  }
+  RF_DEVICE void reset() {
+#pragma unroll
+    for (int dt = 0; dt < DTILES; ++dt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc2[dt][e] = 0.f;
+#pragma unroll
+    for (int g = 0; g < G; ++g) {
+      m_run[g] = -RF_INF;
+      l_part[g] = 0.f;
+    }
+  }
+  RF_DEVICE void tile(const char* k_plane, const char* v_plane, int t0, int end, float qscale) {
+    const int lane = th.lane, warp = th.warp;
+    float sc[MTILES][4];
+    const int row_in = (lane % 8) + 8 * ((lane / 8) % 2);
+#pragma unroll
+    for (int mt = 0; mt < MTILES; ++mt) {
+      float odd[4] = {0.f, 0.f, 0.f, 0.f};  // odd k-steps: two chains of dependent mma
+      sc[mt][0] = sc[mt][1] = sc[mt][2] = sc[mt][3] = 0.f;
+      const int row = warp * WROWS + mt * 16 + row_in % MROWS;
+#pragma unroll
+      for (int ks = 0; ks < KSTEPS; ++ks) {
+        unsigned a[4];
+        rf_ldmatrix_x4<false>(a, Tile::chunk(k_plane, row, ks * 2 + lane / 16));
+        unsigned b[2];
+        if constexpr (Q_IN_SMEM) {
+          const unsigned* qrow =
+              reinterpret_cast<const unsigned*>(&sh.q16[lane / 4][ks * 16 + (lane % 4) * 2]);
+          b[0] = qrow[0];
+          b[1] = qrow[4];
+        } else {
+          b[0] = qb[ks][0];
+          b[1] = qb[ks][1];
+        }
+        rf_mma16816<E::TENSOR_KIND>(ks % 2 ? odd : sc[mt], a, b);
+      }
+#pragma unroll
+      for (int e = 0; e < 4; ++e) sc[mt][e] += odd[e];
+    }
+    // thread holds rows lane/4 (+8) of each m-tile, heads h0 = (lane%4)*2 and h0 + 1
+    const int h0 = (lane % 4) * 2;
+    float mx[2] = {-RF_INF, -RF_INF};
+#pragma unroll
+    for (int mt = 0; mt < MTILES; ++mt)
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const int row = warp * WROWS + mt * 16 + lane / 4 + 8 * r;
+        const bool valid = (r == 0 || MROWS == 16) && t0 + row < end;
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+          sc[mt][r * 2 + hh] = valid ? sc[mt][r * 2 + hh] * qscale : -RF_INF;
+          mx[hh] = rf_fmax(mx[hh], sc[mt][r * 2 + hh]);
+        }
+      }
+    mx[0] = rf_xor_max<4, 32>(mx[0]);
+    mx[1] = rf_xor_max<4, 32>(mx[1]);
+    float m_new[G], alpha_h[2] = {1.f, 1.f};
+#pragma unroll
+    for (int g = 0; g < G; ++g) {
+      m_new[g] = rf_fmax(m_run[g], rf_shfl(g % 2 ? mx[1] : mx[0], g / 2));
+      const float alpha = m_run[g] == -RF_INF ? 0.f : rf_exp2(m_run[g] - m_new[g]);
+      l_part[g] *= alpha;
+      m_run[g] = m_new[g];
+      alpha_h[0] = g == h0 ? alpha : alpha_h[0];
+      alpha_h[1] = g == h0 + 1 ? alpha : alpha_h[1];
+    }
+#pragma unroll
+    for (int dt = 0; dt < DTILES; ++dt) {
+      acc2[dt][0] *= alpha_h[0];
+      acc2[dt][1] *= alpha_h[1];
+      acc2[dt][2] *= alpha_h[0];
+      acc2[dt][3] *= alpha_h[1];
+    }
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+      const int h = h0 + hh;
+      float m_h = -RF_INF;
+#pragma unroll
+      for (int g = 0; g < G; ++g) m_h = g == h ? m_new[g] : m_h;
+      float sum = 0.f;
+#pragma unroll
+      for (int mt = 0; mt < MTILES; ++mt)
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          const int row = warp * WROWS + mt * 16 + lane / 4 + 8 * r;
+          const float x = sc[mt][r * 2 + hh];
+          const float p = x == -RF_INF ? 0.f : rf_exp2(x - m_h);
+          if (h < G && (r == 0 || MROWS == 16)) sh.p16[h][row] = E::from_float(p);
+          sum += p;
+        }
+#pragma unroll
+      for (int g = 0; g < G; ++g) l_part[g] += g == h ? sum : 0.f;
+    }
+    rf_syncwarp();
+    const int head = lane / 4, k0 = (lane % 4) * 2;
+#pragma unroll
+    for (int mt = 0; mt < MTILES; ++mt) {
+      const int base = warp * WROWS + mt * 16;
+      unsigned b[2];
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int k = k0 + half * 8;
+        const bool ok = head < G && k < MROWS;
+        const typename E::storage* p = sh.p16[head < G ? head : 0] + base + k;
+        b[half] = ok ? (unsigned)p[0] | ((unsigned)p[1] << 16) : 0u;
+      }
+      const int row = base + ((lane % 8) + 8 * (lane / 16)) % MROWS;
+#pragma unroll
+      for (int dt = 0; dt < DTILES; ++dt) {
+        unsigned a[4];
+        rf_ldmatrix_x4<true>(a, Tile::chunk(v_plane, row, dt * 2 + (lane / 8) % 2));
+        rf_mma16816<E::TENSOR_KIND>(acc2[dt], a, b);
+      }
+    }
+  }
+  RF_DEVICE void publish(float (*wm_s)[RF_PA_WARPS], float (*wl_s)[RF_PA_WARPS]) {
+#pragma unroll
+    for (int g = 0; g < G; ++g) {
+      const float l = rf_warp_sum(l_part[g]);
+      if (th.lane == 0) {
+        wm_s[g][th.warp] = m_run[g];
+        wl_s[g][th.warp] = l;
+      }
+    }
+  }
+  RF_DEVICE void add_to(float (*out_s)[D], const float* m_cta) {
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+      const int h = (th.lane % 4) * 2 + hh;
+      float m_w = -RF_INF, m_c = 0.f;
+#pragma unroll
+      for (int g = 0; g < G; ++g) {
+        m_w = g == h ? m_run[g] : m_w;
+        m_c = g == h ? m_cta[g] : m_c;
+      }
+      const float scale_w = l_part_scale(m_w, m_c);
+#pragma unroll
+      for (int dt = 0; dt < DTILES; ++dt)
+#pragma unroll
+        for (int r = 0; r < 2; ++r)
+          if (h < G) out_s[h][dt * 16 + th.lane / 4 + 8 * r] += scale_w * acc2[dt][r * 2 + hh];
+    }
+  }
+};
+#endif
+
+#if defined(RF_HAVE_MFMA) || defined(RF_HAVE_WMMA)
+// ---- AMD matrix cores --------------------------------------------------------------------------
+// One 16x16x16 instruction per step, lane l serving head h = l % 16 (heads past G are zero):
+// QK  S^T[16 tokens x 16 heads] = K[16 tokens x 16 dims] . Q^T[16 dims x 16 heads], k-steps
+//     over D; PV  O^T[16 dims x 16 heads] += V^T[16 dims x 16 tokens] . P^T[16 tokens x 16
+//     heads], d-tiles over D. The score layout (tokens in registers, head by lane) is the
+//     P^T operand's, so P never leaves registers (WMMA: the odd/even tokens come from the
+//     other half of the wave), and each lane's online softmax is its head's alone.
+// MFMA (wave64): a lane holds 4 tokens x 1 head of a 16 x 16 tile, and reads K as 8 bytes (4
+// dims of a row) and V as 4 separate 2-byte values (one dim, 4 rows); Q^T fragments sit in
+// registers. WMMA (wave32): lanes l and l + 16 hold the same operands (16 values: a whole K
+// row's 16 dims, a V column's 16 tokens) and a lane 8 tokens of the result; Q^T from shared
+// memory. Rows of the stage are padded by 8 bytes, so the 16 rows a K read touches fall in
+// distinct bank pairs, and V's 2-byte reads of consecutive dims share words, not banks.
+template <class E, int D, int G, class Tile>
+struct rf_pa_matrix {
+  typedef typename E::storage S;
+  static constexpr int T = Tile::TOKENS, WROWS = T / RF_PA_WARPS, KSTEPS = D / 16;
+  static constexpr int DTILES = D / 16, MROWS = WROWS < 16 ? WROWS : 16;
+  static constexpr int MTILES = WROWS < 16 ? 1 : WROWS / 16;
+#if defined(RF_HAVE_MFMA)
+  static constexpr bool WMMA = false;
+  static constexpr int R = 4;  // result values per lane
+#else
+  static constexpr bool WMMA = true;
+  static constexpr int R = 8;
+#endif
+  static constexpr bool QUERIES_SHARED = WMMA;
+  static_assert(G <= 16, "one head per lane of a 16-column tile");
+  struct Shared {
+    alignas(16) S q16[WMMA ? 8 : 1][WMMA ? D + 8 : 2];  // WMMA's Q^T, rows padded by 16 bytes
+  };
+  Shared& sh;
+  rf_pa_thread th;
+  rf_u64 qf[WMMA ? 1 : KSTEPS];  // MFMA: this lane's Q^T fragment per k-step (4 dims)
+  float acc[DTILES][R], m_run, l_part;
+
+  RF_DEVICE int head() const { return th.lane % 16; }
+  // The token (row of the warp's m-tile) of result value i of this lane.
+  RF_DEVICE int token(int i) const { return WMMA ? 2 * i + th.lane / 16 : 4 * (th.lane / 16) + i; }
+
+  RF_DEVICE void load_queries(const S* q, int s, int num_q_heads, int q0, int nh, float) {
+    if constexpr (WMMA) {
+      for (int i = th.tid; i < 8 * D; i += RF_PA_THREADS) {
+        const int g = i / D, d = i % D;
+        sh.q16[g][d] = g < nh ? q[((rf_i64)s * num_q_heads + q0 + g) * D + d] : (S)0;
+      }
+    } else {
+      const S* qrow = q + ((rf_i64)s * num_q_heads + q0 + head()) * D + 4 * (th.lane / 16);
+#pragma unroll
+      for (int ks = 0; ks < KSTEPS; ++ks) {
+        rf_u64 v = 0;
+        if (head() < nh)
+#pragma unroll
+          for (int i = 0; i < 4; ++i) v |= (rf_u64)qrow[ks * 16 + i] << (16 * i);
+        qf[ks] = v;
+      }
+    }
+  }
+  RF_DEVICE void reset() {
+#pragma unroll
+    for (int dt = 0; dt < DTILES; ++dt)
+#pragma unroll
+      for (int i = 0; i < R; ++i) acc[dt][i] = 0.f;
+    m_run = -RF_INF;
+    l_part = 0.f;
+  }
+  // 16 values (WMMA operand) from shared memory: 8-byte aligned, so four 8-byte reads.
+  RF_DEVICE static rf_u32x8 load32(const char* p) {
+    rf_u32x8 v;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const rf_u64 w = *reinterpret_cast<const rf_u64*>(p + 8 * i);
+      v.u[2 * i] = (unsigned)w;
+      v.u[2 * i + 1] = (unsigned)(w >> 32);
+    }
+    return v;
+  }
+  RF_DEVICE void tile(const char* k_plane, const char* v_plane, int t0, int end, float qscale) {
+    const int lane = th.lane, base = th.warp * WROWS;
+    const bool my_row = lane % 16 < MROWS;  // the A operand's row is one of this warp's
+#if defined(RF_HAVE_WMMA)
+    // WMMA's Q^T operands (16 values a lane per k-step) are read from shared memory per
+    // tile: held across the loop they would take 8 registers per k-step
+    int q_at = head() * (D + 8) * (int)sizeof(S);
+    rf_opaque(q_at);
+    const char* q_row = reinterpret_cast<const char*>(&sh.q16[0][0]) + q_at;
+#endif
+    float s[MTILES][R];
+#pragma unroll
+    for (int mt = 0; mt < MTILES; ++mt) {
+      float c[R];
+#pragma unroll
+      for (int i = 0; i < R; ++i) c[i] = 0.f;
+      const char* k_row = Tile::row(k_plane, base + mt * 16 + lane % 16);
+      int after = 0;  // WMMA: two k-steps' operands (32 registers) loaded at a time
+#pragma unroll
+      for (int ks = 0; ks < KSTEPS; ++ks) {
+#if defined(RF_HAVE_MFMA)
+        const rf_u64 a = my_row ? *reinterpret_cast<const rf_u64*>(
+                                      k_row + ks * 32 + 8 * (lane / 16)) : 0;
+        rf_mfma16<E::TENSOR_KIND>(c, a, qf[ks]);
+#else
+        if (ks >= 2 && ks % 2 == 0) rf_depend(after, c[0]);
+        const rf_u32x8 zero = {};
+        const rf_u32x8 a = my_row ? load32(k_row + after + ks * 32) : zero;
+        const rf_u32x8 b = head() < 8 ? load32(q_row + after + ks * 32) : zero;
+        rf_wmma16<E::TENSOR_KIND>(c, a, b);
+#endif
+      }
+#pragma unroll
+      for (int i = 0; i < R; ++i) {
+        const int row = mt * 16 + token(i);
+        s[mt][i] = row < WROWS && t0 + base + row < end ? c[i] * qscale : -RF_INF;
+      }
+    }
+    // online softmax of this lane's head: its own values, then the lanes that share the head
+    float mx = -RF_INF;
+#pragma unroll
+    for (int mt = 0; mt < MTILES; ++mt)
+#pragma unroll
+      for (int i = 0; i < R; ++i) mx = rf_fmax(mx, s[mt][i]);
+    mx = rf_xor_max<16, RF_WARP>(mx);
+    const float m_new = rf_fmax(m_run, mx);
+    const float alpha = m_run == -RF_INF ? 0.f : rf_exp2(m_run - m_new);
+    m_run = m_new;
+    float sum = 0.f;
+#pragma unroll
+    for (int mt = 0; mt < MTILES; ++mt)
+#pragma unroll
+      for (int i = 0; i < R; ++i) {
+        s[mt][i] = s[mt][i] == -RF_INF ? 0.f : rf_exp2(s[mt][i] - m_new);
+        sum += s[mt][i];
+      }
+    l_part = l_part * alpha + sum;
+#pragma unroll
+    for (int dt = 0; dt < DTILES; ++dt)
+#pragma unroll
+      for (int i = 0; i < R; ++i) acc[dt][i] *= alpha;
+#pragma unroll
+    for (int mt = 0; mt < MTILES; ++mt) {
+#if defined(RF_HAVE_MFMA)
+      rf_u64 b = 0;  // P^T: this lane's 4 tokens of its head, in the cache's type
+#pragma unroll
+      for (int i = 0; i < 4; ++i) b |= (rf_u64)E::from_float(s[mt][i]) << (16 * i);
+      // V^T: dim 16 dt + lane % 16 of the lane's 4 tokens, at constant offsets from vb
+      const S* vb = reinterpret_cast<const S*>(
+          Tile::row(v_plane, base + mt * 16 + 4 * (lane / 16)) + 2 * (lane % 16));
+      const bool rows_mine = mt * 16 + 4 * (lane / 16) < WROWS;  // all 4 or none (WROWS % 4)
+#pragma unroll
+      for (int dt = 0; dt < DTILES; ++dt) {
+        rf_u64 a = 0;
+#pragma unroll
+        for (int i = 0; i < 4; ++i)
+          a |= (rf_u64)(rows_mine ? vb[(i * Tile::STRIDE) / 2 + 16 * dt] : (S)0) << (16 * i);
+        rf_mfma16<E::TENSOR_KIND>(acc[dt], a, b);
+      }
+#else
+      rf_u32x8 b;  // P^T: all 16 tokens of this lane's head (the other parity from lane ^ 16)
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        const float other = rf_shfl_xor_c<16>(s[mt][i]);
+        const unsigned mine = E::from_float(s[mt][i]), theirs = E::from_float(other);
+        b.u[i] = lane < 16 ? mine | (theirs << 16) : theirs | (mine << 16);
+      }
+      // V^T: dim 16 dt + lane % 16 of the m-tile's 16 tokens, at constant offsets from vb;
+      // two d-tiles' operands loaded at a time
+      const S* vb = reinterpret_cast<const S*>(Tile::row(v_plane, base + mt * 16) +
+                                               2 * (lane % 16));
+      int after = 0;
+#pragma unroll
+      for (int dt = 0; dt < DTILES; ++dt) {
+        if (dt >= 2 && dt % 2 == 0) rf_depend(after, acc[dt - 2][0]);
+        vb += after;
+        rf_u32x8 a;
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+          unsigned pair = 0;
+#pragma unroll
+          for (int h = 0; h < 2; ++h)
+            if (mt * 16 + 2 * i + h < WROWS)
+              pair |= (unsigned)vb[((2 * i + h) * Tile::STRIDE) / 2 + 16 * dt] << (16 * h);
+          a.u[i] = pair;
+        }
+        rf_wmma16<E::TENSOR_KIND>(acc[dt], a, b);
+      }
+#endif
+    }
+  }
+  RF_DEVICE void publish(float (*wm_s)[RF_PA_WARPS], float (*wl_s)[RF_PA_WARPS]) {
+    const float l = rf_xor_sum<16, RF_WARP>(l_part);
+    if (th.lane < 16 && head() < G) {
+      wm_s[head()][th.warp] = m_run;
+      wl_s[head()][th.warp] = l;
+    }
+  }
+  RF_DEVICE void add_to(float (*out_s)[D], const float* m_cta) {
+    if (head() >= G) return;
+    float m_c = 0.f;
+#pragma unroll
+    for (int g = 0; g < G; ++g) m_c = g == head() ? m_cta[g] : m_c;
+    const float scale_w = l_part_scale(m_run, m_c);
+#pragma unroll
+    for (int dt = 0; dt < DTILES; ++dt)
+#pragma unroll
+      for (int i = 0; i < R; ++i) out_s[head()][dt * 16 + token(i)] += scale_w * acc[dt][i];
+  }
+};
+#endif
+
+// The path for a 16-bit or 32-bit cache E, head_dim D, G heads per group, WROWS rows per warp.
+template <class E, int D, int G, class Tile>
+struct rf_pa_math {
+#if defined(RF_HAVE_MMA)
+  static constexpr bool MATRIX = E::TENSOR_KIND != 0 && G >= 4 && Tile::TOKENS / RF_PA_WARPS >= 8;
+  typedef typename rf_pa_pick<MATRIX, rf_pa_mma<E, D, G, Tile>, rf_pa_core<E, D, G, Tile>>::type
+      type;
+#elif defined(RF_HAVE_MFMA) || defined(RF_HAVE_WMMA)
+  static constexpr bool MATRIX = E::TENSOR_KIND != 0 && G >= 4;
+  typedef typename rf_pa_pick<MATRIX, rf_pa_matrix<E, D, G, Tile>,
+                              rf_pa_core<E, D, G, Tile>>::type type;
+#else
+  static constexpr bool MATRIX = false;
+  typedef rf_pa_core<E, D, G, Tile> type;
+#endif
+};
