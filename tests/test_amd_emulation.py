@@ -114,10 +114,16 @@ def test_paged_attention_matches_reference(libraries, wave, rng, row, mode):
     seed = row + 1
     options = {"balanced": {}, "partitions": {"num_partitions": 3 + 2 * (row % 3)},
                "uniform": {"uniform": True, "slots": 5}}[mode]
-    got, want, counters = attention(libraries["paged_attention", wave], rng, dtype, head_dim,
-                                    block_size, ratio, lens, seed=seed, **options)
+    emulator = libraries["paged_attention", wave]
+    ops_before = emulator.matrix_ops
+    got, want, counters = attention(emulator, rng, dtype, head_dim, block_size, ratio, lens,
+                                    seed=seed, **options)
     assert relative_error(got, want) < TOLERANCE[dtype]
     assert not counters.any(), f"counters left set: {counters}"
+    # 16-bit caches with 4+ query heads per kv head run on the matrix cores (MFMA on
+    # wave64, WMMA on wave32), the rest on the vector units
+    matrix = dtype.itemsize == 2 and ratio >= 4
+    assert (emulator.matrix_ops > ops_before) == matrix
 
 
 @pytest.mark.parametrize("parts", [1, 4])
@@ -247,8 +253,9 @@ def test_a_missing_barrier_reads_poisoned_shared_memory(probes, wave):
 
 def test_a_divergent_shuffle_is_diagnosed(probes, wave):
     out = np.zeros(64, np.float32)
-    with pytest.raises(EmulationError, match=r"divergent ds_bpermute in rf_divergent_shuffle: "
-                       r"workgroup \(0, 0, 0\), wave 0 .*lanes 0-15 at ds_bpermute #1 .*exited"):
+    with pytest.raises(EmulationError, match=r"divergent cross-lane operation in "
+                       r"rf_divergent_shuffle: workgroup \(0, 0, 0\), wave 0 "
+                       r".*lanes 0-15 at ds_bpermute #1 .*exited"):
         probes[wave].launch("rf_divergent_shuffle", 1, 64, ptr(out))
 
 
@@ -309,5 +316,5 @@ def test_the_ucontext_fibers_schedule_as_the_assembly_ones(tmp_path):
     sums, warp = np.zeros(128, np.float32), np.zeros(1, np.int32)
     emulator.launch("rf_wave_sums", 1, 128, ptr(sums), ptr(warp))
     np.testing.assert_array_equal(sums, np.full(128, 32 * 31 / 2))
-    with pytest.raises(EmulationError, match="divergent ds_bpermute"):
+    with pytest.raises(EmulationError, match="divergent cross-lane operation"):
         emulator.launch("rf_divergent_shuffle", 1, 64, ptr(sums))

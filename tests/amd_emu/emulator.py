@@ -40,6 +40,9 @@ NATIVE_DIR = ROOT / "native"  # compat.h: searched after the source's own direct
 EMULATOR_FILES = ("rf_amd_emu.h", "fiber.h", "scheduler.h", "scheduler.cc", "runtime.cc",
                   "emulator.py")
 WAVE_SIZES = (64, 32)
+#: The target each wave size stands for (its predefined macros): wave64 is gfx942 (MFMA),
+#: wave32 is gfx1100 (WMMA), so compat.h picks the matrix path each target builds.
+TARGET_MACROS = {64: ("-D__gfx942__", "-D__GFX9__"), 32: ("-D__gfx1100__", "-D__GFX11__")}
 #: Optimisation ($RF_EMU_OPT, default -O1: the paged-attention library compiles in 3/4 of
 #: the time -O2 takes, and the tests run about as fast; "-O0 -g" to debug a kernel).
 OPTIMIZE = tuple((os.environ.get("RF_EMU_OPT") or "-O1").split())
@@ -85,7 +88,8 @@ class Build:
         wave = self.wave_size
         includes = dict.fromkeys((HERE, self.source.parent, NATIVE_DIR))
         return [*FLAGS, f"-D__AMDGCN_WAVEFRONT_SIZE__={wave}",
-                f"-D__AMDGCN_WAVEFRONT_SIZE={wave}", *(f"-I{d}" for d in includes),
+                f"-D__AMDGCN_WAVEFRONT_SIZE={wave}", *TARGET_MACROS[wave],
+                *(f"-I{d}" for d in includes),
                 *(f"-D{d}" for d in self.defines)]
 
     def key(self) -> str:
@@ -207,6 +211,7 @@ class Emulator:
             ctypes.c_int, ctypes.POINTER(ctypes.c_uint), ctypes.POINTER(ctypes.c_uint),
             ctypes.c_ulonglong, ctypes.c_void_p, ctypes.c_ulonglong, ctypes.c_double,
             ctypes.c_char_p, ctypes.c_size_t]
+        lib.rf_emu_matrix_ops.restype = ctypes.c_ulonglong
         self.wave_size = lib.rf_emu_wave_size()
         self.kernels = {
             lib.rf_emu_kernel_name(i).decode(): KernelInfo(
@@ -231,6 +236,11 @@ class Emulator:
                                    config.shared_bytes, params.address, seed, timeout_s,
                                    error, len(error)):
             raise EmulationError(error.value.decode())
+
+    @property
+    def matrix_ops(self) -> int:
+        """Matrix-core instructions (MFMA on wave64, WMMA on wave32) run so far, per wave."""
+        return self._lib.rf_emu_matrix_ops()
 
     def info(self, name: str) -> KernelInfo:
         """Kernel ``name``'s entry; KeyError naming it if the source defines no such kernel."""

@@ -63,6 +63,54 @@ void rf_emu_fence(int order, const char* scope);      // checks the scope; order
 #define __builtin_amdgcn_s_sendmsg_rtnl(message) rf_emu_sendmsg_rtnl(message)
 #define __builtin_amdgcn_s_sleep(units) rf_emu_sleep(units)
 #define __builtin_amdgcn_fence(order, scope) rf_emu_fence(order, scope)
+// Cross-lane moves compat.h makes with constant patterns: each lane computes its source lane
+// and the wave meets at this very call, as for ds_bpermute (so divergence is diagnosed alike).
+extern "C" {
+int rf_emu_dpp_source(int dpp_ctrl, int row_mask, int bank_mask, int bound_ctrl);
+int rf_emu_swizzle_source(int pattern);
+// One matrix instruction of the wave: `op` (MATRIX_* below), this lane's operands as floats
+// (a, b: 4 each for MFMA, 16 for WMMA; c: 4 or 8) and its result d. The whole wave meets.
+void rf_emu_matrix(int op, const float* a, const float* b, const float* c, float* d);
+}
+#define __builtin_amdgcn_mov_dpp(src, ctrl, row_mask, bank_mask, bound_ctrl) \
+  rf_emu_ds_bpermute(rf_emu_dpp_source(ctrl, row_mask, bank_mask, bound_ctrl) << 2, src)
+#define __builtin_amdgcn_ds_swizzle(src, pattern) \
+  rf_emu_ds_bpermute(rf_emu_swizzle_source(pattern) << 2, src)
+// Scoped atomics: workgroups run one at a time here, so every scope is the same.
+#define __HIP_MEMORY_SCOPE_AGENT 4
+#define __hip_atomic_fetch_add(p, v, order, scope) __atomic_fetch_add(p, v, order)
+
+namespace rf_emu {
+enum { MATRIX_MFMA_16x16x16 = 0, MATRIX_WMMA_16x16x16 = 1 };
+
+inline float element_to_float(_Float16 x, bool) { return (float)x; }
+inline float element_to_float(short x, bool bf16) {  // bfloat16 bits (or fp16 bits)
+  if (bf16) return __builtin_bit_cast(float, (unsigned)(unsigned short)x << 16);
+  return (float)__builtin_bit_cast(_Float16, x);
+}
+
+// D = A B + C of one matrix instruction: the operands' elements as floats, the wave meets.
+template <int OP, bool BF16, int K, int N, class V, class C>
+__attribute__((always_inline)) inline C matrix(V a, V b, C c) {
+  float fa[K], fb[K], fc[N], fd[N];
+  for (int i = 0; i < K; ++i) {
+    fa[i] = element_to_float(a[i], BF16);
+    fb[i] = element_to_float(b[i], BF16);
+  }
+  for (int i = 0; i < N; ++i) fc[i] = c[i];
+  rf_emu_matrix(OP, fa, fb, fc, fd);
+  for (int i = 0; i < N; ++i) c[i] = fd[i];
+  return c;
+}
+}  // namespace rf_emu
+#define __builtin_amdgcn_mfma_f32_16x16x16f16(a, b, c, cbsz, abid, blgp) \
+  rf_emu::matrix<rf_emu::MATRIX_MFMA_16x16x16, false, 4, 4>(a, b, c)
+#define __builtin_amdgcn_mfma_f32_16x16x16bf16_1k(a, b, c, cbsz, abid, blgp) \
+  rf_emu::matrix<rf_emu::MATRIX_MFMA_16x16x16, true, 4, 4>(a, b, c)
+#define __builtin_amdgcn_wmma_f32_16x16x16_f16_w32(a, b, c) \
+  rf_emu::matrix<rf_emu::MATRIX_WMMA_16x16x16, false, 16, 8>(a, b, c)
+#define __builtin_amdgcn_wmma_f32_16x16x16_bf16_w32(a, b, c) \
+  rf_emu::matrix<rf_emu::MATRIX_WMMA_16x16x16, true, 16, 8>(a, b, c)
 
 // --- the launcher ---------------------------------------------------------------------------
 namespace rf_emu {

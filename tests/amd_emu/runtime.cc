@@ -124,6 +124,43 @@ __attribute__((noinline)) int rf_emu_ds_bpermute(int byte_address, int value) {
   return lane.value;
 }
 
+// The source lane of DPP quad_perm (dpp_ctrl < 0x100, every row and bank enabled; the only
+// form compat.h uses) for the calling lane.
+int rf_emu_dpp_source(int ctrl, int row_mask, int bank_mask, int) {
+  if (ctrl >= 0x100 || row_mask != 0xF || bank_mask != 0xF)
+    fail(format("DPP control 0x%x (row mask 0x%x, bank mask 0x%x) is not emulated", ctrl,
+                row_mask, bank_mask));
+  const int lane = (int)((active->current - active->lanes.data()) % WAVE);
+  return (lane & ~3) | ((ctrl >> (2 * (lane & 3))) & 3);
+}
+
+// The source lane of ds_swizzle for the calling lane: bit mode (within groups of 32 lanes,
+// ((lane & and) | or) ^ xor) or quad-permute mode (offset bit 15).
+int rf_emu_swizzle_source(int pattern) {
+  const int lane = (int)((active->current - active->lanes.data()) % WAVE);
+  if (pattern & 0x8000) return (lane & ~3) | ((pattern >> (2 * (lane & 3))) & 3);
+  const int and_mask = pattern & 0x1F, or_mask = (pattern >> 5) & 0x1F;
+  const int xor_mask = (pattern >> 10) & 0x1F;
+  return (lane & ~31) | (((lane & and_mask) | or_mask) ^ xor_mask);
+}
+
+static unsigned long long matrix_ops = 0;  // matrix instructions run (whole waves)
+
+RF_EMU_API unsigned long long rf_emu_matrix_ops() { return matrix_ops; }
+
+__attribute__((noinline)) void rf_emu_matrix(int op, const float* a, const float* b,
+                                             const float* c, float* d) {
+  Lane& lane = *active->current;
+  if (lane.id[0] % WAVE == 0) ++matrix_ops;
+  const int k = op == MATRIX_MFMA_16x16x16 ? 4 : 16, n = op == MATRIX_MFMA_16x16x16 ? 4 : 8;
+  lane.op = op;
+  std::copy(a, a + k, lane.a);
+  std::copy(b, b + k, lane.b);
+  std::copy(c, c + n, lane.c);
+  wait_at(At::matrix, __builtin_return_address(0));
+  std::copy(lane.d, lane.d + n, d);
+}
+
 unsigned long long rf_emu_memrealtime() {
   check_deadline();
   return (unsigned long long)(now_s() * 1e8);

@@ -55,7 +55,7 @@ Launch* active = nullptr;
 Stacks stacks;
 
 static const char* const AT_NAMES[] = {"running", "s_barrier", "wave_barrier",
-                                       "ds_bpermute", "exited", "failed"};
+                                       "ds_bpermute", "matrix op", "exited", "failed"};
 
 double now_s() {
   timespec t;
@@ -103,7 +103,7 @@ static std::string where() {
 // Whether two lanes wait at the same point (exited lanes all alike).
 static bool same_wait(const Lane& a, const Lane& b) {
   return a.at == b.at && (a.at == At::exited || a.site == b.site) &&
-         (a.at != At::bpermute || a.permutes == b.permutes);
+         ((a.at != At::bpermute && a.at != At::matrix) || a.permutes == b.permutes);
 }
 
 // The lanes [first, last) summarised as runs of equal state: "lanes 0-15 at ds_bpermute #3
@@ -118,7 +118,7 @@ static std::string describe_lanes(size_t first, size_t last) {
     text += text.empty() ? "" : ", ";
     text += j - i == 1 ? format("lane %zu", i) : format("lanes %zu-%zu", i, j - 1);
     text += a.at == At::exited ? " exited" : format(" at %s", AT_NAMES[(int)a.at]);
-    if (a.at == At::bpermute) text += format(" #%llu", a.permutes + 1);
+    if (a.at == At::bpermute || a.at == At::matrix) text += format(" #%llu", a.permutes + 1);
     if (a.at != At::exited) text += " (" + describe_site(a.site) + ")";
     i = j;
   }
@@ -162,6 +162,8 @@ static void error_at(const char* what, size_t first, size_t last, bool wave) {
   active->error += ": " + describe_lanes(first, last);
 }
 
+static bool release_matrix(size_t first, size_t last);
+
 // Releases the wave [first, last) if all of it waits at one wave-level point; false with
 // active->error set if part of it waits there and the rest never can.
 static bool release_wave(size_t first, size_t last, bool& released) {
@@ -169,16 +171,20 @@ static bool release_wave(size_t first, size_t last, bool& released) {
   const At at = lanes[first].at;
   bool any_bpermute = false, any_wave_barrier = false, same = true;
   for (size_t i = first; i < last; ++i) {
-    any_bpermute |= lanes[i].at == At::bpermute;
+    any_bpermute |= lanes[i].at == At::bpermute || lanes[i].at == At::matrix;
     any_wave_barrier |= lanes[i].at == At::wave_barrier;
     // a wave barrier may be met at different calls (as __syncwarp); a ds_bpermute may not
     same &= at == At::wave_barrier ? lanes[i].at == at : same_wait(lanes[i], lanes[first]);
   }
   if (!any_bpermute && !any_wave_barrier) return true;
   if (!same) {
-    error_at(any_bpermute ? "divergent ds_bpermute" : "deadlock at wave_barrier", first, last,
-             true);
+    error_at(any_bpermute ? "divergent cross-lane operation" : "deadlock at wave_barrier",
+             first, last, true);
     return false;
+  }
+  if (at == At::matrix) {
+    if (!release_matrix(first, last)) return false;
+    for (size_t i = first; i < last; ++i) ++lanes[i].permutes;
   }
   if (at == At::bpermute) {
     std::vector<int> values(last - first);
@@ -197,6 +203,51 @@ static bool release_wave(size_t first, size_t last, bool& released) {
   }
   for (size_t i = first; i < last; ++i) lanes[i].at = At::running;
   released = true;
+  return true;
+}
+
+// A matrix instruction of the wave [first, last): every lane's result from the gathered
+// operands, as the instruction lays them out (see compat.h); false with active->error set if
+// the wave cannot run it (wrong wave size, WMMA operands not mirrored across lane halves).
+static bool release_matrix(size_t first, size_t last) {
+  Lane* lanes = active->lanes.data() + first;
+  const size_t n = last - first;
+  const int op = lanes[0].op;
+  float A[16][16] = {}, B[16][16] = {}, C[16][16] = {};
+  if (op == MATRIX_MFMA_16x16x16) {
+    if (n != 64) return error_at("MFMA in a wave that is not 64 lanes", first, last, true), false;
+    for (size_t l = 0; l < 64; ++l)
+      for (int i = 0; i < 4; ++i) {
+        A[l % 16][4 * (l / 16) + i] = lanes[l].a[i];
+        B[4 * (l / 16) + i][l % 16] = lanes[l].b[i];
+        C[4 * (l / 16) + i][l % 16] = lanes[l].c[i];
+      }
+  } else {
+    if (n != 32) return error_at("WMMA in a wave that is not 32 lanes", first, last, true), false;
+    for (size_t l = 0; l < 32; ++l)
+      for (int k = 0; k < 16; ++k) {
+        if (lanes[l].a[k] != lanes[l % 16].a[k] || lanes[l].b[k] != lanes[l % 16].b[k]) {
+          const std::string what = format("WMMA operands of lane %zu differ from lane %zu's", l,
+                                          l % 16);
+          return error_at(what.c_str(), first, last, true), false;
+        }
+        A[l % 16][k] = lanes[l].a[k];
+        B[k][l % 16] = lanes[l].b[k];
+      }
+    for (size_t l = 0; l < 32; ++l)
+      for (int i = 0; i < 8; ++i) C[2 * i + l / 16][l % 16] = lanes[l].c[i];
+  }
+  float D[16][16];
+  for (int m = 0; m < 16; ++m)
+    for (int j = 0; j < 16; ++j) {
+      float sum = C[m][j];
+      for (int k = 0; k < 16; ++k) sum = __builtin_fmaf(A[m][k], B[k][j], sum);
+      D[m][j] = sum;
+    }
+  for (size_t l = 0; l < n; ++l)
+    for (int i = 0; i < (op == MATRIX_MFMA_16x16x16 ? 4 : 8); ++i)
+      lanes[l].d[i] = op == MATRIX_MFMA_16x16x16 ? D[4 * (l / 16) + i][l % 16]
+                                                 : D[2 * i + l / 16][l % 16];
   return true;
 }
 

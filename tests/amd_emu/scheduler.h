@@ -15,7 +15,7 @@ namespace rf_emu {
 constexpr size_t WAVE = __AMDGCN_WAVEFRONT_SIZE__;
 
 // Where a lane is: running (or runnable), waiting at a synchronization point, done.
-enum class At { running, s_barrier, wave_barrier, bpermute, exited, failed };
+enum class At { running, s_barrier, wave_barrier, bpermute, matrix, exited, failed };
 
 // A work-item: its fiber, where it is, its ids.
 struct Lane {
@@ -23,8 +23,10 @@ struct Lane {
   At at = At::running;
   unsigned id[3] = {0, 0, 0};
   const void* site = nullptr;   // return address of the call it waits in
-  unsigned long long permutes = 0;  // ds_bpermutes passed: a wave meets at the same one
+  unsigned long long permutes = 0;  // cross-lane points passed: a wave meets at the same one
   int address = 0, value = 0;   // ds_bpermute: what it asks and gives, then its result
+  int op = 0;                   // a matrix instruction: which, its operands, its result
+  float a[16] = {}, b[16] = {}, c[8] = {}, d[8] = {};
 };
 
 // One launch: its kernel and arguments, the workgroup running and its lanes.
