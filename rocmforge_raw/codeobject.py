@@ -139,8 +139,9 @@ class ElfImage:
             while at + 12 <= end:
                 namesz, descsz, kind = self._unpack("<III", at, "note header")
                 name_at, desc_at = at + 12, at + 12 + (namesz + 3) // 4 * 4
-                owner = self.image[name_at:name_at + namesz].rstrip(b"\0").decode()
-                found.append((owner, kind, self.image[desc_at:desc_at + descsz]))
+                owner = self.image[name_at:name_at + namesz].rstrip(b"\0")
+                found.append((owner.decode(errors="replace"), kind,
+                              self.image[desc_at:desc_at + descsz]))
                 at = desc_at + (descsz + 3) // 4 * 4
         return found
 
