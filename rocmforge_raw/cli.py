@@ -54,6 +54,24 @@ def _versions() -> dict[str, str]:
     return found
 
 
+def _hip_runtime(hip_python: str) -> tuple[dict[str, Any], list[str]]:
+    """The HIP runtime's version and the one hip-python's bindings were generated for (no
+    device needed), and a warning when their major.minor differ: the bindings' C layer (the
+    allocation and launch fast paths use it) then follows another HIP's headers."""
+    try:
+        from .runtime.hip import versions
+    except BackendUnavailableError as exc:  # hip-python is not installed
+        return {"runtime": None, "driver": None, "bindings": None, "error": str(exc)}, []
+    found = versions()
+    runtime, bindings = found["runtime"], found["bindings"]
+    if runtime is None or bindings is None or \
+            runtime.split(".")[:2] == bindings.split(".")[:2]:
+        return found, []
+    return found, [f"hip-python {hip_python} was generated for HIP {bindings} but the HIP "
+                   f"runtime is {runtime}: install the hip-python release of the installed "
+                   f"ROCm, or the ROCm these bindings were made for"]
+
+
 def cmd_info(args: argparse.Namespace) -> int:
     backends = available_backends()
     chosen = _target(args) if args.device is not None else None  # checks --device
@@ -72,8 +90,11 @@ def cmd_info(args: argparse.Namespace) -> int:
                             "multiprocessors": props.multiprocessors, "code_objects": objects})
     all_objects = sorted(p.name for p in module.KERNEL_DIR.iterdir()
                          if p.suffix in (".hsaco", ".cubin", ".ptx"))
+    versions = _versions()
+    hip_runtime, warnings = _hip_runtime(versions["hip-python"])
     result = {"backends": backends, "default": get_backend(args.backend).name,
-              "devices": devices, "code_objects": all_objects, "versions": _versions()}
+              "devices": devices, "code_objects": all_objects, "versions": versions,
+              "hip_runtime": hip_runtime, "warnings": warnings}
     lines = ["backends:"] + [f"  {n:5} {s}" for n, s in backends.items()]
     lines += [f"default backend: {result['default']}", "devices:"]
     lines += [f"  {d['backend']}:{d['index']} {d['name']} ({d['arch']}, "
@@ -81,6 +102,11 @@ def cmd_info(args: argparse.Namespace) -> int:
               f"{len(d['code_objects'])} code objects" for d in devices]
     lines += [f"code objects built: {len(all_objects)} in {module.KERNEL_DIR}", "versions:"]
     lines += [f"  {k} {v}" for k, v in result["versions"].items()]
+    lines.append(f"HIP runtime {hip_runtime['runtime'] or 'not loaded'} (driver "
+                 f"{hip_runtime['driver'] or '-'}), hip-python bindings for HIP "
+                 f"{hip_runtime['bindings'] or '-'}"
+                 + (f": {hip_runtime['error']}" if hip_runtime["error"] else ""))
+    lines += [f"warning: {w}" for w in warnings]
     _emit(args, result, "\n".join(lines))
     return 0
 

@@ -22,9 +22,9 @@ from typing import Any
 
 import numpy as np
 
-from . import checks, jit
+from . import checks, codeobject, jit
 from .errors import KernelNotAvailableError
-from .runtime import Backend, get_backend
+from .runtime import Backend, DeviceProperties, get_backend
 from .runtime._launch import Launch
 from .stream import Stream, stream_handle
 
@@ -172,15 +172,20 @@ class Kernel:
 
 
 class Module:
-    """A loaded code object (AMD code object, cubin or PTX) on one device."""
+    """A loaded code object (AMD code object, cubin or PTX) on one device. ``name`` names
+    the image in errors (default: the file's name, or its size for bytes)."""
 
     def __init__(self, image: bytes | str | Path, device: int | None = None,
-                 backend: str | Backend | None = None) -> None:
+                 backend: str | Backend | None = None, *, name: str | None = None) -> None:
         if not isinstance(image, (bytes, str, os.PathLike)):
             raise TypeError(f"image must be bytes or a path, got {checks.show(image)}")
         self.backend = get_backend(backend)
         self.device = self.backend.resolve_device(device)
         data = image if isinstance(image, bytes) else Path(image).read_bytes()
+        if name is None:
+            name = f"a {len(data)}-byte image" if isinstance(image, bytes) else Path(image).name
+        if self.backend.name == "hip":
+            check_wave_size(data, self.backend.cached_properties(self.device), name)
         self.handle = self.backend.module_load(data, self.device)
         self._kernels: dict[str, Kernel] = {}
         self._finalizer = weakref.finalize(
@@ -211,6 +216,25 @@ class Module:
 
     def __exit__(self, *exc: object) -> None:
         self.unload()
+
+
+def check_wave_size(image: bytes, props: DeviceProperties, name: str) -> None:
+    """Refuse (``KernelNotAvailableError``) an AMD code object whose kernels were built for
+    another wavefront size than the device's ``warp_size``: lane arithmetic compiled for 64
+    lanes computes wrong results on 32 and the other way round. Read from the object's kernel
+    descriptors, before any driver call; other images (cubins, PTX) pass unread."""
+    if not codeobject.is_amdgpu(image):
+        return
+    built = codeobject.wave_size(image)
+    if built is None or built == props.warp_size:
+        return
+    raise KernelNotAvailableError(
+        f"{name} holds wave{built} kernels (built for {codeobject.elf_arch(image)}) but "
+        f"{props.backend} device {props.index} ({props.name}, {props.arch}) runs "
+        f"wave{props.warp_size}: rebuild it for {props.arch} with wavefront size "
+        f"{props.warp_size} (`make kernels-amd` passes -DRF_WAVE_SIZE per target; clang's "
+        f"-mwavefrontsize64 or -mno-wavefrontsize64 selects it), or remove it so the source is "
+        f"compiled for this device at run time")
 
 
 def _unload(backend: Backend, handle: Any, device: int, pid: int) -> None:
@@ -285,7 +309,7 @@ def _load_compiled(stem: str, arch: str, device: int, backend: Backend) -> tuple
     origin = f"{how}, {compiled.compiler}, {compiled.seconds:.1f} s to compile: {compiled.path}"
     if not compiled.cached:
         _log.info("%s for %s: %s", stem, arch, origin)
-    return Module(compiled.image, device, backend), origin
+    return Module(compiled.image, device, backend, name=compiled.path.name), origin
 
 
 def load_kernels(stem: str, device: int | None = None, backend: str | Backend | None = None

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import ctypes
 import json
 import subprocess
 import sys
+from importlib import metadata
+from pathlib import Path
 
 import pytest
 
 from rocmforge_raw.cli import main
+from rocmforge_raw.errors import BackendUnavailableError
 
 
 def run_json(capsys, *argv):
@@ -88,3 +92,80 @@ def test_soak_with_a_planted_leak_fails_and_names_it(tmp_path):
     code, result = soak(tmp_path, "--seconds", "4", "--inject-leak")
     assert code == 1 and not result["passed"]
     assert any(r.startswith("live buffers:") and "leaked" in r for r in result["reasons"])
+
+
+# --- the HIP runtime's version and hip-python's -----------------------------------------------
+def _hip_module():
+    try:
+        from rocmforge_raw.runtime import hip
+    except BackendUnavailableError as exc:
+        pytest.skip(f"hip-python is not installed: {exc}")
+    return hip
+
+
+def _fake_versions(monkeypatch, runtime, bindings):
+    monkeypatch.setattr(_hip_module(), "versions", lambda: {
+        "runtime": runtime, "driver": runtime, "bindings": bindings, "error": None})
+
+
+def test_info_names_the_hip_runtime_without_a_device(capsys, hip_runtime_without_device):
+    """Debian's libamdhip64 answers the version calls with no GPU; info reports what the
+    library itself says (asked here through ctypes) and what the bindings were made for."""
+    library = ctypes.CDLL("libamdhip64.so")
+    number = ctypes.c_int()
+    assert library.hipRuntimeGetVersion(ctypes.byref(number)) == 0
+    expected = f"{number.value // 10**7}.{number.value // 10**5 % 100}.{number.value % 10**5}"
+    code, info = run_json(capsys, "info")
+    hip = _hip_module().hip
+    assert code == 0 and info["hip_runtime"]["runtime"] == expected
+    assert info["hip_runtime"]["driver"] is not None and info["hip_runtime"]["error"] is None
+    assert info["hip_runtime"]["bindings"] == \
+        f"{hip.HIP_VERSION_MAJOR}.{hip.HIP_VERSION_MINOR}.{hip.HIP_VERSION_PATCH}"
+    differ = expected.split(".")[:2] != [str(hip.HIP_VERSION_MAJOR), str(hip.HIP_VERSION_MINOR)]
+    assert len(info["warnings"]) == differ
+
+
+def test_info_warns_when_bindings_and_runtime_differ(capsys, monkeypatch):
+    _fake_versions(monkeypatch, "6.4.43483", "7.15.26333")
+    code, info = run_json(capsys, "info", "--backend", "host")
+    assert code == 0 and len(info["warnings"]) == 1
+    assert "generated for HIP 7.15.26333 but the HIP runtime is 6.4.43483" in info["warnings"][0]
+    assert main(["info", "--backend", "host"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [line for line in lines if line.startswith("warning:")] == \
+        [f"warning: {info['warnings'][0]}"]
+    assert "HIP runtime 6.4.43483 (driver 6.4.43483), hip-python bindings for HIP 7.15.26333" \
+        in lines
+
+
+def test_info_does_not_warn_when_major_minor_agree(capsys, monkeypatch):
+    _fake_versions(monkeypatch, "6.4.43483", "6.4.43482")
+    code, info = run_json(capsys, "info", "--backend", "host")
+    assert code == 0 and info["warnings"] == []
+
+
+def test_info_without_a_loadable_runtime_says_why_and_does_not_warn(capsys, monkeypatch):
+    binding = _hip_module().hip
+
+    def unloadable():
+        raise RuntimeError("failed to dlopen 'libamdhip64.so'")
+
+    monkeypatch.setattr(binding, "hipRuntimeGetVersion", unloadable)
+    code, info = run_json(capsys, "info", "--backend", "host")
+    assert code == 0 and info["hip_runtime"]["runtime"] is None and info["warnings"] == []
+    assert info["hip_runtime"]["error"] == \
+        "hipRuntimeGetVersion: failed to dlopen 'libamdhip64.so'"
+
+
+def test_installed_hip_python_is_in_the_stated_range():
+    tomllib = pytest.importorskip("tomllib")
+    requirements = pytest.importorskip("packaging.requirements")
+    try:
+        installed = metadata.version("hip-python")
+    except metadata.PackageNotFoundError:
+        pytest.skip("hip-python is not installed")
+    project = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())
+    stated = [requirements.Requirement(r) for r in project["project"]["dependencies"]]
+    hip_python, = [r for r in stated if r.name == "hip-python"]
+    assert hip_python.specifier.contains(installed), (installed, str(hip_python.specifier))
+    assert all(hip_python.specifier.contains(v) for v in ("6.4.4.555.40", "10.0.0.0.1.2"))

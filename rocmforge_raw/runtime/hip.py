@@ -276,6 +276,31 @@ def hiprtc_compile(source: str, name: str, arch: str, options: list[str]) -> byt
         hiprtc.hiprtcDestroyProgram(prog.createRef())
 
 
+def _version_name(number: int) -> str:
+    """A HIP version number (major * 10**7 + minor * 10**5 + patch) as "major.minor.patch"."""
+    return f"{number // 10_000_000}.{number // 100_000 % 100}.{number % 100_000}"
+
+
+def versions() -> dict[str, str | None]:
+    """HIP versions, no device needed, each "major.minor.patch" or None: ``runtime`` and
+    ``driver`` (hipRuntimeGetVersion, hipDriverGetVersion of the libamdhip64 hip-python loads;
+    None when it cannot be loaded or the call fails, and ``error`` says why) and ``bindings``
+    (the HIP version hip-python was generated from, its HIP_VERSION_MAJOR/MINOR/PATCH; its own
+    version names the ROCm release, which since 10.0 is not the HIP version: hip-python
+    10.0.0 carries HIP 7.15)."""
+    found: dict[str, str | None] = {"runtime": None, "driver": None, "bindings": None,
+                                    "error": None}
+    parts = [getattr(hip, f"HIP_VERSION_{p}", None) for p in ("MAJOR", "MINOR", "PATCH")]
+    if None not in parts:
+        found["bindings"] = ".".join(map(str, parts))
+    for key, api in (("runtime", "hipRuntimeGetVersion"), ("driver", "hipDriverGetVersion")):
+        try:
+            found[key] = _version_name(check(api, getattr(hip, api)()))
+        except (RuntimeError, OSError, DeviceError) as exc:  # no libamdhip64, or a failure
+            found["error"] = found["error"] or f"{api}: {exc}"
+    return found
+
+
 def bare_alloc_free(nbytes: int) -> None:
     """hipMalloc + hipFree with no checks: the baseline ``bench --alloc`` compares to."""
     hip.hipFree(hip.hipMalloc(nbytes)[1])
