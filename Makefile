@@ -5,6 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 KDIR := rocmforge_raw/kernels
 SOURCES := basic paged_attention cache_ops
+NATIVE_HEADERS := $(wildcard native/*.h)
 NVCC ?= nvcc
 HIPCC ?= hipcc
 CLANG ?= clang-19
@@ -79,17 +80,17 @@ else
 	@echo "nvcc not found: skipping NVIDIA cubins (the cuda backend compiles with NVRTC instead)"
 endif
 
-$(KDIR)/%.sm_80.cubin: native/%.cu native/compat.h
+$(KDIR)/%.sm_80.cubin: native/%.cu $(NATIVE_HEADERS)
 	$(NVCC) $(NVFLAGS) -cubin -arch=sm_80 -o $@ $<
-$(KDIR)/%.sm_90.cubin: native/%.cu native/compat.h
+$(KDIR)/%.sm_90.cubin: native/%.cu $(NATIVE_HEADERS)
 	$(NVCC) $(NVFLAGS) -cubin -arch=sm_90 -o $@ $<
-$(KDIR)/%.compute_90.ptx: native/%.cu native/compat.h
+$(KDIR)/%.compute_90.ptx: native/%.cu $(NATIVE_HEADERS)
 	$(NVCC) $(NVFLAGS) -ptx -arch=compute_90 -o $@ $<
-$(KDIR)/%.gfx90a.hsaco: native/%.cu native/compat.h
-	HIP_PLATFORM=amd $(HIPCC) --genco --offload-arch=gfx90a $(AMDFLAGS) -DRF_WAVE_SIZE=64 -o $@ $<
-$(KDIR)/%.gfx942.hsaco: native/%.cu native/compat.h
+$(KDIR)/%.gfx90a.hsaco: native/%.cu $(NATIVE_HEADERS)
+	$(CLANG) -x hip --cuda-device-only --offload-arch=gfx90a $(AMDFLAGS) -DRF_WAVE_SIZE=64 -o $@ $<
+$(KDIR)/%.gfx942.hsaco: native/%.cu $(NATIVE_HEADERS)
 	$(CLANG) -x hip --cuda-device-only --offload-arch=gfx942 $(AMDFLAGS) -DRF_WAVE_SIZE=64 -o $@ $<
-$(KDIR)/%.gfx1100.hsaco: native/%.cu native/compat.h
+$(KDIR)/%.gfx1100.hsaco: native/%.cu $(NATIVE_HEADERS)
 	$(CLANG) -x hip --cuda-device-only --offload-arch=gfx1100 $(AMDFLAGS) -DRF_WAVE_SIZE=32 -o $@ $<
 
 demo: $(PY) core kernels

@@ -355,10 +355,14 @@ RF_DEVICE void paged_attention(
 #if defined(RF_AMD)
       // tile `tile` goes from registers into the stage (once the warp is done with the
       // previous one), tile + 1's loads go out, and tile + 2's rows are placed
+      // (tile + 2's placing comes first: its block-table load, and at a piece boundary the
+      // walk's loads, are then older than the tile loads, so waiting for them later never
+      // waits for those)
       rf_syncwarp();
       copy.store(stage_s, row0);
+      const auto placed = place();
       copy.load(k_cache, v_cache, pending, num_kv_heads, block_shift);
-      pending = place();
+      pending = placed;
       rf_syncwarp();  // the warp's rows of this tile are visible to all its lanes
 #else
       // keep STAGES-1 tiles in flight: issue tile `tile + STAGES-1` into the stage freed by
@@ -414,15 +418,21 @@ RF_DEVICE void paged_attention(
     const rf_i64 slot = 2 * (rf_i64)cta + (c0 == cta);  // this CTA's slot for the unit
     for (int i = tid; i < nh * D; i += RF_PA_THREADS) {
       const int g = i / D, d = i % D;
+      float m = 0.f, l = 0.f;  // m_cta[g], l_cta[g] by selection: no indexed register array
+#pragma unroll
+      for (int h = 0; h < G; ++h) {
+        m = h == g ? m_cta[h] : m;
+        l = h == g ? l_cta[h] : l;
+      }
       if (pieces == 1) {
         const rf_i64 head = (rf_i64)piece.s * num_q_heads + q0 + g;
-        out[head * D + d] = E::from_float(l_cta[g] > 0.f ? out_s[g][d] / l_cta[g] : 0.f);
+        out[head * D + d] = E::from_float(l > 0.f ? out_s[g][d] / l : 0.f);
       } else {
         float* record = partials + (slot * G + g) * (D + 2);
         record[d] = out_s[g][d];
         if (d == 0) {
-          record[D] = m_cta[g];
-          record[D + 1] = l_cta[g];
+          record[D] = m;
+          record[D + 1] = l;
         }
       }
     }
