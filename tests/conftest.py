@@ -55,7 +55,12 @@ def no_leaked_buffers():
     gc.collect()
     ops.release_staging()  # the one-off ops' staging memory is kept per device, not leaked
     after = rf.memory_stats()["live_buffers"]
-    assert after <= before, f"test leaked {after - before} buffer(s)"
+    if after > before:  # name the newest live allocations (the registry keeps creation order)
+        leaked = rf.live_allocations()[before - after:]
+        where = "".join(f"\n{r.nbytes} bytes on {r.backend}:{r.device}"
+                        + ("".join(r.stack[-6:]) if r.stack else " (RF_TRACK_STACKS=1 says where)")
+                        for r in leaked)
+        pytest.fail(f"test leaked {after - before} buffer(s):{where}")
 
 
 @pytest.fixture
