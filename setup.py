@@ -1,8 +1,8 @@
-"""Builds the compiled core with Cython: the allocators (``runtime/_alloc``), C kernel launches (``runtime/_launch``), the registry
-(``_registry``), ``HipBuffer`` (``buffer``), ``MemoryPool`` (``pool``) and the attention's
-work split (``_worksplit``). Plain C against Python's
-headers only: the GPU fast paths take the bindings' C functions at run time, so neither cuda.h
-nor the ROCm headers are needed. Everything else is in pyproject.toml.
+"""Builds the compiled core with Cython: the allocators (``runtime/_alloc``), C kernel
+launches (``runtime/_launch``), the registry (``_registry``), ``HipBuffer`` (``buffer``),
+``MemoryPool`` (``pool``) and the attention's work split (``_worksplit``). Plain C against
+Python's headers only: the GPU fast paths take the bindings' C functions at run time, so
+neither cuda.h nor the ROCm headers are needed. Everything else is in pyproject.toml.
 """
 
 from Cython.Build import cythonize

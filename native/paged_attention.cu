@@ -33,9 +33,10 @@
 #define RF_PA_THREADS 128
 #define RF_PA_WARPS (RF_PA_THREADS / RF_WARP)
 #define RF_LOG2E 1.4426950408889634f
-// Bytes of one shared-memory stage (K + V of one tile) and the number of stages: launches
-// pass what planning.attention_shared_bytes computes from the same numbers (and the rows'
-// padding below). AMD keeps one stage and the next tile in registers.
+// Bytes of one shared-memory stage (K + V of one tile) and the number of stages. NVIDIA's
+// stages are dynamic shared memory: launches pass what planning.attention_shared_bytes
+// computes from the same numbers (and the rows' padding below). AMD keeps one stage, static
+// (its size is each instance's own: rf_pa_stage), and the next tile in registers.
 #ifndef RF_PA_STAGE_BYTES
 #if defined(RF_AMD)
 #define RF_PA_STAGE_BYTES 16384
@@ -59,10 +60,10 @@
 // an ldmatrix reads, and the 8 chunks of a row a copy writes, fall in different bank groups,
 // and a row stays contiguous for one bulk copy. AMD pads by 8 bytes, so the 16 rows of an
 // MFMA/WMMA K read (8 bytes each) fall in 16 distinct bank pairs.
-template <class E, int D>
+template <class E, int D, int STAGE_BYTES>
 struct rf_pa_tile {
   static constexpr int ROW_BYTES = D * (int)sizeof(typename E::storage);
-  static constexpr int TOKENS = RF_PA_STAGE_BYTES / 2 / ROW_BYTES;  // 16..128
+  static constexpr int TOKENS = STAGE_BYTES / 2 / ROW_BYTES;  // 4..128
   static constexpr int VPR = ROW_BYTES / 16;                        // 16-byte chunks per row
   static constexpr int TPT = RF_PA_THREADS / TOKENS;                // threads per token (QK)
   static constexpr int CHUNKS = VPR / TPT;                          // chunks per thread (QK)
@@ -79,6 +80,18 @@ struct rf_pa_tile {
     return plane + r * STRIDE + 16 * j;
   }
   RF_DEVICE static char* chunk(char* plane, int r, int j) { return plane + r * STRIDE + 16 * j; }
+};
+
+// The stage of one instance. On wave32 AMD targets a group of 8 heads halves it: the next
+// tile, which waits in registers, then takes 16 registers a lane instead of 32, and with
+// eight heads' accumulators a 16 KiB stage spilled on gfx1100 (to 128 bytes of scratch).
+template <int G>
+struct rf_pa_stage {
+#if defined(RF_AMD)
+  static constexpr int BYTES = RF_WARP == 32 && G >= 8 ? RF_PA_STAGE_BYTES / 2 : RF_PA_STAGE_BYTES;
+#else
+  static constexpr int BYTES = RF_PA_STAGE_BYTES;
+#endif
 };
 
 #include "pa_math.h"
@@ -121,25 +134,26 @@ RF_DEVICE void combine_pieces(typename E::storage* __restrict__ out, const float
 }
 
 #if defined(RF_AMD)
-// AMD's copy: each lane moves four 16-byte chunks of K and four of V per tile (128 bytes in
-// eight registers): chunk c of RPL consecutive rows, SPAN chunks a row apart by a warp's
-// width (RPL = 4, SPAN = 1 while a row has at most a warp's width of chunks; rows of f32 x
-// 256 on wave32 take two passes). Lane l: c = l % (VPR / SPAN), rows RPL g .. RPL g + RPL - 1
-// of the warp's rows with g = l / (VPR / SPAN). The rows are consecutive tokens of one block
-// (block sizes are multiples of 8), so one block-table entry places them; rows past the
+// AMD's copy: each lane moves N 16-byte chunks of K and N of V per tile (N = 4 for a 16 KiB
+// stage: 128 bytes in eight registers): chunk c of RPL consecutive rows, SPAN chunks a row
+// apart by a warp's width (SPAN = 1 while a row has at most a warp's width of chunks; rows of
+// f32 x 256 on wave32 take two passes). Lane l: c = l % (VPR / SPAN), rows RPL g .. RPL g +
+// RPL - 1 of the warp's rows with g = l / (VPR / SPAN). The rows are consecutive tokens of one
+// block (block sizes are multiples of 8), so one block-table entry places them; rows past the
 // piece's end are zeros.
 template <class E, int D, class Tile>
 struct rf_pa_amd_copy {
-  static constexpr int VPR = Tile::VPR;
-  static constexpr int SPAN = VPR > RF_WARP ? VPR / RF_WARP : 1, RPL = 4 / SPAN;
-  static_assert(Tile::TOKENS / RF_PA_WARPS * VPR == 4 * RF_WARP && SPAN * RPL == 4,
-                "four chunks of K and V per lane");
+  static constexpr int VPR = Tile::VPR, N = Tile::TOKENS / RF_PA_WARPS * VPR / RF_WARP;
+  static constexpr int SPAN = VPR > RF_WARP ? VPR / RF_WARP : 1, RPL = N / SPAN;
+  static_assert(N * RF_WARP == Tile::TOKENS / RF_PA_WARPS * VPR && RPL >= 1 && RPL <= 8 &&
+                    SPAN * RPL == N,
+                "whole chunks of whole rows per lane, the rows within one block");
   struct Rows {        // where a lane's rows of a tile are (the table entry not yet used)
     int block;         // block id (a pending load until the rows are copied)
     int offset;        // first row within the (block * num_kv_heads)-th block_size rows
     unsigned valid;    // bit j: row j exists
   };
-  rf_vec16 k[4], v[4];  // [row j][pass s] at j * SPAN + s
+  rf_vec16 k[N], v[N];  // [row j][pass s] at j * SPAN + s
   int c, g;
 
   RF_DEVICE Rows rows(const int* table, int kvh, int t, int end, bool ok, int row0,
@@ -188,13 +202,17 @@ RF_DEVICE void paged_attention(
     const typename E::storage* __restrict__ v_cache, const int* __restrict__ block_tables,
     const rf_pa_work& w, const int* __restrict__ first_seq, float scale, int num_q_heads,
     int num_kv_heads, int max_blocks, int block_shift) {
-  typedef rf_pa_tile<E, D> Tile;
+  typedef rf_pa_tile<E, D, rf_pa_stage<G>::BYTES> Tile;
   typedef typename rf_pa_math<E, D, G, Tile>::type Math;
   constexpr int T = Tile::TOKENS, VPR = Tile::VPR, WROWS = T / RF_PA_WARPS;
   constexpr int STAGES = RF_PA_STAGES;
   static_assert(WROWS * VPR % RF_WARP == 0 && WROWS <= RF_WARP, "copy shape");
   static_assert(G * D * 4 <= 2 * Tile::PLANE, "a piece's output fits in one stage");
-  RF_DYNAMIC_SHARED(rf_vec16, stage_v);  // [STAGES][K, V][T padded rows]
+#if defined(RF_AMD)
+  RF_SHARED rf_vec16 stage_v[STAGES * 2 * Tile::PLANE / 16];  // [STAGES][K, V][T padded rows]
+#else
+  RF_DYNAMIC_SHARED(rf_vec16, stage_v);
+#endif
   char* const stage_s = reinterpret_cast<char*>(stage_v);
   RF_SHARED typename Math::Shared math_s;
   RF_SHARED float wm_s[G][RF_PA_WARPS], wl_s[G][RF_PA_WARPS];  // per-warp max and sum

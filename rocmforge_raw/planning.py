@@ -34,17 +34,20 @@ WRITE_THREADS = 256  # RF_CO_THREADS
 #: indexes (int32).
 MAX_CACHE_ROWS = (1 << 31) - 1
 GROUP_SIZES = (1, 2, 4, 8)  # query heads one CTA serves (template G)
-#: The attention kernel's shared-memory pipeline per backend: (RF_PA_STAGES,
-#: RF_PA_STAGE_BYTES, bytes each K/V row is padded by). AMD holds one stage and the next
-#: tile in registers.
-ATTENTION_STAGES = {"cuda": (2, 32768, 16), "hip": (1, 16384, 8)}
+#: The attention kernel's dynamic shared memory per backend: (RF_PA_STAGES,
+#: RF_PA_STAGE_BYTES, bytes each K/V row is padded by). The AMD kernel's one stage is static
+#: LDS, each instance sizing its own (rf_pa_stage), so hip launches pass none.
+ATTENTION_STAGES = {"cuda": (2, 32768, 16), "hip": (0, 0, 0)}
 WRITE_PATCH = (0, 1, 2, 3)  # k_cache, v_cache, key, value
 
 
 def attention_shared_bytes(backend: str, row_bytes: int) -> int:
-    """Dynamic shared memory of the attention kernel whose K/V rows are ``row_bytes`` long:
-    its stages, each holding the K and V rows of a tile, every row padded."""
+    """Dynamic shared memory a launch of the attention kernel whose K/V rows are
+    ``row_bytes`` long passes: its stages, each holding the K and V rows of a tile, every
+    row padded (0 on hip: the stage is static there)."""
     stages, stage_bytes, pad = ATTENTION_STAGES[backend]
+    if stages == 0:
+        return 0
     rows = stage_bytes // 2 // row_bytes
     return stages * (stage_bytes + 2 * rows * pad)
 

@@ -134,6 +134,17 @@ def test_paged_attention_with_twelve_query_heads_per_kv_head(libraries, wave, rn
     assert relative_error(got, want) < TOLERANCE[np.dtype(np.float16)]
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: d.name)
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+def test_eight_head_groups_on_their_own_stage_sizes(libraries, wave, rng, dtype, head_dim):
+    # wave32's eight-head instances halve the stage (f32 x 256: 4 rows a tile, one a warp,
+    # each lane's chunks in two passes), so their copy and tile shapes differ from the rest
+    got, want, counters = attention(libraries["paged_attention", wave], rng, dtype, head_dim,
+                                    8, 8, [1, 7, 9, 40, LONG], num_kv_heads=1, seed=head_dim)
+    assert relative_error(got, want) < TOLERANCE[dtype]
+    assert not counters.any()
+
+
 # --- cache writes and copies ----------------------------------------------------------------
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: d.name)
 def test_reshape_and_cache_writes_slots_and_skips_minus_one(libraries, wave, rng, dtype):
