@@ -61,7 +61,7 @@ def keys(n: int, value: float = 1.0) -> DeviceArray:
 def cache_state(cache: KvCache) -> dict:
     """Everything a cache holds: per sequence its blocks, length, times, last slot and
     recency; ref counts and the free stack in order; counters, the current plan, finished
-    records and the slab's bytes."""
+    records, the prefix index with the cached-free blocks in order, and the slab's bytes."""
     rows, seqs = cache._rows, {}
     for seq_id in cache.seq_ids():
         row = rows.index[seq_id]
@@ -70,9 +70,15 @@ def cache_state(cache: KvCache) -> dict:
     return {
         "order": cache.seq_ids(), "seqs": seqs, "tick": rows.tick,
         "ref_cnt": cache.pool.ref_cnt.tolist(), "free": cache.pool.free_ids().tolist(),
+        "cached": cache.pool.cached_ids().tolist(), "index": sorted(cache.pool.index.items()),
         "stats": cache.stats(), "finished": cache.finished(), "epoch": cache._epoch,
         "plan": cache._steps.current, "slab": hashlib.sha1(host_view(cache.slab)).digest(),
     }
+
+
+#: Prompts that share leading blocks (block size 8): the prefix cache hits between them.
+PROMPTS = [np.arange(20), np.arange(17), np.concatenate([np.arange(16), [99] * 9]),
+           np.arange(100, 116)]
 
 
 # Bad calls: (name, call(machine)). Each must raise one of EXPECTED and change nothing.
@@ -87,6 +93,11 @@ BAD_CALLS = {
     "add zero tokens": lambda m: m.cache.add_sequence(m.new_id(), 0),
     "add unhashable id": lambda m: m.cache.add_sequence(["x"], 3),
     "add past the cache": lambda m: m.cache.add_sequence(m.new_id(), CONFIG.num_slots + 1),
+    "add float token ids": lambda m: m.cache.add_sequence(m.new_id(), tokens=np.arange(4.0)),
+    "add 2-D token ids": lambda m: m.cache.add_sequence(m.new_id(), tokens=[[1, 2], [3, 4]]),
+    "add a count and tokens": lambda m: m.cache.add_sequence(m.new_id(), 2, tokens=[1, 2]),
+    "add tokens past the cache": lambda m: m.cache.add_sequence(
+        m.new_id(), tokens=np.arange(CONFIG.num_slots + 1)),
     "append a string": lambda m: m.cache.append("abc"),
     "append a number": lambda m: m.cache.append(5),
     "append twice": lambda m: m.cache.append(_some(m) * 2),
@@ -126,12 +137,15 @@ BAD_CALLS = {
 }
 BAD_WITH_SEQUENCES = {
     "add existing id": lambda m: m.cache.add_sequence(_some(m)[0], 3),
+    "add existing id with tokens": lambda m: m.cache.add_sequence(_some(m)[0],
+                                                                  tokens=PROMPTS[0]),
     "fork onto existing": lambda m: m.cache.fork(_some(m)[0], m.cache.seq_ids()[-1]),
     "append twice": lambda m: m.cache.append(m.cache.seq_ids() + _some(m)),
     "batch twice": lambda m: m.cache.batch(m.cache.seq_ids() + _some(m)),
 }
 CLOCKED = {
     "add": lambda m: m.cache.add_sequence(m.new_id(), 5),
+    "add tokens": lambda m: m.cache.add_sequence(m.new_id(), tokens=PROMPTS[1]),
     "append": lambda m: m.cache.append(m.cache.seq_ids()),
     "fork": lambda m: m.cache.fork(_some(m)[0], m.new_id()),
     "finish": lambda m: m.cache.finish(_some(m)[0]),
@@ -210,6 +224,19 @@ class AtomicMachine(RuleBasedStateMachine):
             kv = keys(tokens, value)
             for layer in range(CONFIG.num_layers):
                 self.cache.write(layer, kv, kv, done[0].slot_mapping)
+            kv.buffer.root.close()
+
+    @rule(prompt=st.sampled_from(range(len(PROMPTS))), value=st.floats(-4, 4, width=32))
+    def add_prompt_and_prefill(self, prompt: int, value: float) -> None:
+        """A prompt given by its tokens: it may hit blocks held or cached-free."""
+        seq_id, done = self.new_id(), []
+        self.unchanged_by_failure(lambda: done.append(
+            self.cache.add_sequence(seq_id, tokens=PROMPTS[prompt])), CacheFullError)
+        if done:
+            slots = done[0].slot_mapping[done[0].num_cached_tokens :]
+            kv = keys(slots.size, value)
+            for layer in range(CONFIG.num_layers):
+                self.cache.write(layer, kv, kv, slots)
             kv.buffer.root.close()
 
     @rule()
@@ -327,15 +354,21 @@ def _failing_copy(*args, **kwargs):
     raise DeviceError("cuLaunchKernel", 719, "CUDA_ERROR_LAUNCH_FAILED", "injected")
 
 
-@pytest.mark.parametrize("preempting", [False, True], ids=["free-blocks", "must-preempt"])
+@pytest.mark.parametrize("preempting", [False, True, "evicting"],
+                         ids=["free-blocks", "must-preempt", "evicting-cached-blocks"])
 def test_a_failed_copy_on_write_copy_undoes_the_whole_append(monkeypatch, preempting):
     with KvCache(CONFIG, backend="host") as cache:
         cache.add_sequence("parent", 12)  # 2 blocks, the second shared by both forks
         cache.fork("parent", "a")
         cache.fork("parent", "b")
-        if preempting:
+        if preempting is True:
             for seq_id in ("x", "y", "z"):
                 cache.add_sequence(seq_id, 24)  # 9 more blocks: none left
+        if preempting == "evicting":  # 9 cached-free blocks: the copies evict two of them
+            cache.add_sequence("w", tokens=np.arange(72))
+            cache.finish("w")
+            preempting = False
+            assert cache.stats()["cached_free_blocks"] == 9
         cache.batch(["parent"])  # the parent is the most recently used: "x" goes first
         assert cache.stats()["free_blocks"] == (0 if preempting else 9)
         before = cache_state(cache)

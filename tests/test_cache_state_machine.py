@@ -1,9 +1,13 @@
-"""A hypothesis state machine over add/append/fork/write/finish/remove/preempt.
+"""A hypothesis state machine over add/append/fork/write/finish/remove/preempt, with prompts
+given by their tokens that share prefixes (the prefix cache hits held and cached-free blocks).
 
 After every step: the pool's invariants hold (free + used == total, ref counts == holders,
 no block held twice without sharing, tables consistent) and every live sequence reads back
-exactly the K values written for it, so sharing and copy-on-write never leak between
-sequences. 160 examples of up to 100 steps: at least 10 000 steps per run (asserted).
+exactly the K values written for it, so sharing, copy-on-write and prefix hits never leak
+between sequences. A prompt's K values are its token ids (a function of the prompt, as a
+model's are) and only the tokens the reservation does not report cached are written: a wrong
+hit reads back the wrong values. 160 examples of up to 100 steps: at least 10 000 steps
+per run (asserted).
 """
 
 from __future__ import annotations
@@ -26,6 +30,11 @@ from rocmforge_raw.ops import host_view
 BLOCK = 8
 CONFIG = CacheConfig(num_layers=1, num_kv_heads=1, head_dim=64, block_size=BLOCK,
                      num_blocks=16, dtype="float32")
+
+#: Shared prefixes: two of them agree on their first block, one is whole blocks only.
+SYSTEM_PROMPTS = [tuple(range(1000, 1000 + 2 * BLOCK + 3)),
+                  tuple(range(1000, 1000 + BLOCK)) + (7,) * (BLOCK + 1),
+                  tuple(range(2000, 2000 + 3 * BLOCK)), ()]
 
 
 class CacheMachine(RuleBasedStateMachine):
@@ -60,6 +69,25 @@ class CacheMachine(RuleBasedStateMachine):
         self._forget(reservation.preempted)
         self.model[seq_id] = self._write(reservation.slot_mapping)
 
+    @rule(system=st.sampled_from(SYSTEM_PROMPTS),
+          suffix=st.lists(st.integers(0, 2), max_size=2 * BLOCK))
+    def add_prompt(self, system: tuple[int, ...], suffix: list[int]) -> None:
+        tokens = np.array(system + tuple(suffix), np.int64)
+        seq_id, self.next_id = self.next_id, self.next_id + 1
+        if tokens.size == 0 or tokens.size > CONFIG.num_slots:
+            return
+        cached_free = self.cache.stats()["cached_free_blocks"]
+        reservation = self.cache.add_sequence(seq_id, tokens=tokens)
+        self._forget(reservation.preempted)
+        cached = reservation.num_cached_tokens
+        CacheMachine.hits += cached > 0
+        CacheMachine.revived += cached > 0 and cached_free > 0
+        assert cached <= tokens.size - 1 and (cached % BLOCK == 0 or cached == tokens.size - 1)
+        keys = np.repeat(tokens[cached:].astype(np.float32)[:, None, None], CONFIG.head_dim, 2)
+        array = DeviceArray.from_numpy(keys, backend="host")
+        self.cache.write(0, array, array, reservation.slot_mapping[cached:])
+        self.model[seq_id] = tokens.astype(np.float32).tolist()
+
     @precondition(lambda self: self.model)
     @rule(data=st.data())
     def append(self, data: st.DataObject) -> None:
@@ -93,7 +121,7 @@ class CacheMachine(RuleBasedStateMachine):
         free = self.cache.stats()["free_blocks"]
         self.add(min((free + 2) * BLOCK, CONFIG.num_slots))
 
-    checks = 0
+    checks = hits = revived = 0
 
     @invariant()
     def pool_is_consistent(self) -> None:
@@ -112,7 +140,10 @@ class CacheMachine(RuleBasedStateMachine):
 
 
 def test_ten_thousand_steps_keep_every_invariant():
-    CacheMachine.checks = 0
+    CacheMachine.checks = CacheMachine.hits = CacheMachine.revived = 0
     run_state_machine_as_test(CacheMachine, settings=settings(
         max_examples=160, stateful_step_count=100, deadline=None))
     assert CacheMachine.checks >= 10_000, f"only {CacheMachine.checks} steps ran"
+    assert CacheMachine.hits >= 100 and CacheMachine.revived >= 20, (
+        f"only {CacheMachine.hits} prompts hit the prefix cache, {CacheMachine.revived} "
+        "with cached-free blocks around")

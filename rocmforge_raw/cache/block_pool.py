@@ -1,13 +1,19 @@
-"""BlockPool: the one source of truth for block ids — an O(1) free stack and ref counts.
+"""BlockPool: the one source of truth for block ids — an O(1) free stack, ref counts and
+the prefix-cache index.
 
-Block 0 is the null block: never handed out, never freed. Every other id is either on the
-free stack with ``ref_cnt == 0`` or held with ``ref_cnt >= 1``. ``free`` of a block that is
-not held raises before anything changes: a ref count never underflows. Every operation
-either completes or raises with the pool exactly as before (free stack order included).
+Block 0 is the null block: never handed out, never freed. Every other id is in exactly one
+of three places: held (``ref_cnt >= 1``), on the free stack (``ref_cnt == 0``, no hash), or
+*cached-free* (``ref_cnt == 0``, keeps its contents and its prefix hash so that a later
+prompt can still hit it). Free blocks of both kinds can be allocated: the stack first, then
+the cached-free ones least recently freed first, whose hashes leave the index then. ``free``
+of a block that is not held raises before anything changes: a ref count never underflows.
+Every operation either completes or raises with the pool exactly as before (free order and
+index included).
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from typing import Any
 
 import numpy as np
@@ -38,39 +44,90 @@ class BlockPool:
         self.ref_cnt[NULL_BLOCK] = 1  # pinned
         self._free = np.arange(num_blocks - 1, 0, -1, dtype=np.int32)  # top = lowest id
         self._top = num_blocks - 1
+        self.hashes: dict[int, bytes] = {}  # block -> prefix hash (held or cached-free)
+        self.index: dict[bytes, int] = {}  # prefix hash -> block: the inverse of ``hashes``
+        self._cached: OrderedDict[int, None] = OrderedDict()  # least recently freed first
+        self._evicted: list[tuple[int, bytes]] = []  # what the last allocate evicted
 
     @property
     def num_free(self) -> int:
-        """Blocks on the free stack (ref count 0)."""
-        return self._top
+        """Blocks an ``allocate`` can hand out: the free stack and the cached-free ones."""
+        return self._top + len(self._cached)
+
+    @property
+    def num_cached_free(self) -> int:
+        """Free blocks that still hold a prefix (reused only after the free stack)."""
+        return len(self._cached)
 
     @property
     def num_used(self) -> int:
         """Blocks held (ref count >= 1), the null block not counted."""
-        return self.num_blocks - 1 - self._top
+        return self.num_blocks - 1 - self.num_free
 
     def allocate(self, count: int) -> np.ndarray | None:
-        """``count`` fresh blocks with ref count 1, or ``None`` if fewer are free."""
+        """``count`` blocks with ref count 1 and no hash, or ``None`` if fewer are free: the
+        free stack's first, then cached-free blocks least recently freed first (their
+        contents are given up: their hashes leave the index)."""
         if type(count) is not int:
             count = checks.integer(count, "count")
         if count < 0:
             raise ValueError(f"cannot allocate {count} blocks")
-        if count > self._top:
+        if count > self.num_free:
             return None
-        ids = self._free[self._top - count : self._top][::-1].copy()
-        self._top -= count
+        take = min(count, self._top)
+        ids = self._free[self._top - take : self._top][::-1].copy()
+        self._top -= take
+        self._evicted = []
+        if take < count:
+            for _ in range(count - take):
+                block = self._cached.popitem(last=False)[0]
+                self._evicted.append((block, self.hashes.pop(block)))
+                del self.index[self._evicted[-1][1]]
+            ids = np.concatenate([ids, np.array([b for b, _ in self._evicted], np.int32)])
         self.ref_cnt[ids] = 1
         return ids
 
     def undo_allocate(self, ids: np.ndarray) -> None:
-        """Put back the blocks the last ``allocate`` handed out, unused, so that the stack
-        is exactly as before it (an operation that failed after allocating)."""
-        count = len(ids)
-        above = self._free[self._top : self._top + count][::-1]
-        if above.size != count or (above != ids).any() or (self.ref_cnt[ids] != 1).any():
+        """Put back the blocks the last ``allocate`` handed out, unused, so that the pool is
+        exactly as before it (an operation that failed after allocating)."""
+        count, evicted = len(ids), len(self._evicted)
+        above = self._free[self._top : self._top + count - evicted][::-1]
+        last = np.concatenate([above, np.array([b for b, _ in self._evicted], np.int32)])
+        if last.size != count or (last != ids).any() or (self.ref_cnt[ids] != 1).any():
             raise ValueError(f"blocks {checks.show(list(ids))} are not the last allocation")
         self.ref_cnt[ids] = 0
-        self._top += count
+        self._top += count - evicted
+        for block, digest in reversed(self._evicted):
+            self._cached[block] = None
+            self._cached.move_to_end(block, last=False)
+            self.hashes[block], self.index[digest] = digest, block
+        self._evicted = []
+
+    def lookup(self, hashes: list[bytes]) -> list[int]:
+        """The blocks holding the longest leading run of ``hashes`` (held or cached-free)."""
+        found: list[int] = []
+        for digest in hashes:
+            block = self.index.get(digest)
+            if block is None:
+                break
+            found.append(block)
+        return found
+
+    def take(self, ids: list[int]) -> None:
+        """One more holder for each of ``ids`` (distinct blocks from ``lookup``): a
+        cached-free block is held again, contents and hash intact."""
+        for block in ids:
+            if self.ref_cnt[block] == 0:
+                del self._cached[block]
+        if ids:
+            self.ref_cnt[ids] += 1
+
+    def register(self, ids: np.ndarray, hashes: list[bytes]) -> None:
+        """Name held blocks ``ids`` by ``hashes`` (their full, written-in-order prefix): a
+        later ``lookup`` finds them. A hash already in the index keeps its block."""
+        for block, digest in zip(ids.tolist(), hashes):
+            if digest not in self.index and block not in self.hashes:
+                self.hashes[block], self.index[digest] = digest, block
 
     def share(self, ids: np.ndarray) -> None:
         """One more holder for each id (ids may repeat)."""
@@ -94,9 +151,18 @@ class BlockPool:
                              f"{int(self.ref_cnt[bad])} times")
         self.ref_cnt[unique] -= counts.astype(np.int32)
         released = unique[self.ref_cnt[unique] == 0].astype(np.int32)
+        total = int(released.size)
+        if self.hashes and total:
+            cached = [b in self.hashes for b in released.tolist()]
+            if any(cached):  # kept, the tail of a chain first out (freed in reverse order)
+                keep = set(released[cached].tolist())
+                for block in ids[::-1].tolist():
+                    if block in keep and block not in self._cached:
+                        self._cached[block] = None
+                released = released[~np.array(cached)]
         self._free[self._top : self._top + released.size] = released
         self._top += released.size
-        return int(released.size)
+        return total
 
     def _check_held(self, ids: np.ndarray, what: str) -> None:
         if ids.size == 0:
@@ -109,16 +175,38 @@ class BlockPool:
             raise ValueError(f"cannot {what} block {int(ids[~held][0])}: it is not held")
 
     def free_ids(self) -> np.ndarray:
-        """The free stack, bottom first (the next ``allocate`` takes from the end)."""
-        return self._free[: self._top].copy()
+        """Every free block in the reverse of the order ``allocate`` hands them out (it takes
+        from the end): the cached-free ones most recently freed first, then the stack."""
+        cached = np.fromiter(reversed(self._cached), np.int32, len(self._cached))
+        return np.concatenate([cached, self._free[: self._top]])
 
-    def snapshot(self) -> tuple[np.ndarray, np.ndarray, int]:
+    def cached_ids(self) -> np.ndarray:
+        """The cached-free blocks, least recently freed (next reused) first."""
+        return np.fromiter(self._cached, np.int32, len(self._cached))
+
+    def snapshot(self) -> tuple:
         """Everything ``restore`` needs to put the pool back exactly as it is now."""
-        return self.ref_cnt.copy(), self._free.copy(), self._top
+        return (self.ref_cnt.copy(), self._free.copy(), self._top, dict(self.hashes),
+                dict(self.index), OrderedDict(self._cached), list(self._evicted))
 
-    def restore(self, state: tuple[np.ndarray, np.ndarray, int]) -> None:
+    def restore(self, state: tuple) -> None:
         """Put the pool back as ``snapshot`` saw it."""
-        self.ref_cnt, self._free, self._top = state
+        (self.ref_cnt, self._free, self._top, self.hashes, self.index, self._cached,
+         self._evicted) = state
+
+    def check(self) -> None:
+        """Raise ``AssertionError`` naming the first broken invariant of the free lists and
+        the prefix index (holders are checked against the sequences by the cache)."""
+        assert self.num_free + self.num_used == self.num_blocks - 1, "free + used != total"
+        free = self.free_ids()
+        assert len(np.unique(free)) == free.size, "a block is free twice"
+        assert (self.ref_cnt[free] == 0).all(), "a free block has holders"
+        assert all(int(b) not in self.hashes for b in self._free[: self._top]), (
+            "a block on the free stack keeps a hash")
+        assert all(b in self.hashes for b in self._cached), "a cached-free block has no hash"
+        assert len(self.index) == len(self.hashes), "the index and the hashes differ"
+        assert all(self.index.get(h) == b for b, h in self.hashes.items()), (
+            "the index and the hashes differ")
 
     def __copy__(self) -> BlockPool:
         raise TypeError("a BlockPool cannot be shallow-copied (the copy would share its ref "

@@ -63,6 +63,8 @@ class CacheCore:
     num_preemptions: int
     num_cow_copies: int
     peak_used_blocks: int
+    num_prefix_hits: int
+    num_prefix_misses: int
 
     def _check_open(self) -> None:
         if self.slab.buffer.closed:

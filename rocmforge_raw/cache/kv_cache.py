@@ -34,6 +34,7 @@ from ..buffer import HipBuffer
 from ..errors import CacheFullError
 from ..runtime import get_backend
 from ..stream import Stream, stream_handle
+from . import prefix
 from .block_pool import BlockPool
 from .config import CacheConfig
 from .core import CacheCore, operation, repeated
@@ -45,10 +46,13 @@ from .step import BatchMetadata, StepPlanner
 @dataclass(frozen=True)
 class Reservation:
     """Slots reserved by ``add_sequence``/``append`` (int64, ``-1`` for a sequence that was
-    preempted instead) and the ids preempted to make room."""
+    preempted instead), the ids preempted to make room and, for a prompt given by its
+    tokens, how many leading tokens the prefix cache already holds (their K/V need not be
+    written: prefill ``slot_mapping[num_cached_tokens:]``)."""
 
     slot_mapping: np.ndarray
     preempted: list[Hashable]
+    num_cached_tokens: int = 0
 
 
 class KvCache(CacheCore):
@@ -82,6 +86,7 @@ class KvCache(CacheCore):
         self._epoch = 0  # bumped by every change of tables or lengths: plans go stale
         self._finished = FinishedRecords(max_finished, finished_ttl_s, clock)
         self.num_preemptions = self.num_cow_copies = self.peak_used_blocks = 0
+        self.num_prefix_hits = self.num_prefix_misses = 0
 
     # --- lifecycle ---------------------------------------------------------------------------
     def close(self) -> None:
@@ -158,11 +163,27 @@ class KvCache(CacheCore):
 
     # --- operations --------------------------------------------------------------------------
     @operation
-    def add_sequence(self, seq_id: Hashable, num_tokens: int) -> Reservation:
-        """Allocate blocks for a prompt of ``num_tokens``; the reservation maps every prompt
-        token to its slot (in order)."""
-        num_tokens = checks.integer(num_tokens, "num_tokens", 1)
+    def add_sequence(self, seq_id: Hashable, num_tokens: int | None = None, *,
+                     tokens: Any = None) -> Reservation:
+        """Allocate blocks for a prompt of ``num_tokens``, or of the token ids ``tokens``
+        (exactly one of the two); the reservation maps every prompt token to its slot (in
+        order). Given ``tokens``, each full block is looked up in the prefix cache by its
+        chained hash (``prefix.block_hashes``): the leading blocks found are shared (held
+        or cached-free), the rest are fresh and become findable, and the reservation says
+        how many leading tokens are cached. When the whole prompt is cached, its last token
+        is reported uncached so that the caller still computes it (its K/V, written again,
+        equal what the block holds; a ``batch()`` write before the next ``append`` skips
+        it, as it does after ``fork``). The caller writes the K/V of the uncached tokens on
+        the cache's stream before any later use: a hit is only as good as that write."""
         checks.hashable(seq_id, "seq_id")
+        if (num_tokens is None) == (tokens is None):
+            raise TypeError("give exactly one of num_tokens and tokens")
+        hashes: list[bytes] = []
+        if tokens is not None:
+            ids_of = prefix.token_ids(tokens)
+            num_tokens = int(ids_of.size)
+            hashes = prefix.block_hashes(ids_of, self.config.block_size)
+        num_tokens = checks.integer(num_tokens, "num_tokens", 1)
         if seq_id in self._rows.index:
             raise ValueError(f"sequence {seq_id!r} already exists")
         need = self._blocks_for(num_tokens)
@@ -170,20 +191,33 @@ class KvCache(CacheCore):
             raise CacheFullError(need, self.pool.num_free,
                                  f"a {num_tokens}-token prompt exceeds the whole cache")
         now = self._now()
-        preempted = self._make_room(lambda live, ref_cnt: need, [])
-        ids = self.pool.allocate(need)
+        hits = self.pool.lookup(hashes)
+        fresh = need - len(hits)
+
+        def blocks_needed(live: list[Hashable], ref_cnt: np.ndarray) -> int:
+            return fresh + int(np.count_nonzero(ref_cnt[hits] == 0))  # hits off the free list
+
+        preempted = self._make_room(blocks_needed, [])
+        self.pool.take(hits)  # before allocating: the allocation may evict cached-free blocks
+        ids = self.pool.allocate(fresh)
+        self.pool.register(ids[: len(hashes) - len(hits)], hashes[len(hits) :])
+        ids = np.concatenate([np.array(hits, np.int32), ids])
         rows, bs = self._rows, self.config.block_size
         row = rows.add(seq_id, need)
         rows.tables[row, :need] = ids
         rows.lens[row], rows.nblocks[row] = num_tokens, need
         rows.last_block[row] = ids[-1]
-        rows.last_slot[row] = int(ids[-1]) * bs + (num_tokens - 1) % bs
+        # a last block found in the cache is shared: the step's write skips it, as after fork
+        shared_last = len(hits) == need
+        rows.last_slot[row] = -1 if shared_last else int(ids[-1]) * bs + (num_tokens - 1) % bs
         rows.created[row] = now
         rows.touch(np.array([row]), now)
+        self.num_prefix_hits += len(hits)
+        self.num_prefix_misses += len(hashes) - len(hits)
         self._changed()
         positions = np.arange(num_tokens)
         slots = ids[positions // bs].astype(np.int64) * bs + positions % bs
-        return Reservation(slots, preempted)
+        return Reservation(slots, preempted, min(len(hits) * bs, num_tokens - 1))
 
     @operation
     def append(self, seq_ids: Iterable[Hashable], stream: Stream | None = None) -> Reservation:
@@ -323,10 +357,14 @@ class KvCache(CacheCore):
     @operation
     def stats(self) -> dict[str, Any]:
         """Blocks free/used, usage, fragmentation (reserved but unwritten slots over slots in
-        use), bytes per token, sequences, preemptions, copy-on-write copies, peak usage."""
+        use), bytes per token, sequences, preemptions, copy-on-write copies, peak usage, and
+        the prefix cache: full prompt blocks found (hits) and not found (misses), the hit
+        rate over them (0.0 before any lookup), and how many free blocks still hold a
+        prefix (``cached_free_blocks``, counted in ``free_blocks``)."""
         used, usable = self.pool.num_used, self.config.num_blocks - 1
         tokens, slots = self._rows.tokens_and_slots(self.config.block_size)
         self._finished.prune()
+        lookups = self.num_prefix_hits + self.num_prefix_misses
         return {
             "num_blocks": usable, "free_blocks": self.pool.num_free, "used_blocks": used,
             "usage": used / usable, "peak_used_blocks": self.peak_used_blocks,
@@ -335,6 +373,9 @@ class KvCache(CacheCore):
             "active_sequences": len(self._rows.index), "tokens": tokens,
             "preemptions": self.num_preemptions, "cow_copies": self.num_cow_copies,
             "finished_records": len(self._finished),
+            "prefix_hits": self.num_prefix_hits, "prefix_misses": self.num_prefix_misses,
+            "prefix_hit_rate": self.num_prefix_hits / lookups if lookups else 0.0,
+            "cached_free_blocks": self.pool.num_cached_free,
         }
 
     @operation

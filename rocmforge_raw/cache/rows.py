@@ -186,12 +186,9 @@ class SequenceRows:
 
     def check(self, pool: BlockPool, block_size: int) -> None:
         """Raise ``AssertionError`` naming the first invariant the rows and ``pool`` break:
-        free + used == total, each ref count == the rows holding the block, tables padded."""
-        usable = pool.num_blocks - 1
-        assert pool.num_free + pool.num_used == usable, "free + used != total"
-        free = pool.free_ids()
-        assert len(np.unique(free)) == free.size, "a block is on the free stack twice"
-        assert (pool.ref_cnt[free] == 0).all(), "a free block has holders"
+        free + used == total, each ref count == the rows holding the block, tables padded, the
+        prefix index consistent (``BlockPool.check``)."""
+        pool.check()
         rows = np.fromiter(self.index.values(), np.int64, len(self.index))
         held = np.concatenate([self.tables[r, : self.nblocks[r]] for r in rows]
                               or [np.zeros(0, np.int32)])
@@ -204,3 +201,5 @@ class SequenceRows:
         for r in rows:
             assert (self.tables[r, self.nblocks[r] :] == NULL_BLOCK).all(), "stale table"
             assert self.last_block[r] == self.tables[r, self.nblocks[r] - 1], "last block"
+            assert not self.lens[r] % block_size or int(self.last_block[r]) not in pool.hashes, (
+                "a partial block has a prefix hash")
