@@ -26,6 +26,74 @@ RF_KERNEL(RF_CO_THREADS) rf_reshape_and_cache(
   }
 }
 
+// fp8 e4m3 code of x * inv_scale (fp32 arithmetic), saturated and rounded to nearest even:
+// e4m3fn (fnuz = 0) saturates at 448 and keeps the sign of zero; e4m3fnuz (fnuz = 1, bias 8)
+// is encoded as the bias-7 code of twice the value (exact), saturates at 240 (code 0x7F) and
+// has one zero. NaN stays NaN (0x7F fn, 0x80 fnuz). As ml_dtypes casts a clipped float32.
+RF_DEVICE unsigned rf_to_e4m3(float x, float inv_scale, int fnuz) {
+  float v = x * inv_scale;
+  if (fnuz) v *= 2.f;
+  const unsigned bits = __builtin_bit_cast(unsigned, v);
+  const unsigned sign = (bits >> 24) & 0x80u;
+  if (v != v) return fnuz ? 0x80u : 0x7fu;
+  float a = __builtin_bit_cast(float, bits & 0x7fffffffu);
+  const float limit = fnuz ? 480.f : 448.f;
+  a = a < limit ? a : limit;
+  unsigned code;
+  if (a < 0.015625f) {  // below 2^-6: subnormal codes, in steps of 2^-9
+    code = (unsigned)rf_rint(a * 512.f);
+  } else {              // 3 mantissa bits, rounded to nearest even, then the bias moved
+    unsigned u = __builtin_bit_cast(unsigned, a);
+    u += 0x7ffffu + ((u >> 20) & 1u);
+    code = (u >> 20) - (120u << 3);
+  }
+  return fnuz && code == 0 ? 0u : code | sign;
+}
+
+// reshape_and_cache into an fp8 cache: K/V of E (fp16/bf16) quantized with the layer's
+// inverse scales. k_cache/v_cache hold codes, [num_blocks, num_kv_heads, block_size,
+// head_dim] bytes; row_vecs = head_dim / 8 (8 elements in, 8 codes out per thread step).
+template <class E>
+RF_DEVICE void rf_write_e4m3(rf_u64* __restrict__ k_cache, rf_u64* __restrict__ v_cache,
+                             const rf_vec16* __restrict__ key,
+                             const rf_vec16* __restrict__ value,
+                             const rf_i64* __restrict__ slot_mapping, int num_kv_heads,
+                             int block_size, int row_vecs, float k_inv, float v_inv,
+                             int fnuz) {
+  const rf_i64 token = rf_bid_x();
+  const rf_i64 slot = slot_mapping[token];
+  if (slot < 0) return;
+  const rf_i64 block = slot / block_size, offset = slot % block_size;
+  const int token_vecs = num_kv_heads * row_vecs;
+  auto codes = [&](const rf_vec16& x, float inv) {
+    const unsigned words[4] = {x.x, x.y, x.z, x.w};
+    rf_u64 out = 0;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      const unsigned short e = (unsigned short)(words[i / 2] >> (16 * (i % 2)));
+      out |= (rf_u64)rf_to_e4m3(E::to_float(e), inv, fnuz) << (8 * i);
+    }
+    return out;
+  };
+  for (int i = (int)rf_tid(); i < token_vecs; i += RF_CO_THREADS) {
+    const int head = i / row_vecs, c = i % row_vecs;
+    const rf_i64 dst = ((block * num_kv_heads + head) * block_size + offset) * row_vecs + c;
+    k_cache[dst] = codes(key[token * token_vecs + i], k_inv);
+    v_cache[dst] = codes(value[token * token_vecs + i], v_inv);
+  }
+}
+
+#define RF_WRITE_E4M3(NAME, E)                                                                 \
+  RF_KERNEL(RF_CO_THREADS) rf_reshape_and_cache_e4m3_##NAME(                                   \
+      rf_u64* k_cache, rf_u64* v_cache, const rf_vec16* key, const rf_vec16* value,            \
+      const rf_i64* slot_mapping, int num_kv_heads, int block_size, int row_vecs, float k_inv, \
+      float v_inv, int fnuz) {                                                                 \
+    rf_write_e4m3<E>(k_cache, v_cache, key, value, slot_mapping, num_kv_heads, block_size,    \
+                     row_vecs, k_inv, v_inv, fnuz);                                            \
+  }
+RF_WRITE_E4M3(f16, rf_f16)
+RF_WRITE_E4M3(bf16, rf_bf16)
+
 // Copies whole blocks, in every layer, K and V, for each (src, dst) pair.
 // slab [num_layers, 2, num_blocks, block_vecs] of 16-byte vectors (block_vecs = num_kv_heads *
 // block_size * head_dim * itemsize / 16); pairs int64 [num_pairs, 2].

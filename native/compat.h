@@ -323,6 +323,16 @@ RF_DEVICE int rf_uniform(int x) { return __builtin_amdgcn_readfirstlane(x); }
 #endif
 
 RF_DEVICE float rf_fmax(float a, float b) { return a > b ? a : b; }
+// x rounded to an integer, halves to even
+#if defined(RF_NVIDIA)
+RF_DEVICE float rf_rint(float x) {
+  float y;
+  asm("cvt.rni.f32.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+#else
+RF_DEVICE float rf_rint(float x) { return __builtin_rintf(x); }
+#endif
 RF_DEVICE float rf_bf16_to_float(unsigned short h) {
   return __builtin_bit_cast(float, ((unsigned)h) << 16);
 }
@@ -383,6 +393,39 @@ struct rf_16bit {
 };
 typedef rf_16bit<rf_half_to_float, rf_float_to_half, 1> rf_f16;
 typedef rf_16bit<rf_bf16_to_float, rf_float_to_bf16, 2> rf_bf16;
+
+// fp8 e4m3, the 8-bit KV-cache format (the cache only: queries, outputs and the arithmetic
+// stay 16-bit or wider). Codes are read as e4m3 with exponent bias 7 and every code finite
+// (0x7F = 480: e4m3fn never stores it, its NaN; e4m3fnuz, bias 8, reads as twice its value,
+// a factor the host folds into the scales with the layer's). `widen` turns 8 codes into 8
+// elements of the 16-bit type E exactly, by moving bits: the fp16 whose sign, exponent and
+// mantissa fields are the code's is its value / 256 (subnormal codes land on fp16
+// subnormals), and every such value is a bf16 too. So the stage holds value / 256.
+struct rf_e4m3 {
+  typedef unsigned char storage;
+  // codes in bytes 0 and 1 of b -> the two fp16 halves of a word
+  RF_DEVICE static unsigned half2(unsigned b) {
+    const unsigned spread = (b & 0xffu) | ((b & 0xff00u) << 8);  // byte i at bit 16 i
+    return ((spread & 0x00800080u) << 8) | ((spread & 0x007f007fu) << 7);
+  }
+  template <class E>
+  RF_DEVICE static unsigned pair(unsigned b) {  // two codes -> two elements of E
+    const unsigned h = half2(b);
+    if constexpr (E::TENSOR_KIND == 1) {
+      return h;
+    } else {
+      static_assert(E::TENSOR_KIND == 2, "fp8 caches widen to fp16 or bf16");
+      const unsigned lo = __builtin_bit_cast(unsigned, rf_half_to_float(h & 0xffffu));
+      const unsigned hi = __builtin_bit_cast(unsigned, rf_half_to_float(h >> 16));
+      return (lo >> 16) | (hi & 0xffff0000u);  // exact: at most 4 significant bits
+    }
+  }
+  // 8 codes (two words) -> 8 elements of E (16 bytes)
+  template <class E>
+  RF_DEVICE static rf_vec16 widen(unsigned w0, unsigned w1) {
+    return rf_vec16{pair<E>(w0), pair<E>(w0 >> 16), pair<E>(w1), pair<E>(w1 >> 16)};
+  }
+};
 
 // Sum or max over the lanes whose indices differ in the bits [FIRST, LAST) of the lane
 // index (FIRST, LAST powers of two): a butterfly of constant-mask shuffles; every lane of

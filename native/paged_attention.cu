@@ -85,12 +85,15 @@ struct rf_pa_tile {
 // The stage of one instance. On wave32 AMD targets a group of 8 heads halves it: the next
 // tile, which waits in registers, then takes 16 registers a lane instead of 32, and with
 // eight heads' accumulators a 16 KiB stage spilled on gfx1100 (to 128 bytes of scratch).
-template <int G>
+// NVIDIA's fp8 instances copy through registers too (one stage, widened on the way in): half
+// a stage keeps them within the register budget (a full one spilled 8-264 bytes on sm_90),
+// and 8 KiB of codes per tile and CTA still keep enough bytes in flight.
+template <int G, bool FP8>
 struct rf_pa_stage {
 #if defined(RF_AMD)
   static constexpr int BYTES = RF_WARP == 32 && G >= 8 ? RF_PA_STAGE_BYTES / 2 : RF_PA_STAGE_BYTES;
 #else
-  static constexpr int BYTES = RF_PA_STAGE_BYTES;
+  static constexpr int BYTES = FP8 ? RF_PA_STAGE_BYTES / 2 : RF_PA_STAGE_BYTES;
 #endif
 };
 
@@ -133,20 +136,22 @@ RF_DEVICE void combine_pieces(typename E::storage* __restrict__ out, const float
   for (int e = 0; e < PER; ++e) out[lane + e * RF_WARP] = E::from_float(o[e] * inv);
 }
 
-#if defined(RF_AMD)
-// AMD's copy: each lane moves N 16-byte chunks of K and N of V per tile (N = 4 for a 16 KiB
-// stage: 128 bytes in eight registers): chunk c of RPL consecutive rows, SPAN chunks a row
-// apart by a warp's width (SPAN = 1 while a row has at most a warp's width of chunks; rows of
-// f32 x 256 on wave32 take two passes). Lane l: c = l % (VPR / SPAN), rows RPL g .. RPL g +
-// RPL - 1 of the warp's rows with g = l / (VPR / SPAN). The rows are consecutive tokens of one
-// block (block sizes are multiples of 8), so one block-table entry places them; rows past the
-// piece's end are zeros.
-template <class E, int D, class Tile>
-struct rf_pa_amd_copy {
-  static constexpr int VPR = Tile::VPR, N = Tile::TOKENS / RF_PA_WARPS * VPR / RF_WARP;
+// The register copy (AMD always; NVIDIA for fp8 caches, whose codes are widened on the way
+// into the stage): each lane moves N 16-byte chunks of the cache's K and N of its V per tile
+// (N = 4 for a 16-bit 16 KiB stage: 128 bytes in eight registers): chunk c of RPL consecutive
+// rows, SPAN chunks a row apart by a warp's width (SPAN = 1 while a row has at most a warp's
+// width of chunks; rows of f32 x 256 on wave32 take two passes). Lane l: c = l % (VPR / SPAN),
+// rows RPL g .. RPL g + RPL - 1 of the warp's rows with g = l / (VPR / SPAN), VPR the cache
+// row's chunks. The rows are consecutive tokens of one block (block sizes are multiples of
+// 8), so one block-table entry places them; rows past the piece's end are zeros. A cache
+// chunk of C fills WIDEN stage chunks of E (2 for fp8: rf_e4m3::widen).
+template <class E, class C, int D, class Tile>
+struct rf_pa_reg_copy {
+  static constexpr int WIDEN = sizeof(typename E::storage) / sizeof(typename C::storage);
+  static constexpr int VPR = Tile::VPR / WIDEN, N = Tile::TOKENS / RF_PA_WARPS * VPR / RF_WARP;
   static constexpr int SPAN = VPR > RF_WARP ? VPR / RF_WARP : 1, RPL = N / SPAN;
   static_assert(N * RF_WARP == Tile::TOKENS / RF_PA_WARPS * VPR && RPL >= 1 && RPL <= 8 &&
-                    SPAN * RPL == N,
+                    SPAN * RPL == N && (WIDEN == 1 || WIDEN == 2),
                 "whole chunks of whole rows per lane, the rows within one block");
   struct Rows {        // where a lane's rows of a tile are (the table entry not yet used)
     int block;         // block id (a pending load until the rows are copied)
@@ -166,7 +171,7 @@ struct rf_pa_amd_copy {
     return Rows{table[tok >> block_shift],
                 (kvh << block_shift) + (tok & ((1 << block_shift) - 1)), valid};
   }
-  RF_DEVICE void load(const typename E::storage* k_cache, const typename E::storage* v_cache,
+  RF_DEVICE void load(const typename C::storage* k_cache, const typename C::storage* v_cache,
                       const Rows& r, int num_kv_heads, int block_shift) {
     const rf_i64 first = ((rf_i64)r.block * num_kv_heads << block_shift) + r.offset;
     const rf_vec16* kc = reinterpret_cast<const rf_vec16*>(k_cache) + first * VPR + c;
@@ -181,31 +186,49 @@ struct rf_pa_amd_copy {
         v[j * SPAN + s] = ok ? vc[at] : rf_vec16{0u, 0u, 0u, 0u};
       }
   }
+  RF_DEVICE static void put(char* plane, int row, int chunk, const rf_vec16& x) {
+    if constexpr (WIDEN == 1) {
+      rf_lds_store16(Tile::chunk(plane, row, chunk), x);
+    } else {
+      rf_lds_store16(Tile::chunk(plane, row, 2 * chunk), C::template widen<E>(x.x, x.y));
+      rf_lds_store16(Tile::chunk(plane, row, 2 * chunk + 1), C::template widen<E>(x.z, x.w));
+    }
+  }
   RF_DEVICE void store(char* stage, int row0) const {
 #pragma unroll
     for (int j = 0; j < RPL; ++j)
 #pragma unroll
       for (int s = 0; s < SPAN; ++s) {
         const int row = row0 + RPL * g + j, chunk = c + s * RF_WARP;
-        rf_lds_store16(Tile::chunk(stage, row, chunk), k[j * SPAN + s]);
-        rf_lds_store16(Tile::chunk(stage + Tile::PLANE, row, chunk), v[j * SPAN + s]);
+        put(stage, row, chunk, k[j * SPAN + s]);
+        put(stage + Tile::PLANE, row, chunk, v[j * SPAN + s]);
       }
   }
 };
-#endif
 
-template <class E, int D, int G>
+// E: the queries', outputs' and stage's element type; C: the cache's (E, or rf_e4m3, whose
+// codes the copy widens to E on their way into the stage: the math never sees them).
+// `scale` multiplies the scores, `out_scale` the outputs of an fp8 cache (the host folds the
+// layer's K and V scales and the codes' factor into them; other caches ignore out_scale).
+template <class E, class C, int D, int G>
 RF_DEVICE void paged_attention(
     typename E::storage* __restrict__ out, float* __restrict__ partials,
     int* __restrict__ counters, const typename E::storage* __restrict__ q,
-    const typename E::storage* __restrict__ k_cache,
-    const typename E::storage* __restrict__ v_cache, const int* __restrict__ block_tables,
+    const typename C::storage* __restrict__ k_cache,
+    const typename C::storage* __restrict__ v_cache, const int* __restrict__ block_tables,
     const rf_pa_work& w, const int* __restrict__ first_seq, float scale, int num_q_heads,
-    int num_kv_heads, int max_blocks, int block_shift) {
-  typedef rf_pa_tile<E, D, rf_pa_stage<G>::BYTES> Tile;
+    int num_kv_heads, int max_blocks, int block_shift, float out_scale) {
+  constexpr bool FP8 = sizeof(typename C::storage) != sizeof(typename E::storage);
+  typedef rf_pa_tile<E, D, rf_pa_stage<G, FP8>::BYTES> Tile;
   typedef typename rf_pa_math<E, D, G, Tile>::type Math;
+  typedef rf_pa_reg_copy<E, C, D, Tile> Copy;
+#if defined(RF_AMD)
+  constexpr bool REG = true;  // the copy through registers, one stage
+#else
+  constexpr bool REG = FP8;
+#endif
   constexpr int T = Tile::TOKENS, VPR = Tile::VPR, WROWS = T / RF_PA_WARPS;
-  constexpr int STAGES = RF_PA_STAGES;
+  constexpr int STAGES = REG ? 1 : RF_PA_STAGES;
   static_assert(WROWS * VPR % RF_WARP == 0 && WROWS <= RF_WARP, "copy shape");
   static_assert(G * D * 4 <= 2 * Tile::PLANE, "a piece's output fits in one stage");
 #if defined(RF_AMD)
@@ -265,19 +288,22 @@ RF_DEVICE void paged_attention(
   enter_piece();
   if (a_t >= a_end) next_piece();
 
-#if defined(RF_AMD)
-  // one stage; tile i + 1 in registers while tile i is computed, tile i + 2's rows placed
-  rf_pa_amd_copy<E, D, Tile> copy;
-  copy.c = lane % (VPR / copy.SPAN);
-  copy.g = lane / (VPR / copy.SPAN);
+  // REG: one stage; tile i + 1 in registers while tile i is computed, tile i + 2's rows
+  // placed
+  Copy copy;
+  typename Copy::Rows pending{0, 0, 0u};
   auto place = [&]() {  // the rows of the tile ahead, then the walk moves on
     const auto r = copy.rows(a_table, a_kvh, a_t, a_end, a_ok, row0, block_shift);
     advance();
     return r;
   };
-  copy.load(k_cache, v_cache, place(), num_kv_heads, block_shift);  // tile 0
-  auto pending = place();                                           // tile 1
-#else
+  if constexpr (REG) {
+    copy.c = lane % (Copy::VPR / Copy::SPAN);
+    copy.g = lane / (Copy::VPR / Copy::SPAN);
+    copy.load(k_cache, v_cache, place(), num_kv_heads, block_shift);  // tile 0
+    pending = place();                                                // tile 1
+  }
+#if !defined(RF_AMD)
   // Each warp copies its own rows of every tile, so a tile needs warp barriers only. Rows
   // (of the cache's [num_blocks * num_kv_heads * block_size, D] rows, fewer than 2^31 as
   // the host checks; -1 past the piece's end) come from row_s, which lane l fills for row
@@ -339,22 +365,24 @@ RF_DEVICE void paged_attention(
   };
 #endif
   // prologue: row offsets of tiles 0 .. STAGES-1, then tiles 0 .. STAGES-2 in flight
+  if constexpr (!REG) {
 #pragma unroll
-  for (int st = 0; st < STAGES; ++st) {
-    const int cache_row = row_offset();
-    if (lane < WROWS) row_s[st][row0 + lane] = cache_row;
-    if (lane == 0) ok_s[st][warp] = a_ok;
-    advance();
-  }
+    for (int st = 0; st < STAGES; ++st) {
+      const int cache_row = row_offset();
+      if (lane < WROWS) row_s[st][row0 + lane] = cache_row;
+      if (lane == 0) ok_s[st][warp] = a_ok;
+      advance();
+    }
 #if defined(RF_HAVE_BULK)
-  if (lane == 0)
+    if (lane == 0)
 #pragma unroll
-    for (int st = 0; st < STAGES; ++st) rf_mbar_init(&bar_s[st][warp]);
+      for (int st = 0; st < STAGES; ++st) rf_mbar_init(&bar_s[st][warp]);
 #endif
-  rf_syncwarp();
+    rf_syncwarp();
 #pragma unroll
-  for (int st = 0; st < STAGES - 1; ++st)
-    if (ok_s[st][warp]) issue(st);
+    for (int st = 0; st < STAGES - 1; ++st)
+      if (ok_s[st][warp]) issue(st);
+  }
 #endif
 
   rf_sync();  // piece_s is set
@@ -370,41 +398,47 @@ RF_DEVICE void paged_attention(
     const int end = rf_uniform(piece.end);
     for (int t0 = rf_uniform(piece.start); t0 < end;
          t0 += T, ++tile, stage = stage + 1 == STAGES ? 0 : stage + 1) {
-#if defined(RF_AMD)
-      // tile `tile` goes from registers into the stage (once the warp is done with the
-      // previous one), tile + 1's loads go out, and tile + 2's rows are placed
-      // (tile + 2's placing comes first: its block-table load, and at a piece boundary the
-      // walk's loads, are then older than the tile loads, so waiting for them later never
-      // waits for those)
-      rf_syncwarp();
-      copy.store(stage_s, row0);
-      const auto placed = place();
-      copy.load(k_cache, v_cache, pending, num_kv_heads, block_shift);
-      pending = placed;
-      rf_syncwarp();  // the warp's rows of this tile are visible to all its lanes
-#else
-      // keep STAGES-1 tiles in flight: issue tile `tile + STAGES-1` into the stage freed by
-      // the previous tile, then wait for this tile only; the block ids of the tile after
-      // that load meanwhile and land in row_s[stage] at the end of this tile
-      const int next_row = row_offset();
-      const bool next_ok = a_ok;
-      const int free_stage = stage == 0 ? STAGES - 1 : stage - 1;
-      const bool more = ok_s[free_stage][warp];
-      if (more) issue(free_stage);
+      int next_row = 0;
+      bool next_ok = false;
+      if constexpr (REG) {
+        // tile `tile` goes from registers into the stage (once the warp is done with the
+        // previous one), tile + 1's loads go out, and tile + 2's rows are placed
+        // (tile + 2's placing comes first: its block-table load, and at a piece boundary the
+        // walk's loads, are then older than the tile loads, so waiting for them later never
+        // waits for those)
+        rf_syncwarp();
+        copy.store(stage_s, row0);
+        const auto placed = place();
+        copy.load(k_cache, v_cache, pending, num_kv_heads, block_shift);
+        pending = placed;
+        rf_syncwarp();  // the warp's rows of this tile are visible to all its lanes
+      } else {
+#if !defined(RF_AMD)
+        // keep STAGES-1 tiles in flight: issue tile `tile + STAGES-1` into the stage freed by
+        // the previous tile, then wait for this tile only; the block ids of the tile after
+        // that load meanwhile and land in row_s[stage] at the end of this tile
+        next_row = row_offset();
+        next_ok = a_ok;
+        const int free_stage = stage == 0 ? STAGES - 1 : stage - 1;
+        const bool more = ok_s[free_stage][warp];
+        if (more) issue(free_stage);
 #if defined(RF_HAVE_BULK)
-      rf_mbar_wait(&bar_s[stage][warp], (tile / STAGES) & 1);
+        rf_mbar_wait(&bar_s[stage][warp], (tile / STAGES) & 1);
 #else
-      if (more) rf_copy_wait<STAGES - 1>(); else rf_copy_wait<0>();  // the tail drains
+        if (more) rf_copy_wait<STAGES - 1>(); else rf_copy_wait<0>();  // the tail drains
 #endif
-      rf_syncwarp();  // the warp's copies of this tile are visible to all its lanes
-      advance();
+        rf_syncwarp();  // the warp's copies of this tile are visible to all its lanes
+        advance();
 #endif
+      }
       const char* k_plane = stage_s + stage * 2 * Tile::PLANE;
       math.tile(k_plane, k_plane + Tile::PLANE, t0, end, qscale);
 #if !defined(RF_AMD)
-      if (lane < WROWS) row_s[stage][row0 + lane] = next_row;
-      if (lane == 0) ok_s[stage][warp] = next_ok;
-      rf_syncwarp();  // the warp's rows of this stage are rewritten by its next issue
+      if constexpr (!REG) {
+        if (lane < WROWS) row_s[stage][row0 + lane] = next_row;
+        if (lane == 0) ok_s[stage][warp] = next_ok;
+        rf_syncwarp();  // the warp's rows of this stage are rewritten by its next issue
+      }
 #endif
     }
 
@@ -442,12 +476,14 @@ RF_DEVICE void paged_attention(
         m = h == g ? m_cta[h] : m;
         l = h == g ? l_cta[h] : l;
       }
+      float o = out_s[g][d];
+      if constexpr (FP8) o *= out_scale;
       if (pieces == 1) {
         const rf_i64 head = (rf_i64)piece.s * num_q_heads + q0 + g;
-        out[head * D + d] = E::from_float(l > 0.f ? out_s[g][d] / l : 0.f);
+        out[head * D + d] = E::from_float(l > 0.f ? o / l : 0.f);
       } else {
         float* record = partials + (slot * G + g) * (D + 2);
-        record[d] = out_s[g][d];
+        record[d] = o;
         if (d == 0) {
           record[D] = m;
           record[D + 1] = l;
@@ -488,37 +524,41 @@ RF_DEVICE void paged_attention(
   }
 }
 
-#define RF_PA_KERNEL(NAME, E, D, G)                                                            \
+// rf_paged_attention_<E>[_e4m3]_d<D>_g<G>: queries and outputs of E, a cache of E (or of
+// fp8 e4m3 codes: _e4m3).
+#define RF_PA_KERNEL(NAME, E, C, D, G)                                                         \
   RF_KERNEL_OCCUPANCY(RF_PA_THREADS, RF_PA_MIN_BLOCKS)                                         \
   rf_paged_attention_##NAME##_d##D##_g##G(                                                     \
       E::storage* out, float* partials, int* counters, const E::storage* q,                    \
-      const E::storage* k_cache, const E::storage* v_cache, const int* block_tables,           \
+      const C::storage* k_cache, const C::storage* v_cache, const int* block_tables,           \
       const int* seq_lens, const rf_i64* cum16, const int* first_seq, float scale,             \
       int num_q_heads, int num_kv_heads, int max_blocks, int block_shift, int num_seqs,        \
-      int uniform16, rf_i64 per_cta, rf_i64 total) {                                           \
+      int uniform16, rf_i64 per_cta, rf_i64 total, float out_scale) {                          \
     const int groups = num_kv_heads * ((num_q_heads / num_kv_heads + G - 1) / G);              \
     const rf_pa_work w{seq_lens, cum16, num_seqs, groups, uniform16, per_cta, total};          \
-    paged_attention<E, D, G>(out, partials, counters, q, k_cache, v_cache,                    \
-                             block_tables, w, first_seq, scale, num_q_heads, num_kv_heads,     \
-                             max_blocks, block_shift);                                         \
+    paged_attention<E, C, D, G>(out, partials, counters, q, k_cache, v_cache,                 \
+                                block_tables, w, first_seq, scale, num_q_heads, num_kv_heads,  \
+                                max_blocks, block_shift, out_scale);                           \
   }
 
-#define RF_PA_HEAD_DIM(NAME, E, D)                                                             \
-  RF_PA_KERNEL(NAME, E, D, 1)                                                                  \
-  RF_PA_KERNEL(NAME, E, D, 2)                                                                  \
-  RF_PA_KERNEL(NAME, E, D, 4)                                                                  \
-  RF_PA_KERNEL(NAME, E, D, 8)
+#define RF_PA_HEAD_DIM(NAME, E, C, D)                                                          \
+  RF_PA_KERNEL(NAME, E, C, D, 1)                                                               \
+  RF_PA_KERNEL(NAME, E, C, D, 2)                                                               \
+  RF_PA_KERNEL(NAME, E, C, D, 4)                                                               \
+  RF_PA_KERNEL(NAME, E, C, D, 8)
 
-#define RF_PA_DTYPE(NAME, E)                                                                   \
-  RF_PA_HEAD_DIM(NAME, E, 64)                                                                  \
-  RF_PA_HEAD_DIM(NAME, E, 128)                                                                 \
-  RF_PA_HEAD_DIM(NAME, E, 256)
+#define RF_PA_DTYPE(NAME, E, C)                                                                \
+  RF_PA_HEAD_DIM(NAME, E, C, 64)                                                               \
+  RF_PA_HEAD_DIM(NAME, E, C, 128)                                                              \
+  RF_PA_HEAD_DIM(NAME, E, C, 256)
 
 #ifdef RF_PA_BENCH_ONLY  // tuning builds: just what the bench shapes use
-RF_PA_KERNEL(f16, rf_f16, 128, 4) RF_PA_KERNEL(f16, rf_f16, 128, 1)
-RF_PA_KERNEL(bf16, rf_bf16, 128, 4) RF_PA_KERNEL(bf16, rf_bf16, 128, 8)
+RF_PA_KERNEL(f16, rf_f16, rf_f16, 128, 4) RF_PA_KERNEL(f16, rf_f16, rf_f16, 128, 1)
+RF_PA_KERNEL(bf16, rf_bf16, rf_bf16, 128, 4) RF_PA_KERNEL(bf16, rf_bf16, rf_bf16, 128, 8)
 #else
-RF_PA_DTYPE(f16, rf_f16)
-RF_PA_DTYPE(bf16, rf_bf16)
-RF_PA_DTYPE(f32, rf_f32)
+RF_PA_DTYPE(f16, rf_f16, rf_f16)
+RF_PA_DTYPE(bf16, rf_bf16, rf_bf16)
+RF_PA_DTYPE(f32, rf_f32, rf_f32)
+RF_PA_DTYPE(f16_e4m3, rf_f16, rf_e4m3)
+RF_PA_DTYPE(bf16_e4m3, rf_bf16, rf_e4m3)
 #endif

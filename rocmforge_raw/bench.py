@@ -16,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
+import ml_dtypes
 import numpy as np
 
 from . import ops, planning
@@ -178,7 +179,8 @@ def read_bandwidth(backend: Backend, device: int, nbytes: int = GiB, iters: int 
 @dataclass(frozen=True)
 class Shape:
     """One decode shape: ``batch`` sequences of ``context`` tokens each (0: uniform in
-    [1, ``max_context``]), random page order."""
+    [1, ``max_context``]), random page order; ``cache``: an fp8 cache format (e.g.
+    ``float8_e4m3fn``) under ``dtype`` activations, else a cache of ``dtype``."""
 
     name: str
     batch: int
@@ -189,6 +191,7 @@ class Shape:
     head_dim: int = 128
     block_size: int = 16
     max_context: int = 8192
+    cache: str | None = None
 
 
 SHAPES = (
@@ -196,6 +199,11 @@ SHAPES = (
     Shape("S3", 256, 512, 32, 8, "f16"), Shape("S4", 32, 2048, 32, 32, "f16"),
     Shape("S5", 16, 8192, 64, 8, "bf16"), Shape("S6", 64, 0, 32, 8, "bf16"),
 )
+#: The fp8 rows: S1, S4, S5 and S6 over an e4m3fn cache (half the bytes: the time should
+#: nearly halve; each row reports its time over its 16-bit shape's).
+FP8_SHAPES = tuple(Shape(f"{s.name}-fp8", s.batch, s.context, s.q_heads, s.kv_heads, s.dtype,
+                         cache="float8_e4m3fn") for s in SHAPES if s.name in ("S1", "S4", "S5",
+                                                                                  "S6"))
 TARGETS = {"S1": 90, "S2": 75, "S3": 85, "S4": 90, "S5": 85, "S6": 85}
 #: Targets in % of the read-only bandwidth (issue 13): the six shapes, and every sweep row.
 READ_TARGETS = {"S1": 93, "S2": 80, "S3": 90, "S4": 93, "S5": 90, "S6": 90}
@@ -237,18 +245,20 @@ def bench_attention(backend: Backend, device: int, copy_gbs: float, iters: int =
     decode step makes per layer (``AttentionLaunch``): metadata planned and uploaded once;
     ``host_us`` is that launch's host time."""
     rng = np.random.default_rng(1234)
-    rows = []
+    rows: list[dict[str, Any]] = []
     for shape in shapes:
         dtype = np.dtype(_DTYPES[shape.dtype])
+        cache_dtype = np.dtype(getattr(ml_dtypes, shape.cache)) if shape.cache else dtype
         tables, lens, num_blocks = attention_inputs(shape, rng)
         cache_shape = (num_blocks, shape.kv_heads, shape.block_size, shape.head_dim)
-        k = DeviceArray.empty(cache_shape, dtype, device, backend)
-        v = DeviceArray.empty(cache_shape, dtype, device, backend)
+        k = DeviceArray.empty(cache_shape, cache_dtype, device, backend)
+        v = DeviceArray.empty(cache_shape, cache_dtype, device, backend)
         q = DeviceArray.empty((shape.batch, shape.q_heads, shape.head_dim), dtype, device,
                               backend)
         out = DeviceArray.empty(q.shape, dtype, device, backend)
-        for array in (k, v, q):
-            fill_random(array.buffer, rng, dtype)
+        for array in (k, v):
+            fill_random(array.buffer, rng, cache_dtype)
+        fill_random(q.buffer, rng, dtype)
         launch = AttentionLaunch(out, q, k, v, tables, lens, num_partitions)
         try:
             timing = time_ms(backend, device, launch, iters)
@@ -256,15 +266,18 @@ def bench_attention(backend: Backend, device: int, copy_gbs: float, iters: int =
             launch.close()
         ms = timing.ms
         chunks = math.ceil(shape.q_heads // shape.kv_heads / ops.GROUP_SIZES[-1])
-        kv_bytes = (int(lens.sum()) * shape.kv_heads * shape.head_dim * dtype.itemsize * 2
-                    * chunks)
+        kv_bytes = (int(lens.sum()) * shape.kv_heads * shape.head_dim * cache_dtype.itemsize
+                    * 2 * chunks)
         nbytes = kv_bytes + 2 * q.nbytes
         gbs = nbytes / (ms * 1e-3) / 1e9
-        target = READ_TARGETS.get(shape.name, SWEEP_READ_TARGET)
+        target = None if shape.cache else READ_TARGETS.get(shape.name, SWEEP_READ_TARGET)
+        base = next((r for r in rows if shape.cache and r["name"] == shape.name.removesuffix(
+            "-fp8") and not r["cache"]), None)  # the same shape's 16-bit row, timed before
         rows.append({**asdict(shape), "ms": ms, "host_us": timing.host_us, "gb_per_s": gbs,
                      "pct_of_copy": 100 * gbs / copy_gbs, "target_pct": TARGETS.get(shape.name),
                      "pct_of_read": 100 * gbs / read_gbs if read_gbs else None,
-                     "read_target_pct": target, "bytes": nbytes})
+                     "read_target_pct": target, "bytes": nbytes,
+                     "time_vs_16bit": ms / base["ms"] if base else None})
         for array in (k, v, q, out):
             array.buffer.root.close()
     return rows
@@ -282,7 +295,9 @@ class AttentionLaunch:
         n, q_heads, head_dim = q.shape
         plan = planning.plan_attention(backend, device, q.dtype, n, q_heads, k.shape[1],
                                        head_dim, k.shape[2], tables.shape[1], lens,
-                                       num_partitions)
+                                       num_partitions, k.dtype)
+        scale, out_scale = planning.kernel_scales(
+            k.dtype, planning.default_scale(head_dim, None), 1.0, 1.0)
         self.arrays = [DeviceArray.from_numpy(a, device, backend)
                        for a in (tables, lens, *plan.work.arrays)]
         self.workspace = ops.Workspace()
@@ -290,8 +305,8 @@ class AttentionLaunch:
         tables_ptr, lens_ptr, *work = [a.ptr for a in self.arrays]
         self.launch = plan.kernel.prepare(
             plan.grid, planning.THREADS, *plan.arguments(
-                out, q, k, v, tables_ptr, lens_ptr, planning.default_scale(head_dim, None),
-                part.ptr, count.ptr, *work), shared_bytes=plan.shared_bytes)
+                out, q, k, v, tables_ptr, lens_ptr, scale, part.ptr, count.ptr,
+                *(work or (0, 0)), out_scale), shared_bytes=plan.shared_bytes)
         self.plan = plan
 
     def __call__(self) -> None:

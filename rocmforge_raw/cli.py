@@ -156,13 +156,17 @@ def _us(value: float | None) -> str:
 
 
 def _attention_table(rows: list[dict[str, Any]]) -> list[str]:
-    """One line per attention row: time, bandwidth, % of copy and of read (with targets)."""
+    """One line per attention row: time, bandwidth, % of copy and of read (with targets; an
+    fp8 row gives its time over its 16-bit shape's instead)."""
     width = max(len(r["name"]) for r in rows)
     lines = [f"{'shape':{width}} {'ms':>8} {'GB/s':>8} {'% copy':>7} {'% read':>7} "
              f"{'target':>7} {'host us':>8}"]
-    lines += [f"{r['name']:{width}} {r['ms']:8.3f} {r['gb_per_s']:8.0f} "
-              f"{r['pct_of_copy']:6.1f}% {r['pct_of_read']:6.1f}% {r['read_target_pct']:6}% "
-              f"{r['host_us']:8.1f}" for r in rows]
+    for r in rows:
+        target = (f"{r['read_target_pct']:6}%" if r["read_target_pct"] is not None else
+                  f"x{r['time_vs_16bit']:.2f}t" if r.get("time_vs_16bit") else "      -")
+        lines.append(f"{r['name']:{width}} {r['ms']:8.3f} {r['gb_per_s']:8.0f} "
+                     f"{r['pct_of_copy']:6.1f}% {r['pct_of_read']:6.1f}% {target:>7} "
+                     f"{r['host_us']:8.1f}")
     return lines
 
 
@@ -186,8 +190,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if (args.attention or everything) and backend.name != "host":
         copy = result["copy_gb_per_s"] = bench.copy_bandwidth(backend, device)
         read = result["read_gb_per_s"] = bench.read_bandwidth(backend, device)
-        rows = result["attention"] = bench.bench_attention(backend, device, copy, args.iters,
-                                                           read_gbs=read)
+        rows = result["attention"] = bench.bench_attention(
+            backend, device, copy, args.iters, bench.SHAPES + bench.FP8_SHAPES, read_gbs=read)
         lines.append(f"copy bandwidth: {copy:.0f} GB/s (read + write, 1 GiB device copy); "
                      f"read bandwidth: {read:.0f} GB/s (1 GiB read-only)")
         lines += _attention_table(rows)

@@ -36,6 +36,7 @@ from .planning import (
     WRITE_THREADS,
     attention_shared_bytes,
     check_attention_arrays,
+    check_kv_scales,
     check_options,
     check_slots,
     check_tables,
@@ -44,6 +45,7 @@ from .planning import (
     device_ints,
     expect,
     host_ints,
+    kernel_scales,
     plan_attention,
     plan_work,
     write_arguments,
@@ -117,18 +119,20 @@ def paged_attention(out: DeviceArray, query: DeviceArray, k_cache: DeviceArray,
                     v_cache: DeviceArray, block_tables: Any, seq_lens: Any,
                     scale: float | None = None, *, num_partitions: int | None = None,
                     stream: Stream | None = None, workspace: Workspace | None = None,
-                    check: bool = True) -> None:
+                    check: bool = True, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
     """``out[s, h] = softmax(scale * q[s, h] . K[s]) V[s]`` over the first ``seq_lens[s]``
-    tokens of sequence ``s``'s blocks. The work is split evenly over one wave of CTAs, over
-    the real lengths when ``seq_lens`` is on the host (else every sequence counts the block
-    tables' width); ``num_partitions`` instead cuts the longest sequence into that many
-    pieces. Scratch for split sequences comes from ``workspace`` or from the staging slot of
-    this call. ``check`` validates host metadata against the cache (device metadata is never
-    read back)."""
+    tokens of sequence ``s``'s blocks. An fp8 cache (float16/bfloat16 queries) holds codes:
+    K = code * ``k_scale``, V = code * ``v_scale``, dequantized in the kernel. The work is
+    split evenly over one wave of CTAs, over the real lengths when ``seq_lens`` is on the
+    host (else every sequence counts the block tables' width); ``num_partitions`` instead
+    cuts the longest sequence into that many pieces. Scratch for split sequences comes from
+    ``workspace`` or from the staging slot of this call. ``check`` validates host metadata
+    against the cache (device metadata is never read back)."""
     check_options(query, stream, check, num_partitions, workspace)
     num_seqs, num_q_heads, head_dim, num_blocks, num_kv_heads, block_size = (
         check_attention_arrays(out, query, k_cache, v_cache))
     scale = default_scale(head_dim, scale)
+    k_scale, v_scale = check_kv_scales(k_cache.dtype, k_scale, v_scale)
     on_host = query.backend.name == "host"
     tables = _metadata(block_tables, "block_tables", np.int32, 2, None, on_host)
     lens = _metadata(seq_lens, "seq_lens", np.int32, 1, (num_seqs,), on_host)
@@ -138,12 +142,14 @@ def paged_attention(out: DeviceArray, query: DeviceArray, k_cache: DeviceArray,
         return
     if on_host:
         result = reference.paged_attention(host_view(query), host_view(k_cache),
-                                           host_view(v_cache), tables, lens, scale)
+                                           host_view(v_cache), tables, lens, scale,
+                                           k_scale=k_scale, v_scale=v_scale)
         host_view(out)[...] = result.astype(out.dtype)
         return
     plan = plan_attention(query.backend, query.device, query.dtype, num_seqs, num_q_heads,
                           num_kv_heads, head_dim, block_size, block_tables.shape[1], lens,
-                          num_partitions)
+                          num_partitions, k_cache.dtype)
+    scale, out_scale = kernel_scales(k_cache.dtype, scale, k_scale, v_scale)
     with _staging(query, stream) as slot:
         uploads = [a for a in (tables, lens) if a is not None] + plan.work.arrays
         addresses = iter(slot.put(uploads, stream))
@@ -154,7 +160,7 @@ def paged_attention(out: DeviceArray, query: DeviceArray, k_cache: DeviceArray,
         part_buf, count_buf = work.get(plan.partial_bytes, plan.num_counters, query, stream)
         plan.kernel.launch(plan.grid, THREADS, *plan.arguments(
             out, query, k_cache, v_cache, d_tables, d_lens, scale, part_buf.ptr, count_buf.ptr,
-            cum16, first_seq), shared_bytes=plan.shared_bytes, stream=stream)
+            cum16, first_seq, out_scale), shared_bytes=plan.shared_bytes, stream=stream)
         if workspace is not None:
             workspace.used(stream)
 
@@ -162,27 +168,31 @@ def paged_attention(out: DeviceArray, query: DeviceArray, k_cache: DeviceArray,
 # --- cache writes and copies -------------------------------------------------------------
 def reshape_and_cache(key: DeviceArray, value: DeviceArray, k_cache: DeviceArray,
                       v_cache: DeviceArray, slot_mapping: Any, *, stream: Stream | None = None,
-                      check: bool = True) -> None:
+                      check: bool = True, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
     """Write token ``i``'s K/V (``[num_tokens, num_kv_heads, head_dim]``) at cache slot
-    ``slot_mapping[i]`` (int64; ``block * block_size + offset``; -1 skips the token)."""
+    ``slot_mapping[i]`` (int64; ``block * block_size + offset``; -1 skips the token). An fp8
+    cache gets float16/bfloat16 K/V quantized: ``x / scale``, saturated at the format's
+    largest value, rounded to nearest even (``reference.quantize``)."""
     check_options(key, stream, check)
     num_tokens, num_blocks, block_size = check_write_arrays(key, value, k_cache, v_cache)
+    k_scale, v_scale = check_kv_scales(k_cache.dtype, k_scale, v_scale)
     on_host = key.backend.name == "host"
     slots = _metadata(slot_mapping, "slot_mapping", np.int64, 1, (num_tokens,), on_host)
     if (check or on_host) and slots is not None:
         check_slots(slots, num_blocks, block_size)
     if on_host:
         reference.reshape_and_cache(host_view(key), host_view(value), host_view(k_cache),
-                                    host_view(v_cache), slots)
+                                    host_view(v_cache), slots, k_scale, v_scale)
         return
     if num_tokens == 0:
         return
     with _staging(key, stream) as slot:
         d_slots = slot_mapping if slots is None else slot.put([slots], stream)[0]
-        write_kernel(key.backend, key.device).launch(
+        write_kernel(key.backend, key.device, key.dtype, k_cache.dtype).launch(
             num_tokens, WRITE_THREADS, *write_arguments(
                 k_cache, v_cache, key, value, d_slots, key.shape[1], block_size,
-                key.shape[2] * key.dtype.itemsize), stream=stream)
+                key.shape[2] * key.dtype.itemsize, k_cache.dtype, k_scale, v_scale),
+            stream=stream)
 
 
 def copy_blocks(slab: DeviceArray, pairs: Any, *, stream: Stream | None = None) -> None:

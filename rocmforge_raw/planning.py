@@ -26,6 +26,13 @@ from .stream import stream_handle
 
 DTYPES = {np.dtype(np.float16): "f16", np.dtype(ml_dtypes.bfloat16): "bf16",
           np.dtype(np.float32): "f32"}
+#: fp8 cache formats -> the activation dtypes (queries, outputs, K/V written) they serve.
+FP8_DTYPES = {np.dtype(t): (np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16))
+              for t in (ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e4m3fnuz)}
+#: The kernels read an fp8 code as e4m3 with bias 7 into value / 256 (native/compat.h,
+#: rf_e4m3): what to multiply that by to get the code's value (e4m3fnuz has bias 8).
+FP8_CODE_FACTOR = {np.dtype(ml_dtypes.float8_e4m3fn): 256.0,
+                   np.dtype(ml_dtypes.float8_e4m3fnuz): 128.0}
 HEAD_DIMS = (64, 128, 256)
 BLOCK_SIZES = (8, 16, 32, 64, 128)
 THREADS = 128  # RF_PA_THREADS
@@ -41,13 +48,17 @@ ATTENTION_STAGES = {"cuda": (2, 32768, 16), "hip": (0, 0, 0)}
 WRITE_PATCH = (0, 1, 2, 3)  # k_cache, v_cache, key, value
 
 
-def attention_shared_bytes(backend: str, row_bytes: int) -> int:
-    """Dynamic shared memory a launch of the attention kernel whose K/V rows are
-    ``row_bytes`` long passes: its stages, each holding the K and V rows of a tile, every
-    row padded (0 on hip: the stage is static there)."""
+def attention_shared_bytes(backend: str, row_bytes: int, fp8: bool = False) -> int:
+    """Dynamic shared memory a launch of the attention kernel whose stage rows (of the
+    activation dtype) are ``row_bytes`` long passes: its stages, each holding the K and V
+    rows of a tile, every row padded (0 on hip: the stage is static there). An fp8 cache's
+    kernel keeps one stage of half the size (the next tile waits in registers, widened on
+    its way in)."""
     stages, stage_bytes, pad = ATTENTION_STAGES[backend]
     if stages == 0:
         return 0
+    if fp8:  # rf_pa_stage: one stage of half the size
+        stages, stage_bytes = 1, stage_bytes // 2
     rows = stage_bytes // 2 // row_bytes
     return stages * (stage_bytes + 2 * rows * pad)
 
@@ -111,8 +122,9 @@ def check_attention_arrays(out: Any, query: Any, k_cache: Any, v_cache: Any
     expect(query, "query", 3)
     num_seqs, num_q_heads, head_dim = query.shape
     expect(out, "out", 3, query.dtype)
-    expect(k_cache, "k_cache", 4, query.dtype)
-    expect(v_cache, "v_cache", 4, query.dtype)
+    expect(k_cache, "k_cache", 4)
+    expect(v_cache, "v_cache", 4, k_cache.dtype)
+    check_cache_dtype("k_cache", k_cache.dtype, query.dtype, "query")
     num_blocks, num_kv_heads, block_size, cache_dim = k_cache.shape
     if query.dtype not in DTYPES:
         raise ValueError(f"dtype {query.dtype} is not supported: use one of "
@@ -135,6 +147,30 @@ def check_attention_arrays(out: Any, query: Any, k_cache: Any, v_cache: Any
     if not (out.backend is query.backend is k_cache.backend is v_cache.backend):
         raise ValueError("out, query, k_cache and v_cache must be on one backend")
     return num_seqs, num_q_heads, head_dim, num_blocks, num_kv_heads, block_size
+
+
+def check_cache_dtype(cache_name: str, cache: np.dtype, act: np.dtype, act_name: str
+                      ) -> None:
+    """A cache of ``cache`` serves activations of ``act``: the same dtype, or an fp8 cache
+    with float16/bfloat16 activations."""
+    if cache == act or act in FP8_DTYPES.get(cache, ()):
+        return
+    if cache in FP8_DTYPES:
+        raise ValueError(f"{act_name} must be float16 or bfloat16 with an {cache} {cache_name}, "
+                         f"got {act}")
+    raise ValueError(f"{cache_name} must be {act}, got {cache}")
+
+
+def check_kv_scales(cache: np.dtype, k_scale: Any, v_scale: Any) -> tuple[float, float]:
+    """The K and V scales of a call on a cache of ``cache``: positive finite numbers, and
+    exactly 1.0 unless the cache is fp8 (a scale elsewhere would be silently ignored)."""
+    k, v = checks.real(k_scale, "k_scale"), checks.real(v_scale, "v_scale")
+    for name, x in (("k_scale", k), ("v_scale", v)):
+        if not 0.0 < x < math.inf:
+            raise ValueError(f"{name} must be positive and finite, got {x}")
+        if cache not in FP8_DTYPES and x != 1.0:
+            raise ValueError(f"{name} {x} applies to fp8 caches only, not {cache}")
+    return k, v
 
 
 def check_tables(tables: np.ndarray, lens: np.ndarray, num_seqs: int, num_blocks: int,
@@ -175,8 +211,9 @@ def check_write_arrays(key: Any, value: Any, k_cache: Any, v_cache: Any
     """(num_tokens, num_blocks, block_size) of a valid K/V write."""
     expect(key, "key", 3)
     expect(value, "value", 3, key.dtype)
-    expect(k_cache, "k_cache", 4, key.dtype)
-    expect(v_cache, "v_cache", 4, key.dtype)
+    expect(k_cache, "k_cache", 4)
+    expect(v_cache, "v_cache", 4, k_cache.dtype)
+    check_cache_dtype("k_cache", k_cache.dtype, key.dtype, "key")
     num_tokens, num_kv_heads, head_dim = key.shape
     num_blocks, cache_heads, block_size, cache_dim = k_cache.shape
     if value.shape != key.shape or v_cache.shape != k_cache.shape:
@@ -185,8 +222,9 @@ def check_write_arrays(key: Any, value: Any, k_cache: Any, v_cache: Any
     if (cache_heads, cache_dim) != (num_kv_heads, head_dim):
         raise ValueError(f"key rows [{num_kv_heads}, {head_dim}] do not fit cache rows "
                          f"[{cache_heads}, {cache_dim}]")
-    if (head_dim * key.dtype.itemsize) % 16:
-        raise ValueError(f"head_dim {head_dim} of {key.dtype} is not a multiple of 16 bytes")
+    if (head_dim * k_cache.dtype.itemsize) % 16 or (head_dim * key.dtype.itemsize) % 16:
+        raise ValueError(f"head_dim {head_dim} of {k_cache.dtype} is not a multiple of 16 "
+                         "bytes")
     return num_tokens, num_blocks, block_size
 
 
@@ -305,10 +343,10 @@ class AttentionPlan:
 
     def arguments(self, out: Any, query: Any, k_cache: Any, v_cache: Any, tables: Any,
                   lens: Any, scale: float, partials: int, counters: int, cum16: int = 0,
-                  first_seq: int = 0) -> tuple:
+                  first_seq: int = 0, out_scale: float = 1.0) -> tuple:
         """The kernel's arguments in order (``partials``/``counters``: workspace addresses;
         ``cum16``/``first_seq``: device copies of the work split's arrays, 0 in uniform
-        mode)."""
+        mode; ``scale``/``out_scale``: ``kernel_scales``)."""
         i32, i64 = np.int32, np.int64
         work = self.work
         if work.cum16 is None:
@@ -317,7 +355,7 @@ class AttentionPlan:
                 cum16, first_seq, np.float32(scale), i32(self.num_q_heads),
                 i32(self.num_kv_heads), i32(self.max_blocks),
                 i32(self.block_size.bit_length() - 1), i32(self.num_seqs), i32(work.uniform16),
-                i64(work.per_cta), i64(work.total))
+                i64(work.per_cta), i64(work.total), np.float32(out_scale))
 
 
     def update(self, launch: Any) -> None:
@@ -334,6 +372,7 @@ class AttentionPlan:
 #: ``patch``).
 SCALE_ARG = 10
 WORK_ARGS = (16, 17, 18)
+OUT_SCALE_ARG = 19
 ATTENTION_PATCH = (0, 3, 4, 5)  # out, query, k_cache, v_cache
 
 
@@ -350,14 +389,27 @@ class AttentionKernel:
     slots: int
 
 
+def kernel_scales(cache: np.dtype, scale: float, k_scale: float, v_scale: float
+                  ) -> tuple[float, float]:
+    """The kernel's (``scale``, ``out_scale``) for a softmax scale and a layer's K/V scales:
+    an fp8 cache's factors fold into them (FP8_CODE_FACTOR); other caches pass ``scale``."""
+    factor = FP8_CODE_FACTOR.get(cache)
+    if factor is None:
+        return scale, 1.0
+    return scale * k_scale * factor, v_scale * factor
+
+
 @functools.lru_cache(maxsize=256)
 def attention_kernel(backend: Backend, device: int, dtype: np.dtype, head_dim: int,
-                     ratio: int) -> AttentionKernel:
-    """The kernel for ``ratio`` query heads per kv head (looked up once per process)."""
+                     ratio: int, cache_dtype: np.dtype | None = None) -> AttentionKernel:
+    """The kernel for ``ratio`` query heads per kv head of ``dtype`` activations over a
+    cache of ``cache_dtype`` (None: ``dtype``), looked up once per process."""
     group = next(g for g in GROUP_SIZES if g >= min(ratio, GROUP_SIZES[-1]))
     module = load_kernels("paged_attention", device, backend)
-    kernel = module.function(f"rf_paged_attention_{DTYPES[dtype]}_d{head_dim}_g{group}")
-    shared = attention_shared_bytes(backend.name, head_dim * dtype.itemsize)
+    fp8 = cache_dtype in FP8_DTYPES
+    name = f"{DTYPES[dtype]}_e4m3" if fp8 else DTYPES[dtype]
+    kernel = module.function(f"rf_paged_attention_{name}_d{head_dim}_g{group}")
+    shared = attention_shared_bytes(backend.name, head_dim * dtype.itemsize, fp8)
     multiprocessors = backend.cached_properties(device).multiprocessors
     slots = kernel.max_active_blocks(THREADS, shared) * multiprocessors
     return AttentionKernel(kernel, group, math.ceil(ratio / group), shared, slots)
@@ -366,11 +418,13 @@ def attention_kernel(backend: Backend, device: int, dtype: np.dtype, head_dim: i
 def plan_attention(backend: Backend, device: int, dtype: np.dtype, num_seqs: int,
                    num_q_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
                    max_blocks: int, lens: np.ndarray | None = None,
-                   num_partitions: int | None = None) -> AttentionPlan:
+                   num_partitions: int | None = None, cache_dtype: np.dtype | None = None
+                   ) -> AttentionPlan:
     """The launch plan for checked shapes. ``lens`` (host) balances the split over the
     real lengths; without it the block tables' width stands for every length.
     ``num_partitions`` cuts the longest sequence into that many pieces instead."""
-    found = attention_kernel(backend, device, dtype, head_dim, num_q_heads // num_kv_heads)
+    found = attention_kernel(backend, device, dtype, head_dim, num_q_heads // num_kv_heads,
+                             cache_dtype)
     work = plan_work(num_kv_heads * found.groups, found.slots, num_seqs, lens,
                      max_blocks * block_size, num_partitions)
     return AttentionPlan(found.kernel, found.group, work, found.shared_bytes, num_seqs,
@@ -378,13 +432,29 @@ def plan_attention(backend: Backend, device: int, dtype: np.dtype, num_seqs: int
 
 
 # --- K/V writes ----------------------------------------------------------------------------
-def write_kernel(backend: Backend, device: int) -> Kernel:
-    return load_kernels("cache_ops", device, backend).function("rf_reshape_and_cache")
+def write_kernel(backend: Backend, device: int, dtype: np.dtype | None = None,
+                 cache_dtype: np.dtype | None = None) -> Kernel:
+    """The K/V write: a copy of ``dtype`` rows, or their quantization into an fp8 cache."""
+    module = load_kernels("cache_ops", device, backend)
+    if cache_dtype in FP8_DTYPES:
+        return module.function(f"rf_reshape_and_cache_e4m3_{DTYPES[dtype]}")
+    return module.function("rf_reshape_and_cache")
+
+
+#: Indices of an fp8 write's inverse scales in ``write_arguments``.
+WRITE_SCALE_ARGS = (8, 9)
 
 
 def write_arguments(k_cache: Any, v_cache: Any, key: Any, value: Any, slot_mapping: Any,
-                    num_kv_heads: int, block_size: int, row_bytes: int) -> tuple:
-    """``rf_reshape_and_cache``'s arguments in order (``row_bytes``: one head's row)."""
-    i32 = np.int32
-    return (k_cache, v_cache, key, value, slot_mapping, i32(num_kv_heads), i32(block_size),
+                    num_kv_heads: int, block_size: int, row_bytes: int,
+                    cache_dtype: np.dtype | None = None, k_scale: float = 1.0,
+                    v_scale: float = 1.0) -> tuple:
+    """The write kernel's arguments in order (``row_bytes``: one head's row of the
+    activations); an fp8 cache's kernel also takes the inverse scales and the format."""
+    i32, f32 = np.int32, np.float32
+    args = (k_cache, v_cache, key, value, slot_mapping, i32(num_kv_heads), i32(block_size),
             i32(row_bytes // 16))
+    if cache_dtype not in FP8_DTYPES:
+        return args
+    fnuz = cache_dtype == np.dtype(ml_dtypes.float8_e4m3fnuz)
+    return (*args, f32(1.0 / k_scale), f32(1.0 / v_scale), i32(fnuz))

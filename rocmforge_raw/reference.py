@@ -4,18 +4,39 @@ Shapes follow DESIGN.md: q/out ``[num_seqs, num_q_heads, head_dim]``; each layer
 cache ``[num_blocks, num_kv_heads, block_size, head_dim]``; ``block_tables`` int32
 ``[num_seqs, max_blocks]``; ``seq_lens`` int32; ``slot_mapping`` int64 (-1 skips); the slab
 ``[num_layers, 2, num_blocks, num_kv_heads, block_size, head_dim]``. Softmax and accumulation
-run in ``accum`` (float32 by default, float64 for tests).
+run in ``accum`` (float32 by default, float64 for tests). An fp8 cache (e4m3fn, e4m3fnuz)
+holds codes with a per-layer K and V scale (``quantize``/``dequantize``, ml_dtypes).
 """
 
 from __future__ import annotations
 
+import ml_dtypes
 import numpy as np
+
+#: The fp8 cache formats and the largest magnitude each stores (writes saturate there).
+FP8_LIMITS = {np.dtype(ml_dtypes.float8_e4m3fn): 448.0, np.dtype(ml_dtypes.float8_e4m3fnuz): 240.0}
+
+
+def quantize(x: np.ndarray, scale: float, dtype: np.dtype) -> np.ndarray:
+    """``x / scale`` as fp8 ``dtype`` codes, computed as the write kernel does: float32
+    ``x * float32(1 / scale)``, saturated at the format's limit, rounded to nearest even."""
+    inverse = np.float32(1.0 / scale)
+    limit = np.float32(FP8_LIMITS[np.dtype(dtype)])
+    scaled = x.astype(np.float32) * inverse
+    return np.clip(scaled, -limit, limit).astype(dtype)
+
+
+def dequantize(codes: np.ndarray, scale: float, accum: type = np.float32) -> np.ndarray:
+    """The values fp8 ``codes`` stand for: ``code * scale`` in ``accum``."""
+    return codes.astype(accum) * accum(scale)
 
 
 def paged_attention(query: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
                     block_tables: np.ndarray, seq_lens: np.ndarray, scale: float,
-                    accum: type = np.float32) -> np.ndarray:
-    """Decode attention of one query token per sequence; returns ``accum`` values."""
+                    accum: type = np.float32, k_scale: float = 1.0,
+                    v_scale: float = 1.0) -> np.ndarray:
+    """Decode attention of one query token per sequence; returns ``accum`` values. An fp8
+    cache holds codes: K and V are ``code * k_scale`` and ``code * v_scale``."""
     num_seqs, num_q_heads, head_dim = query.shape
     _, num_kv_heads, block_size, _ = k_cache.shape
     group = num_q_heads // num_kv_heads
@@ -26,8 +47,10 @@ def paged_attention(query: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
             continue
         blocks = block_tables[s, : -(-length // block_size)]
         # [blocks, heads, block_size, dim] -> [heads, tokens, dim]
-        k = k_cache[blocks].astype(accum).transpose(1, 0, 2, 3).reshape(num_kv_heads, -1, head_dim)
-        v = v_cache[blocks].astype(accum).transpose(1, 0, 2, 3).reshape(num_kv_heads, -1, head_dim)
+        k = dequantize(k_cache[blocks], k_scale, accum)
+        v = dequantize(v_cache[blocks], v_scale, accum)
+        k = k.transpose(1, 0, 2, 3).reshape(num_kv_heads, -1, head_dim)
+        v = v.transpose(1, 0, 2, 3).reshape(num_kv_heads, -1, head_dim)
         k, v = k[:, :length], v[:, :length]
         q = query[s].astype(accum).reshape(num_kv_heads, group, head_dim)
         scores = np.einsum("hgd,htd->hgt", q, k) * accum(scale)
@@ -39,15 +62,21 @@ def paged_attention(query: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
 
 
 def reshape_and_cache(key: np.ndarray, value: np.ndarray, k_cache: np.ndarray,
-                      v_cache: np.ndarray, slot_mapping: np.ndarray) -> None:
-    """Write token ``i``'s K/V rows at ``slot_mapping[i]`` in place; -1 leaves the cache."""
+                      v_cache: np.ndarray, slot_mapping: np.ndarray, k_scale: float = 1.0,
+                      v_scale: float = 1.0) -> None:
+    """Write token ``i``'s K/V rows at ``slot_mapping[i]`` in place; -1 leaves the cache. An
+    fp8 cache gets ``quantize(key, k_scale)`` and ``quantize(value, v_scale)``."""
     block_size = k_cache.shape[2]
     keep = slot_mapping >= 0
     slots = slot_mapping[keep]
     blocks, offsets = slots // block_size, slots % block_size
     heads = np.arange(k_cache.shape[1])
-    k_cache[blocks[:, None], heads[None, :], offsets[:, None]] = key[keep]
-    v_cache[blocks[:, None], heads[None, :], offsets[:, None]] = value[keep]
+    key, value = key[keep], value[keep]
+    if k_cache.dtype in FP8_LIMITS:
+        key = quantize(key, k_scale, k_cache.dtype)
+        value = quantize(value, v_scale, v_cache.dtype)
+    k_cache[blocks[:, None], heads[None, :], offsets[:, None]] = key
+    v_cache[blocks[:, None], heads[None, :], offsets[:, None]] = value
 
 
 def copy_blocks(slab: np.ndarray, pairs: np.ndarray) -> None:

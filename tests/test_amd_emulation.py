@@ -67,15 +67,23 @@ def wave(request):
 
 # --- paged attention ---------------------------------------------------------------------
 def attention(emulator, rng, dtype, head_dim, block_size, ratio, lens, num_kv_heads=2,
-              num_partitions=None, seed=0, slots=7, uniform=False):
+              num_partitions=None, seed=0, slots=7, uniform=False, cache_dtype=None):
     """One emulated launch planned by ``rocmforge_raw.planning`` as ops.paged_attention plans
     it for the hip backend, on a device of ``slots`` resident workgroups (``uniform``: the
-    lengths stay on the device): (output as float64, float64 reference, counters after)."""
+    lengths stay on the device; ``cache_dtype``: an fp8 cache of codes, quantized with
+    per-tensor scales): (output as float64, float64 reference, counters after)."""
     num_q_heads, num_seqs = num_kv_heads * ratio, len(lens)
     num_blocks = sum(math.ceil(n / block_size) for n in lens) + 3
     shape = (num_blocks, num_kv_heads, block_size, head_dim)
     k = rng.standard_normal(shape, np.float32).astype(dtype)
     v = rng.standard_normal(shape, np.float32).astype(dtype)
+    k_scale = v_scale = 1.0
+    if cache_dtype is not None:
+        limit = reference.FP8_LIMITS[cache_dtype]
+        k_scale = float(np.abs(k.astype(np.float32)).max()) / limit
+        v_scale = float(np.abs(v.astype(np.float32)).max()) / limit
+        k = reference.quantize(k, k_scale, cache_dtype)
+        v = reference.quantize(v, v_scale, cache_dtype)
     q = rng.standard_normal((num_seqs, num_q_heads, head_dim), np.float32).astype(dtype)
     tables = random_tables(rng, lens, block_size, num_blocks)
     lens = np.asarray(lens, np.int32)
@@ -83,8 +91,9 @@ def attention(emulator, rng, dtype, head_dim, block_size, ratio, lens, num_kv_he
     out.view(np.uint8)[...] = POISON
 
     group = next(g for g in planning.GROUP_SIZES if g >= min(ratio, planning.GROUP_SIZES[-1]))
-    name = f"rf_paged_attention_{planning.DTYPES[dtype]}_d{head_dim}_g{group}"
-    shared = planning.attention_shared_bytes("hip", head_dim * dtype.itemsize)
+    fp8 = "_e4m3" if cache_dtype is not None else ""
+    name = f"rf_paged_attention_{planning.DTYPES[dtype]}{fp8}_d{head_dim}_g{group}"
+    shared = planning.attention_shared_bytes("hip", head_dim * dtype.itemsize, bool(fp8))
     work = planning.plan_work(num_kv_heads * math.ceil(ratio / group), slots, num_seqs,
                               None if uniform else lens, tables.shape[1] * block_size,
                               num_partitions)
@@ -94,10 +103,13 @@ def attention(emulator, rng, dtype, head_dim, block_size, ratio, lens, num_kv_he
     partials = np.full(plan.partial_bytes // 4, np.nan, np.float32)
     counters = np.zeros(plan.num_counters, np.int32)
     scale = 1.0 / math.sqrt(head_dim)
+    kernel_scale, out_scale = planning.kernel_scales(k.dtype, scale, k_scale, v_scale)
+    arrays = [ptr(a) for a in work.arrays] or [0, 0]
     plan.kernel.launch(plan.grid, planning.THREADS, *plan.arguments(
-        ptr(out), ptr(q), ptr(k), ptr(v), ptr(tables), ptr(lens), scale, ptr(partials),
-        ptr(counters), *(ptr(a) for a in work.arrays)), shared_bytes=plan.shared_bytes)
-    want = reference.paged_attention(q, k, v, tables, lens, scale, accum=np.float64)
+        ptr(out), ptr(q), ptr(k), ptr(v), ptr(tables), ptr(lens), kernel_scale, ptr(partials),
+        ptr(counters), *arrays, out_scale), shared_bytes=plan.shared_bytes)
+    want = reference.paged_attention(q, k, v, tables, lens, scale, np.float64, k_scale,
+                                     v_scale)
     return out.astype(np.float64), want, counters
 
 
@@ -143,6 +155,51 @@ def test_eight_head_groups_on_their_own_stage_sizes(libraries, wave, rng, dtype,
                                     8, 8, [1, 7, 9, 40, LONG], num_kv_heads=1, seed=head_dim)
     assert relative_error(got, want) < TOLERANCE[dtype]
     assert not counters.any()
+
+
+FP8 = (np.dtype(ml_dtypes.float8_e4m3fn), np.dtype(ml_dtypes.float8_e4m3fnuz))
+FP8_CASES = [(FP8[0], DTYPES[0], 64, 4, 16), (FP8[1], DTYPES[1], 256, 1, 8),
+             (FP8[0], DTYPES[1], 128, 8, 128), (FP8[1], DTYPES[0], 128, 2, 32)]
+
+
+@pytest.mark.parametrize("parts", [None, 3])
+@pytest.mark.parametrize("row", range(len(FP8_CASES)),
+                         ids=[f"{c.name}-{d.name}-d{h}-r{r}-bs{b}" for c, d, h, r, b in FP8_CASES])
+def test_fp8_paged_attention_matches_reference(libraries, wave, rng, row, parts):
+    # the codes are widened into the activations' type on their way into the stage; the
+    # math is the 16-bit kernels' (matrix cores for 4+ query heads per kv head)
+    cache_dtype, dtype, head_dim, ratio, block_size = FP8_CASES[row]
+    emulator = libraries["paged_attention", wave]
+    ops_before = emulator.matrix_ops
+    got, want, counters = attention(emulator, rng, dtype, head_dim, block_size, ratio,
+                                    [0, 1, block_size + 1, LONG], seed=row + 1,
+                                    num_partitions=parts, cache_dtype=cache_dtype)
+    assert relative_error(got, want) < TOLERANCE[dtype]
+    assert not counters.any()
+    assert (emulator.matrix_ops > ops_before) == (ratio >= 4)
+
+
+@pytest.mark.parametrize("cache_dtype", FP8, ids=lambda d: d.name)
+@pytest.mark.parametrize("dtype", DTYPES[:2], ids=lambda d: d.name)
+def test_fp8_writes_quantize_as_ml_dtypes(libraries, wave, rng, cache_dtype, dtype):
+    num_blocks, heads, block_size, dim = 4, 2, 8, 64
+    shape = (num_blocks, heads, block_size, dim)
+    limit = reference.FP8_LIMITS[cache_dtype]
+    k = np.full(shape, 0x22, np.uint8).view(cache_dtype)
+    v = k.copy()
+    key = (rng.standard_normal((6, heads, dim), np.float32) * 60).astype(dtype)
+    value = (rng.standard_normal((6, heads, dim), np.float32) * 0.01).astype(dtype)
+    key[0, 0, :6] = np.array([0.0, -0.0, limit * 3, -limit * 0.9, 2.0 ** -12, np.nan])
+    slots = np.array([17, -1, 3, 30, -1, 8], np.int64)
+    want_k, want_v = k.copy(), v.copy()
+    reference.reshape_and_cache(key, value, want_k, want_v, slots, 0.5, 0.001)
+    emulator = libraries["cache_ops", wave]
+    emulator.launch(f"rf_reshape_and_cache_e4m3_{planning.DTYPES[dtype]}", len(slots),
+                    planning.WRITE_THREADS, *planning.write_arguments(
+                        ptr(k), ptr(v), ptr(key), ptr(value), ptr(slots), heads, block_size,
+                        dim * dtype.itemsize, cache_dtype, 0.5, 0.001))
+    np.testing.assert_array_equal(k.view(np.uint8), want_k.view(np.uint8))
+    np.testing.assert_array_equal(v.view(np.uint8), want_v.view(np.uint8))
 
 
 # --- cache writes and copies ----------------------------------------------------------------

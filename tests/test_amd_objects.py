@@ -147,6 +147,8 @@ def test_metadata_vgpr_count_is_what_the_descriptor_allocates(path):
 def test_launch_sizes_are_what_planning_and_basic_cu_launch(path):
     expected = {"rf_fill_f32": 256, "rf_scale_f32": 256, "rf_hold_ns": 32, "rf_read_bytes": 256,
                 "rf_reshape_and_cache": planning.WRITE_THREADS,
+                "rf_reshape_and_cache_e4m3_f16": planning.WRITE_THREADS,
+                "rf_reshape_and_cache_e4m3_bf16": planning.WRITE_THREADS,
                 "rf_copy_blocks": planning.WRITE_THREADS}
     for i in amd.instances(path):
         assert i.threads == expected.get(i.kernel, planning.THREADS), i.kernel
@@ -154,12 +156,28 @@ def test_launch_sizes_are_what_planning_and_basic_cu_launch(path):
 
 def _stage_bytes(wave: int, kernel: str) -> int:
     """The LDS stage of an attention instance as native/paged_attention.cu sizes it: 16 KiB
-    of K and V rows, each padded by 8 bytes; half that on wave32 for groups of 8 heads."""
-    match = re.fullmatch(r"rf_paged_attention_(\w+)_d(\d+)_g(\d+)", kernel)
+    of K and V rows (of the activations: an fp8 cache's codes are widened into it), each
+    padded by 8 bytes; half that on wave32 for groups of 8 heads."""
+    match = re.fullmatch(r"rf_paged_attention_(f16|bf16|f32)(?:_e4m3)?_d(\d+)_g(\d+)", kernel)
     dtype, head_dim, group = match.groups()
     stage = 8192 if wave == 32 and int(group) >= 8 else 16384
     rows = stage // 2 // (int(head_dim) * (4 if dtype == "f32" else 2))
     return stage + 2 * rows * 8
+
+
+def _chunks_per_lane(wave: int, kernel: str) -> int:
+    """The 16-byte chunks of K (and as many of V) each lane loads per tile (rf_pa_reg_copy):
+    the warp's rows of a stage times the cache row's chunks, over the warp's lanes."""
+    match = re.fullmatch(r"rf_paged_attention_(f16|bf16|f32)(_e4m3)?_d(\d+)_g(\d+)", kernel)
+    dtype, fp8, head_dim, group = match.groups()
+    stage = 8192 if wave == 32 and int(group) >= 8 else 16384
+    tokens = stage // 2 // (int(head_dim) * (4 if dtype == "f32" else 2))
+    chunks = int(head_dim) * (1 if fp8 else 4 if dtype == "f32" else 2) // 16
+    return tokens // (128 // wave) * chunks // wave
+
+
+def wave_of(path: Path) -> int:
+    return 32 if "gfx11" in path.name else 64
 
 
 @_each_object(("paged_attention",))
@@ -191,7 +209,9 @@ def test_markdown_has_a_row_per_instance_and_json_the_same_rows(capsys):
         pytest.skip(f"no AMD code objects in {KERNEL_DIR}: `make kernels-amd`")
     rows = amd.all_instances()
     table = amd.markdown(rows).splitlines()
-    assert len(table) == 2 + len(rows) == 2 + 3 * (36 + 2 + 4)
+    # per target: 60 attention instances (3 dtypes + 2 fp8 x 3 head dims x 4 groups), the 4
+    # cache ops (write, two fp8 writes, copy) and basic.cu's 4
+    assert len(table) == 2 + len(rows) == 2 + 3 * (60 + 4 + 4)
     first = rows[0]
     assert table[2].startswith(f"| {first.object} | {first.kernel} | {first.wave} | 128 |")
     assert amd.main(["--json"]) == 0
@@ -272,10 +292,10 @@ def test_tile_loop_loads_the_next_tile_ahead_of_the_matrix_math(path):
     for kernel, code in _disassembly(path).items():
         loop = amd.innermost_loop(code, TILE_LOOP)  # a missing loop is a real failure
         loads = [k for k, i in enumerate(loop) if re.match(NEXT_TILE_LOAD, i.text)]
-        if len(loads) < 4:
+        if len(loads) < 2 * _chunks_per_lane(wave_of(path), kernel):
             failures.append(f"{kernel}: {len(loads)} 16-byte global loads in the tile loop")
             continue
-        if re.search(r"_(f16|bf16)_d\d+_g(4|8)$", kernel) is None:
+        if re.search(r"_(f16|bf16)(_e4m3)?_d\d+_g(4|8)$", kernel) is None:
             continue
         try:
             math = _first(loop, MATRIX)

@@ -2,6 +2,11 @@
 
 The slab is ``[num_layers, 2, num_blocks, num_kv_heads, block_size, head_dim]`` of ``dtype``
 (DESIGN.md). Block 0 is the reserved null block, so ``num_blocks >= 2``. Sizes are bytes.
+
+An fp8 cache (``float8_e4m3fn``, or ``float8_e4m3fnuz``, the format of gfx942) stores codes:
+layer ``l``'s K is ``code * k_scale`` and its V ``code * v_scale`` (``kv_scales[l]``, 1.0 by
+default); its queries, outputs and the K/V written into it are ``activation_dtype``
+(float16 or bfloat16; float16 by default). Other caches hold ``activation_dtype`` itself.
 """
 
 from __future__ import annotations
@@ -12,11 +17,11 @@ from typing import Any
 import numpy as np
 
 from .. import checks
-from ..planning import BLOCK_SIZES, HEAD_DIMS
+from ..planning import BLOCK_SIZES, FP8_DTYPES, HEAD_DIMS
 from ..planning import DTYPES as KERNEL_DTYPES
 
-#: What the kernels support, by name: float16, bfloat16, float32.
-DTYPES = {dtype.name: dtype for dtype in KERNEL_DTYPES}
+#: What the kernels support, by name: float16, bfloat16, float32, float8_e4m3fn(uz).
+DTYPES = {dtype.name: dtype for dtype in (*KERNEL_DTYPES, *FP8_DTYPES)}
 #: Element indices in the kernels are signed 64-bit; block ids are int32, and so are the
 #: rows of one layer's K (or V) plane, [num_blocks * num_kv_heads * block_size, head_dim].
 MAX_SLAB_ELEMENTS = (1 << 63) - 1
@@ -41,9 +46,12 @@ def _dtype(value: Any) -> np.dtype | None:
 
 @dataclass(frozen=True)
 class CacheConfig:
-    """A validated cache shape. ``dtype`` is float16, bfloat16 or float32. ``num_q_heads``
-    (optional, a multiple of ``num_kv_heads``) lets ``KvCache.batch`` plan attention with
-    the rest of the step; without it the first ``attention`` call of a step plans it."""
+    """A validated cache shape. ``dtype`` is float16, bfloat16, float32, float8_e4m3fn or
+    float8_e4m3fnuz. ``num_q_heads`` (optional, a multiple of ``num_kv_heads``) lets
+    ``KvCache.batch`` plan attention with the rest of the step; without it the first
+    ``attention`` call of a step plans it. ``activation_dtype`` and ``kv_scales`` (one
+    ``(k_scale, v_scale)`` pair of positive finite floats per layer) are for fp8 caches (see
+    the module docstring); ``kv_scales`` becomes a tuple of float pairs."""
 
     num_layers: int
     num_kv_heads: int
@@ -52,6 +60,8 @@ class CacheConfig:
     num_blocks: int
     dtype: Any = "float16"
     num_q_heads: int | None = None
+    activation_dtype: Any = None
+    kv_scales: Any = None
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_kv_heads", "head_dim", "block_size", "num_blocks"):
@@ -61,6 +71,7 @@ class CacheConfig:
             raise ValueError(f"dtype {self.dtype} is not supported: use one of "
                              f"{', '.join(DTYPES)}")
         object.__setattr__(self, "dtype", dtype)
+        self._fp8_fields()
         if self.num_q_heads is not None:
             object.__setattr__(self, "num_q_heads", _positive("num_q_heads", self.num_q_heads))
             if self.num_q_heads % self.num_kv_heads:
@@ -82,6 +93,44 @@ class CacheConfig:
         elements = self.total_bytes // self.dtype.itemsize
         if elements > MAX_SLAB_ELEMENTS:
             raise OverflowError(f"a slab of {elements} elements overflows 64-bit indexing")
+
+    def _fp8_fields(self) -> None:
+        """``activation_dtype`` and ``kv_scales`` checked and normalised."""
+        act = self.dtype if self.activation_dtype is None and not self.is_fp8 else (
+            _dtype("float16" if self.activation_dtype is None else self.activation_dtype))
+        if self.is_fp8 and act not in FP8_DTYPES[self.dtype]:
+            raise ValueError(f"activation_dtype {self.activation_dtype} of an {self.dtype.name} "
+                             "cache must be float16 or bfloat16")
+        if not self.is_fp8 and act != self.dtype:
+            raise ValueError(f"activation_dtype {self.activation_dtype} differs from dtype "
+                             f"{self.dtype.name}: only an fp8 cache holds another type")
+        object.__setattr__(self, "activation_dtype", act)
+        scales = self.kv_scales
+        if scales is None:
+            object.__setattr__(self, "kv_scales", ((1.0, 1.0),) * self.num_layers)
+            return
+        if not self.is_fp8:
+            raise ValueError(f"kv_scales apply to fp8 caches only, not {self.dtype.name}")
+        try:
+            pairs = [tuple(pair) for pair in scales]
+        except TypeError:
+            raise TypeError(f"kv_scales must be one (k_scale, v_scale) pair per layer, got "
+                            f"{checks.show(scales)}") from None
+        if len(pairs) != self.num_layers or any(len(pair) != 2 for pair in pairs):
+            raise ValueError(f"kv_scales must be {self.num_layers} (k_scale, v_scale) pairs, "
+                             f"got {checks.show(scales)}")
+        clean = []
+        for layer, pair in enumerate(pairs):
+            k, v = (checks.real(x, f"kv_scales[{layer}]") for x in pair)
+            if not (0.0 < k < float("inf") and 0.0 < v < float("inf")):
+                raise ValueError(f"kv_scales[{layer}] = {pair} must be positive and finite")
+            clean.append((k, v))
+        object.__setattr__(self, "kv_scales", tuple(clean))
+
+    @property
+    def is_fp8(self) -> bool:
+        """Whether the cache stores fp8 codes (with ``kv_scales``)."""
+        return self.dtype in FP8_DTYPES
 
     @property
     def bytes_per_token(self) -> int:
@@ -114,7 +163,8 @@ class CacheConfig:
                    dtype: Any = "float16", *, num_q_heads: int | None = None,
                    budget_bytes: int | None = None,
                    fraction: float | None = None, device: int | None = None,
-                   backend: Any = None) -> CacheConfig:
+                   backend: Any = None, activation_dtype: Any = None,
+                   kv_scales: Any = None) -> CacheConfig:
         """The largest cache within ``budget_bytes``, or within ``fraction`` of the device's
         free memory now (exactly one of the two)."""
         if (budget_bytes is None) == (fraction is None):
@@ -134,4 +184,4 @@ class CacheConfig:
             raise ValueError(f"a budget of {budget_bytes} bytes holds {num_blocks} blocks of "
                              f"{probe.block_bytes} bytes; at least 2 are needed")
         return cls(num_layers, num_kv_heads, head_dim, block_size, num_blocks, dtype,
-                   num_q_heads)
+                   num_q_heads, activation_dtype, kv_scales)

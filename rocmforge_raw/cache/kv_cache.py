@@ -343,8 +343,11 @@ class KvCache(CacheCore):
                 self._steps.write(self._current(slot_mapping, stream), layer, key, value)
             else:
                 self._check_open()
-                ops.reshape_and_cache(key, value, self.k_cache(layer), self.v_cache(layer),
-                                      slot_mapping, stream=self._stream(stream))
+                k, v = self.k_cache(layer), self.v_cache(layer)  # checks the layer
+                k_scale, v_scale = self.config.kv_scales[layer]
+                ops.reshape_and_cache(key, value, k, v, slot_mapping,
+                                      stream=self._stream(stream), k_scale=k_scale,
+                                      v_scale=v_scale)
 
     def attention(self, layer: int, out: DeviceArray, query: DeviceArray,
                   batch: BatchMetadata, scale: float | None = None,

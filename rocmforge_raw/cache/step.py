@@ -26,15 +26,18 @@ from .. import ops
 from ..array import DeviceArray
 from ..planning import (
     ATTENTION_PATCH,
+    OUT_SCALE_ARG,
     SCALE_ARG,
     THREADS,
     WRITE_PATCH,
+    WRITE_SCALE_ARGS,
     WRITE_THREADS,
     AttentionPlan,
     WorkSplit,
     attention_kernel,
     check_tables,
     default_scale,
+    kernel_scales,
     plan_work,
     write_arguments,
     write_kernel,
@@ -91,6 +94,8 @@ class StepPlanner:
             c.dtype.itemsize)
         self.row_shape = (c.num_kv_heads, c.head_dim)
         self.default_scale = default_scale(c.head_dim, None)
+        self.act = c.activation_dtype  # queries, outputs, K/V written: c.dtype unless fp8
+        self.fp8 = c.is_fp8
         base = slab.ptr
         self._planes = [(base + 2 * layer * self.plane_bytes,
                          base + (2 * layer + 1) * self.plane_bytes)
@@ -131,11 +136,12 @@ class StepPlanner:
         key = ("write", n, width, meta.stream)
         launch = meta._staging.launches.get(key)
         if launch is None:
-            launch = meta._staging.launches[key] = write_kernel(self.backend, self.device
-                                                                ).prepare(
+            launch = meta._staging.launches[key] = write_kernel(
+                self.backend, self.device, self.act, c.dtype).prepare(
                 n, WRITE_THREADS, *write_arguments(
                     0, 0, 0, 0, meta._addresses[2], c.num_kv_heads, c.block_size,
-                    c.head_dim * c.dtype.itemsize), stream=meta.stream, patch=WRITE_PATCH)
+                    c.head_dim * self.act.itemsize, c.dtype), stream=meta.stream,
+                patch=WRITE_PATCH)
         return launch
 
     def retire(self) -> None:
@@ -170,10 +176,16 @@ class StepPlanner:
         self._check("value", value, shape)
         k_ptr, v_ptr = self.planes(layer)
         if meta._write is not None:
+            if self.fp8:  # this layer's inverse scales
+                k_scale, v_scale = self.config.kv_scales[layer]
+                meta._write.set_float(WRITE_SCALE_ARGS[0], 1.0 / k_scale)
+                meta._write.set_float(WRITE_SCALE_ARGS[1], 1.0 / v_scale)
             meta._write(k_ptr, v_ptr, key.ptr, value.ptr)
         elif self.on_host:
             k, v = self._host_planes(layer)
-            ops.reshape_and_cache(key, value, k, v, meta.slot_mapping, check=False)
+            k_scale, v_scale = self.config.kv_scales[layer]
+            ops.reshape_and_cache(key, value, k, v, meta.slot_mapping, check=False,
+                                  k_scale=k_scale, v_scale=v_scale)
 
     def attention(self, meta: BatchMetadata, layer: int, out: DeviceArray, query: DeviceArray,
                   scale: float | None) -> None:
@@ -191,11 +203,17 @@ class StepPlanner:
                 meta._attention.set_float(SCALE_ARG, wanted)
             meta._scale = wanted
         if meta._attention is not None:
+            if self.fp8:  # this layer's scales, folded with the softmax scale
+                scales = kernel_scales(self.config.dtype, meta._scale,
+                                       *self.config.kv_scales[layer])
+                meta._attention.set_float(SCALE_ARG, scales[0])
+                meta._attention.set_float(OUT_SCALE_ARG, scales[1])
             meta._attention(out.ptr, query.ptr, k_ptr, v_ptr)
         elif self.on_host:
             k, v = self._host_planes(layer)
+            k_scale, v_scale = self.config.kv_scales[layer]
             ops.paged_attention(out, query, k, v, meta.block_tables, meta.seq_lens,
-                                meta._scale, check=False)
+                                meta._scale, check=False, k_scale=k_scale, v_scale=v_scale)
 
     def _work(self, meta: BatchMetadata, num_q_heads: int) -> WorkSplit:
         """The work split of ``meta``'s step over its sequences' real lengths."""
@@ -203,8 +221,8 @@ class StepPlanner:
         if num_q_heads < 1 or num_q_heads % c.num_kv_heads:
             raise ValueError(f"num_q_heads {num_q_heads} is not a multiple of num_kv_heads "
                              f"{c.num_kv_heads}")
-        found = attention_kernel(self.backend, self.device, c.dtype, c.head_dim,
-                                 num_q_heads // c.num_kv_heads)
+        found = attention_kernel(self.backend, self.device, self.act, c.head_dim,
+                                 num_q_heads // c.num_kv_heads, c.dtype)
         return plan_work(c.num_kv_heads * found.groups, found.slots, len(meta.seq_ids),
                          meta.seq_lens)
 
@@ -222,8 +240,8 @@ class StepPlanner:
         meta._q_shape, meta._scale = (n, num_q_heads, c.head_dim), self.default_scale
         if self.on_host or not n:
             return
-        found = attention_kernel(self.backend, self.device, c.dtype, c.head_dim,
-                                 num_q_heads // c.num_kv_heads)
+        found = attention_kernel(self.backend, self.device, self.act, c.head_dim,
+                                 num_q_heads // c.num_kv_heads, c.dtype)
         slot, width = meta._staging, meta.block_tables.shape[1]
         if work is None:  # num_q_heads came with the first attention call
             work = self._work(meta, num_q_heads)
@@ -253,13 +271,13 @@ class StepPlanner:
         """``array`` is a DeviceArray of the cache's dtype, backend and device and of
         ``shape`` (any 3-d shape for None); one test on the way that passes."""
         if (type(array) is DeviceArray and array.shape == shape
-                and (array.dtype is self.config.dtype or array.dtype == self.config.dtype)
+                and (array.dtype is self.act or array.dtype == self.act)
                 and array.buffer.backend is self.backend and array.buffer.device == self.device):
             return
         if type(array) is not DeviceArray:
             raise TypeError(f"{name} must be a DeviceArray, not {type(array).__name__}")
-        if array.dtype != self.config.dtype:
-            raise ValueError(f"{name} must be {self.config.dtype}, got {array.dtype}")
+        if array.dtype != self.act:
+            raise ValueError(f"{name} must be {self.act}, got {array.dtype}")
         if array.buffer.backend is not self.backend or array.buffer.device != self.device:
             raise ValueError(f"{name} is on {array.backend.name}:{array.device}, the cache on "
                              f"{self.backend.name}:{self.device}")
