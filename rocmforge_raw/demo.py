@@ -5,7 +5,11 @@ for the whole prompt through ``reshape_and_cache``; every decode step writes eac
 sequence's new K/V and runs paged attention over the batch, layer by layer; finished requests
 free their KV at once; when the pool fills, the least-recently-used sequences are preempted
 and re-queued. Every ``check_every`` steps one sequence's attention is checked against the
-NumPy reference. The summary ends with the live buffers left after teardown (must be 0).
+NumPy reference. Then requests that share a system prompt run on an fp8 (e4m3) cache with
+per-layer K/V scales: their prompts are given by token ids, so the prefix cache serves the
+shared blocks (hit rate in the summary) and only the rest is prefilled; a few decode steps
+follow, and attention is checked against the reference over the dequantized codes. The
+summary ends with the live buffers left after teardown (must be 0).
 """
 
 from __future__ import annotations
@@ -125,6 +129,7 @@ def run_demo(backend: Backend, device: int = 0, config: DemoConfig | None = None
     elapsed = time.perf_counter() - started
     if progress and sys.stderr.isatty():
         sys.stderr.write("\n")
+    shared = _shared_prompts_on_fp8(backend, device, cfg, rng)
     ops.release_staging()  # the one-off writes' staging memory, kept per device until now
     gc.collect()
     steps_ms = stats["step_ms"] or [0.0]
@@ -140,9 +145,52 @@ def run_demo(backend: Backend, device: int = 0, config: DemoConfig | None = None
         "decode_host_share_median": statistics.median(stats["host_share"] or [0.0]),
         "cache_blocks": blocks - 1, "peak_blocks": cache_stats["peak_used_blocks"],
         "preemptions": cache_stats["preemptions"], "cow_copies": cache_stats["cow_copies"],
-        "reference_checks_passed": stats["checks"],
+        "reference_checks_passed": stats["checks"], **shared,
         "live_buffers_after_teardown": memory_stats()["live_buffers"],
     }
+
+
+def _shared_prompts_on_fp8(backend: Backend, device: int, cfg: DemoConfig,
+                           rng: np.random.Generator, requests: int = 24, system: int = 256,
+                           steps: int = 4) -> dict[str, Any]:
+    """``requests`` prompts of one ``system``-token system prompt and their own question, on
+    an float8_e4m3fn cache: prefix hits, and attention against the reference."""
+    act = np.dtype(np.float16 if backend.name == "host" else ml_dtypes.bfloat16)
+    scales = tuple((0.02 * (layer + 1), 0.03) for layer in range(cfg.num_layers))
+    tokens = [np.concatenate([np.arange(system), rng.integers(1000, 50000, int(n))])
+              for n in rng.integers(16, 129, requests)]
+    blocks = sum(-(-len(t) // cfg.block_size) + steps for t in tokens) + 1
+    q_heads = cfg.num_kv_heads * cfg.group
+    config = CacheConfig(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, cfg.block_size,
+                         blocks, "float8_e4m3fn", num_q_heads=q_heads, activation_dtype=act,
+                         kv_scales=scales)
+    prefilled = 0
+    with KvCache(config, device, backend) as cache:
+        for seq_id, prompt in enumerate(tokens):
+            reservation = cache.add_sequence(seq_id, tokens=prompt)
+            slots = reservation.slot_mapping[reservation.num_cached_tokens :]
+            _write(cache, rng, slots, act)
+            prefilled += len(slots)
+        ids = list(range(requests))
+        for _ in range(steps):
+            cache.append(ids)
+            meta = cache.batch(ids)
+            inputs = _step_inputs(cache, rng, requests, q_heads, act)
+            for layer, (key, value, query, out) in enumerate(inputs):
+                cache.write(layer, key, value, meta)
+                cache.attention(layer, out, query, meta)
+            key, value, query, out = inputs[-1]
+            _check(cache, meta, query, out, cfg.num_layers - 1, int(rng.integers(requests)))
+            for arrays in inputs:
+                for array in arrays:
+                    array.buffer.root.close()
+        stats = cache.stats()
+    prompt_tokens = sum(len(t) for t in tokens)
+    return {"fp8_cache": config.dtype.name, "fp8_bytes_per_token": config.bytes_per_token,
+            "fp8_checks_passed": steps, "shared_prompt_requests": requests,
+            "prefix_hit_rate": stats["prefix_hit_rate"],
+            "prefill_tokens_saved": prompt_tokens - prefilled,
+            "prefill_tokens_saved_share": 1 - prefilled / prompt_tokens}
 
 
 def _step_inputs(cache: KvCache, rng: np.random.Generator, num_seqs: int, q_heads: int,
@@ -174,12 +222,14 @@ def _check(cache: KvCache, meta: Any, query: DeviceArray, out: DeviceArray, laye
     k = cache.k_cache(layer).to_numpy()
     v = cache.v_cache(layer).to_numpy()
     q = query.to_numpy()[index : index + 1]
+    k_scale, v_scale = cache.config.kv_scales[layer]
     want = reference.paged_attention(q, k, v, meta.block_tables[index : index + 1],
                                      meta.seq_lens[index : index + 1],
-                                     1 / math.sqrt(cache.config.head_dim), np.float64)
+                                     1 / math.sqrt(cache.config.head_dim), np.float64,
+                                     k_scale, v_scale)
     got = out.to_numpy()[index : index + 1].astype(np.float64)
     error = np.linalg.norm(got - want) / np.linalg.norm(want)
-    tolerance = 1e-5 if cache.config.dtype == np.float32 else 2e-2
+    tolerance = 1e-5 if cache.config.activation_dtype == np.float32 else 2e-2
     if not error < tolerance:
         raise AssertionError(f"attention of request {meta.seq_ids[index]} differs from the "
                              f"reference: relative error {error:.2e} > {tolerance}")

@@ -13,12 +13,11 @@ import math
 import ml_dtypes
 import numpy as np
 import pytest
+from test_ops import POISON, random_tables, relative_error
 
 from rocmforge_raw import ops, reference
 from rocmforge_raw.array import DeviceArray
 from rocmforge_raw.cache import CacheConfig, KvCache
-
-from .test_ops import POISON, random_tables, relative_error
 
 FP8 = [ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e4m3fnuz]
 ACT = [np.float16, ml_dtypes.bfloat16]
