@@ -52,14 +52,14 @@ def attention_shared_bytes(backend: str, row_bytes: int, fp8: bool = False) -> i
     """Dynamic shared memory a launch of the attention kernel whose stage rows (of the
     activation dtype) are ``row_bytes`` long passes: its stages, each holding the K and V
     rows of a tile, every row padded (0 on hip: the stage is static there). An fp8 cache's
-    kernel keeps one stage of half the size (the next tile waits in registers, widened on
-    its way in)."""
+    kernel copies the codes into stages of their own and widens each tile into one stage
+    of the activations' rows."""
     stages, stage_bytes, pad = ATTENTION_STAGES[backend]
     if stages == 0:
         return 0
-    if fp8:  # rf_pa_stage: one stage of half the size
-        stages, stage_bytes = 1, stage_bytes // 2
     rows = stage_bytes // 2 // row_bytes
+    if fp8:  # one stage of widened rows, then the stages of codes (half the bytes, unpadded)
+        return stage_bytes + 2 * rows * pad + stages * stage_bytes // 2
     return stages * (stage_bytes + 2 * rows * pad)
 
 
@@ -123,8 +123,8 @@ def check_attention_arrays(out: Any, query: Any, k_cache: Any, v_cache: Any
     num_seqs, num_q_heads, head_dim = query.shape
     expect(out, "out", 3, query.dtype)
     expect(k_cache, "k_cache", 4)
-    expect(v_cache, "v_cache", 4, k_cache.dtype)
     check_cache_dtype("k_cache", k_cache.dtype, query.dtype, "query")
+    expect(v_cache, "v_cache", 4, k_cache.dtype)
     num_blocks, num_kv_heads, block_size, cache_dim = k_cache.shape
     if query.dtype not in DTYPES:
         raise ValueError(f"dtype {query.dtype} is not supported: use one of "
@@ -212,8 +212,8 @@ def check_write_arrays(key: Any, value: Any, k_cache: Any, v_cache: Any
     expect(key, "key", 3)
     expect(value, "value", 3, key.dtype)
     expect(k_cache, "k_cache", 4)
-    expect(v_cache, "v_cache", 4, k_cache.dtype)
     check_cache_dtype("k_cache", k_cache.dtype, key.dtype, "key")
+    expect(v_cache, "v_cache", 4, k_cache.dtype)
     num_tokens, num_kv_heads, head_dim = key.shape
     num_blocks, cache_heads, block_size, cache_dim = k_cache.shape
     if value.shape != key.shape or v_cache.shape != k_cache.shape:
