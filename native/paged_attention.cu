@@ -85,12 +85,15 @@ struct rf_pa_tile {
 // The stage of one instance. On wave32 AMD targets a group of 8 heads halves it: the next
 // tile, which waits in registers, then takes 16 registers a lane instead of 32, and with
 // eight heads' accumulators a 16 KiB stage spilled on gfx1100 (to 128 bytes of scratch).
-template <int G>
+// NVIDIA's fp8 instances copy through registers too (one stage, widened on the way in): half
+// a stage keeps them within the register budget (a full one spilled 8-264 bytes on sm_90),
+// and 8 KiB of codes per tile and CTA still keep enough bytes in flight.
+template <int G, bool FP8>
 struct rf_pa_stage {
 #if defined(RF_AMD)
   static constexpr int BYTES = RF_WARP == 32 && G >= 8 ? RF_PA_STAGE_BYTES / 2 : RF_PA_STAGE_BYTES;
 #else
-  static constexpr int BYTES = RF_PA_STAGE_BYTES;
+  static constexpr int BYTES = FP8 ? RF_PA_STAGE_BYTES / 2 : RF_PA_STAGE_BYTES;
 #endif
 };
 
@@ -215,24 +218,17 @@ RF_DEVICE void paged_attention(
     const typename C::storage* __restrict__ v_cache, const int* __restrict__ block_tables,
     const rf_pa_work& w, const int* __restrict__ first_seq, float scale, int num_q_heads,
     int num_kv_heads, int max_blocks, int block_shift, float out_scale) {
-  typedef rf_pa_tile<E, D, rf_pa_stage<G>::BYTES> Tile;
+  constexpr bool FP8 = sizeof(typename C::storage) != sizeof(typename E::storage);
+  typedef rf_pa_tile<E, D, rf_pa_stage<G, FP8>::BYTES> Tile;
   typedef typename rf_pa_math<E, D, G, Tile>::type Math;
   typedef rf_pa_reg_copy<E, C, D, Tile> Copy;
-  constexpr bool FP8 = sizeof(typename C::storage) != sizeof(typename E::storage);
 #if defined(RF_AMD)
-  constexpr bool REG = true;    // the copy through registers, one stage
-  constexpr bool CODES = false;
+  constexpr bool REG = true;  // the copy through registers, one stage
 #else
-  constexpr bool REG = false;
-  // fp8 on NVIDIA: the stages hold the tiles' codes as copied (rows of D bytes, unpadded:
-  // copies and the widening both run along rows), and each warp widens its rows of a tile
-  // into one more stage of E, which the math reads
-  constexpr bool CODES = FP8;
+  constexpr bool REG = FP8;
 #endif
   constexpr int T = Tile::TOKENS, VPR = Tile::VPR, WROWS = T / RF_PA_WARPS;
   constexpr int STAGES = REG ? 1 : RF_PA_STAGES;
-  constexpr int CROW = D * (int)sizeof(typename C::storage);  // bytes of a cache row
-  constexpr int CVPR = CROW / 16, CPLANE = T * CROW;
   static_assert(WROWS * VPR % RF_WARP == 0 && WROWS <= RF_WARP, "copy shape");
   static_assert(G * D * 4 <= 2 * Tile::PLANE, "a piece's output fits in one stage");
 #if defined(RF_AMD)
@@ -315,14 +311,6 @@ RF_DEVICE void paged_attention(
   // exists at all.
   RF_SHARED int row_s[STAGES][T];
   RF_SHARED bool ok_s[STAGES][RF_PA_WARPS];
-  // where the copies of a stage land: its K (kv 0) or V plane, and row r's chunk j in it
-  auto copy_plane = [&](int st, int kv) -> char* {
-    return CODES ? stage_s + 2 * Tile::PLANE + (st * 2 + kv) * CPLANE
-                 : stage_s + (st * 2 + kv) * Tile::PLANE;
-  };
-  auto copy_chunk = [&](char* plane, int r, int j) -> char* {
-    return CODES ? plane + r * CROW + 16 * j : Tile::chunk(plane, r, j);
-  };
   auto row_offset = [&]() -> int {  // cache row of row row0 + lane of the tile ahead
     const int tok = a_t + row0 + lane;
     if (!a_ok || lane >= WROWS || tok >= a_end) return -1;
@@ -338,13 +326,13 @@ RF_DEVICE void paged_attention(
     for (int c = lane; c < 2 * WROWS; c += RF_WARP) {
       const int row = row0 + c % WROWS, kv = c / WROWS;
       const int cache_row = row_s[stage][row];
-      char* dst = copy_chunk(copy_plane(stage, kv), row, 0);
+      char* dst = Tile::chunk(stage_s + (stage * 2 + kv) * Tile::PLANE, row, 0);
       if (cache_row >= 0) {
-        rf_bulk_copy(dst, (kv ? v_cache : k_cache) + (rf_i64)cache_row * D, CROW,
+        rf_bulk_copy(dst, (kv ? v_cache : k_cache) + (rf_i64)cache_row * D, Tile::ROW_BYTES,
                      &bar_s[stage][warp]);
-        bytes += CROW;
+        bytes += Tile::ROW_BYTES;
       } else {  // past the end: zeros, so products over whole 16-row tiles stay finite
-        for (int j = 0; j < CVPR; ++j)
+        for (int j = 0; j < VPR; ++j)
           reinterpret_cast<rf_vec16*>(dst)[j] = rf_vec16{0u, 0u, 0u, 0u};
         rf_fence_proxy_async();  // before a later tile's bulk copy into this row
       }
@@ -354,47 +342,28 @@ RF_DEVICE void paged_attention(
   };
 #else
   // cp.async copies, coalesced: piece p = it * WARP + lane of the warp's rows is chunk
-  // p % CVPR of row row0 + p / CVPR
-  static_assert(WROWS * CVPR % RF_WARP == 0, "whole copy passes");
+  // p % VPR of row row0 + p / VPR
   auto issue = [&](int stage) {
-    char* k_dst = copy_plane(stage, 0);
-    char* v_dst = copy_plane(stage, 1);
+    char* k_dst = stage_s + (stage * 2 + 0) * Tile::PLANE;
+    char* v_dst = stage_s + (stage * 2 + 1) * Tile::PLANE;
 #pragma unroll
-    for (int it = 0; it < WROWS * CVPR / RF_WARP; ++it) {
-      const int piece_i = it * RF_WARP + lane, row = row0 + piece_i / CVPR;
-      const int j = piece_i % CVPR, cache_row = row_s[stage][row];
+    for (int it = 0; it < WROWS * VPR / RF_WARP; ++it) {
+      const int piece_i = it * RF_WARP + lane, row = row0 + piece_i / VPR, j = piece_i % VPR;
+      const int cache_row = row_s[stage][row];
       const rf_i64 offset = (rf_i64)cache_row * D;
       if (cache_row >= 0) {
-        rf_copy16_async(copy_chunk(k_dst, row, j),
+        rf_copy16_async(Tile::chunk(k_dst, row, j),
                         reinterpret_cast<const rf_vec16*>(k_cache + offset) + j);
-        rf_copy16_async(copy_chunk(v_dst, row, j),
+        rf_copy16_async(Tile::chunk(v_dst, row, j),
                         reinterpret_cast<const rf_vec16*>(v_cache + offset) + j);
       } else {  // past the end: zeros, so products over whole 16-row tiles stay finite
-        rf_lds_store16(copy_chunk(k_dst, row, j), rf_vec16{0u, 0u, 0u, 0u});
-        rf_lds_store16(copy_chunk(v_dst, row, j), rf_vec16{0u, 0u, 0u, 0u});
+        rf_lds_store16(Tile::chunk(k_dst, row, j), rf_vec16{0u, 0u, 0u, 0u});
+        rf_lds_store16(Tile::chunk(v_dst, row, j), rf_vec16{0u, 0u, 0u, 0u});
       }
     }
     rf_copy_commit();
   };
 #endif
-  // CODES: the warp's rows of the codes in `stage`, widened into the E stage (the codes'
-  // stage is then free for the copy after next; the E stage's rows were read by this warp
-  // only, in the tile before)
-  auto widen = [&](int stage) {
-    if constexpr (CODES) {
-      for (int p = lane; p < WROWS * CVPR; p += RF_WARP) {
-        const int row = row0 + p / CVPR, j = p % CVPR;
-#pragma unroll
-        for (int kv = 0; kv < 2; ++kv) {
-          const rf_vec16 x = rf_lds_load16(copy_chunk(copy_plane(stage, kv), row, j));
-          char* plane = stage_s + kv * Tile::PLANE;
-          rf_lds_store16(Tile::chunk(plane, row, 2 * j), C::template widen<E>(x.x, x.y));
-          rf_lds_store16(Tile::chunk(plane, row, 2 * j + 1), C::template widen<E>(x.z, x.w));
-        }
-      }
-      rf_syncwarp();
-    }
-  };
   // prologue: row offsets of tiles 0 .. STAGES-1, then tiles 0 .. STAGES-2 in flight
   if constexpr (!REG) {
 #pragma unroll
@@ -460,10 +429,9 @@ RF_DEVICE void paged_attention(
 #endif
         rf_syncwarp();  // the warp's copies of this tile are visible to all its lanes
         advance();
-        if constexpr (CODES) widen(stage);
 #endif
       }
-      const char* k_plane = stage_s + (CODES ? 0 : stage * 2 * Tile::PLANE);
+      const char* k_plane = stage_s + stage * 2 * Tile::PLANE;
       math.tile(k_plane, k_plane + Tile::PLANE, t0, end, qscale);
 #if !defined(RF_AMD)
       if constexpr (!REG) {
@@ -477,7 +445,7 @@ RF_DEVICE void paged_attention(
     // The piece's result: warps combined, rescaled to the CTA's max, into out_s, which is
     // the stage the last tile used (idle until the next tile's copy, after this).
     float (*out_s)[D] = reinterpret_cast<float (*)[D]>(
-        stage_s + (CODES ? 0 : (stage == 0 ? STAGES - 1 : stage - 1) * 2 * Tile::PLANE));
+        stage_s + (stage == 0 ? STAGES - 1 : stage - 1) * 2 * Tile::PLANE);
     rf_sync();  // every warp is done with that stage
     for (int i = tid; i < G * D; i += RF_PA_THREADS) out_s[i / D][i % D] = 0.f;
     math.publish(wm_s, wl_s);

@@ -52,14 +52,14 @@ def attention_shared_bytes(backend: str, row_bytes: int, fp8: bool = False) -> i
     """Dynamic shared memory a launch of the attention kernel whose stage rows (of the
     activation dtype) are ``row_bytes`` long passes: its stages, each holding the K and V
     rows of a tile, every row padded (0 on hip: the stage is static there). An fp8 cache's
-    kernel copies the codes into stages of their own and widens each tile into one stage
-    of the activations' rows."""
+    kernel keeps one stage of half the size (the next tile waits in registers, widened on
+    its way in)."""
     stages, stage_bytes, pad = ATTENTION_STAGES[backend]
     if stages == 0:
         return 0
+    if fp8:  # rf_pa_stage: one stage of half the size
+        stages, stage_bytes = 1, stage_bytes // 2
     rows = stage_bytes // 2 // row_bytes
-    if fp8:  # one stage of widened rows, then the stages of codes (half the bytes, unpadded)
-        return stage_bytes + 2 * rows * pad + stages * stage_bytes // 2
     return stages * (stage_bytes + 2 * rows * pad)
 
 
