@@ -5,8 +5,11 @@ Bookkeeping lives in ``SequenceRows`` (persistent NumPy arrays indexed by a sequ
 ``append()`` and ``batch()`` work on whole arrays, nothing loops over blocks in Python. A
 decode step is ``append`` (one slot per sequence), ``batch`` (the step's plan: metadata
 uploaded once) and, per layer, ``write`` + ``attention`` (one launch each, see ``step``).
-Invariants, checked by ``check_invariants()``: free + used blocks == num_blocks - 1, and each
-block's ref count equals the number of sequences holding it.
+Invariants, checked by ``check_invariants()``: free (cached-free included) + used blocks ==
+num_blocks - 1, each block's ref count equals the number of sequences holding it, and the
+prefix index names exactly the blocks that keep a hash. A prompt given by its token ids
+(``add_sequence(seq_id, tokens=...)``) shares the full blocks the prefix cache already holds
+(``prefix``). An fp8 cache stores codes with per-layer scales (``CacheConfig``).
 
 Device work is queued on the cache's ``stream`` (None: the backend's default stream) unless
 a call names another; nothing here waits for the device. The slab starts zeroed (one memset
