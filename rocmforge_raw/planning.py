@@ -392,11 +392,13 @@ class AttentionKernel:
 def kernel_scales(cache: np.dtype, scale: float, k_scale: float, v_scale: float
                   ) -> tuple[float, float]:
     """The kernel's (``scale``, ``out_scale``) for a softmax scale and a layer's K/V scales:
-    an fp8 cache's factors fold into them (FP8_CODE_FACTOR); other caches pass ``scale``."""
+    an fp8 cache's factors fold into them (FP8_CODE_FACTOR); other caches pass ``scale``.
+    ``scale`` multiplies last, so the answer for scale 1 times any scale is the answer for
+    that scale (the step computes the layer's part once)."""
     factor = FP8_CODE_FACTOR.get(cache)
     if factor is None:
         return scale, 1.0
-    return scale * k_scale * factor, v_scale * factor
+    return scale * (k_scale * factor), v_scale * factor
 
 
 @functools.lru_cache(maxsize=256)

@@ -13,6 +13,7 @@ import shutil
 import struct
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -71,18 +72,14 @@ def _violations(path: Path, broken) -> list[str]:
     return [f"{i.kernel}: {why}" for i in amd.instances(path) if (why := broken(i))]
 
 
+@pytest.mark.parametrize("field, limit, what", [
+    ("scratch", MAX_SCRATCH_BYTES, "B scratch per lane"),
+    ("vgpr_spills", MAX_VGPR_SPILLS, "VGPR spills"),
+], ids=["no_scratch", "no_vgpr_or_agpr_spills"])
 @_each_object()
-def test_no_scratch(path):
+def test_within_the_memory_limits(path, field, limit, what):
     def over(i):
-        return i.scratch > MAX_SCRATCH_BYTES and f"{i.scratch} B scratch per lane"
-    bad = _violations(path, over)
-    assert not bad, f"{path.name}: " + "; ".join(bad)
-
-
-@_each_object()
-def test_no_vgpr_or_agpr_spills(path):
-    def over(i):
-        return i.vgpr_spills > MAX_VGPR_SPILLS and f"{i.vgpr_spills} VGPR spills"
+        return getattr(i, field) > limit and f"{getattr(i, field)} {what}"
     bad = _violations(path, over)
     assert not bad, f"{path.name}: " + "; ".join(bad)
 
@@ -154,30 +151,24 @@ def test_launch_sizes_are_what_planning_and_basic_cu_launch(path):
         assert i.threads == expected.get(i.kernel, planning.THREADS), i.kernel
 
 
-def _stage_bytes(wave: int, kernel: str) -> int:
-    """The LDS stage of an attention instance as native/paged_attention.cu sizes it: 16 KiB
-    of K and V rows (of the activations: an fp8 cache's codes are widened into it), each
-    padded by 8 bytes; half that on wave32 for groups of 8 heads."""
-    match = re.fullmatch(r"rf_paged_attention_(f16|bf16|f32)(?:_e4m3)?_d(\d+)_g(\d+)", kernel)
-    dtype, head_dim, group = match.groups()
-    stage = 8192 if wave == 32 and int(group) >= 8 else 16384
-    rows = stage // 2 // (int(head_dim) * (4 if dtype == "f32" else 2))
-    return stage + 2 * rows * 8
+@dataclass(frozen=True)
+class _Stage:
+    """An attention instance's stage as native/paged_attention.cu sizes it: 16 KiB of K and V
+    rows of the activations (an fp8 cache's codes are widened into it), each padded by 8
+    bytes, half that on wave32 for groups of 8 heads; and its register copy's chunks."""
+
+    bytes: int          # the stage's LDS, padding included
+    chunks_per_lane: int  # 16-byte chunks of K (as many of V) each lane loads per tile
 
 
-def _chunks_per_lane(wave: int, kernel: str) -> int:
-    """The 16-byte chunks of K (and as many of V) each lane loads per tile (rf_pa_reg_copy):
-    the warp's rows of a stage times the cache row's chunks, over the warp's lanes."""
+def _stage(wave: int, kernel: str) -> _Stage:
     match = re.fullmatch(r"rf_paged_attention_(f16|bf16|f32)(_e4m3)?_d(\d+)_g(\d+)", kernel)
-    dtype, fp8, head_dim, group = match.groups()
-    stage = 8192 if wave == 32 and int(group) >= 8 else 16384
-    tokens = stage // 2 // (int(head_dim) * (4 if dtype == "f32" else 2))
-    chunks = int(head_dim) * (1 if fp8 else 4 if dtype == "f32" else 2) // 16
-    return tokens // (128 // wave) * chunks // wave
-
-
-def wave_of(path: Path) -> int:
-    return 32 if "gfx11" in path.name else 64
+    dtype, fp8, head_dim, group = match[1], match[2], int(match[3]), int(match[4])
+    stage = 8192 if wave == 32 and group >= 8 else 16384
+    itemsize = 4 if dtype == "f32" else 2
+    rows = stage // 2 // (head_dim * itemsize)
+    cache_chunks = head_dim * (1 if fp8 else itemsize) // 16  # rf_pa_reg_copy's VPR
+    return _Stage(stage + 2 * rows * 8, rows // (128 // wave) * cache_chunks // wave)
 
 
 @_each_object(("paged_attention",))
@@ -185,7 +176,7 @@ def test_each_attention_instance_holds_its_own_stage_in_static_lds(path):
     # launches on hip pass no dynamic LDS, so the stage must be in the kernel's own
     assert planning.attention_shared_bytes("hip", 256) == 0
     for i in amd.instances(path):
-        stage = _stage_bytes(i.wave, i.kernel)
+        stage = _stage(i.wave, i.kernel).bytes
         assert i.lds_dynamic == 0 and stage <= i.lds_static <= stage + 9 * 1024, (
             f"{i.kernel}: {i.lds_static} B static LDS for a {stage} B stage")
 
@@ -292,7 +283,8 @@ def test_tile_loop_loads_the_next_tile_ahead_of_the_matrix_math(path):
     for kernel, code in _disassembly(path).items():
         loop = amd.innermost_loop(code, TILE_LOOP)  # a missing loop is a real failure
         loads = [k for k, i in enumerate(loop) if re.match(NEXT_TILE_LOAD, i.text)]
-        if len(loads) < 2 * _chunks_per_lane(wave_of(path), kernel):
+        wave = 32 if "gfx11" in path.name else 64
+        if len(loads) < 2 * _stage(wave, kernel).chunks_per_lane:
             failures.append(f"{kernel}: {len(loads)} 16-byte global loads in the tile loop")
             continue
         if re.search(r"_(f16|bf16)(_e4m3)?_d\d+_g(4|8)$", kernel) is None:

@@ -96,8 +96,10 @@ class CacheConfig:
 
     def _fp8_fields(self) -> None:
         """``activation_dtype`` and ``kv_scales`` checked and normalised."""
-        act = self.dtype if self.activation_dtype is None and not self.is_fp8 else (
-            _dtype("float16" if self.activation_dtype is None else self.activation_dtype))
+        if self.activation_dtype is None:
+            act = np.dtype(np.float16) if self.is_fp8 else self.dtype
+        else:
+            act = _dtype(self.activation_dtype)
         if self.is_fp8 and act not in FP8_DTYPES[self.dtype]:
             raise ValueError(f"activation_dtype {self.activation_dtype} of an {self.dtype.name} "
                              "cache must be float16 or bfloat16")

@@ -24,13 +24,13 @@ def token_ids(tokens: Any, name: str = "tokens") -> np.ndarray:
     """``tokens`` as a non-empty 1-D little-endian int64 array (a copy-free view where it
     already is one); ``TypeError``/``ValueError`` naming ``name`` otherwise."""
     array = np.asarray(tokens)
-    if array.dtype.kind not in "iu" or array.dtype == np.bool_:
+    if array.dtype.kind not in "iu":
         raise TypeError(f"{name} must be integer token ids, got {array.dtype} "
                         f"{checks.show(tokens)}")
     if array.ndim != 1 or array.size == 0:
         raise ValueError(f"{name} must be a non-empty 1-D array of token ids, got shape "
                          f"{array.shape}")
-    if array.dtype.kind == "u" and array.size and int(array.max()) > np.iinfo(np.int64).max:
+    if array.dtype.kind == "u" and int(array.max()) > np.iinfo(np.int64).max:
         raise ValueError(f"{name} holds {int(array.max())}, beyond int64")
     return array.astype("<i8", copy=False)
 

@@ -95,7 +95,11 @@ class StepPlanner:
         self.row_shape = (c.num_kv_heads, c.head_dim)
         self.default_scale = default_scale(c.head_dim, None)
         self.act = c.activation_dtype  # queries, outputs, K/V written: c.dtype unless fp8
+        # an fp8 cache's kernel scales per layer, computed once: (the K scale's part of the
+        # score scale, out_scale) for attention, and the inverse scales the write takes
         self.fp8 = c.is_fp8
+        self._attention_scales = [kernel_scales(c.dtype, 1.0, k, v) for k, v in c.kv_scales]
+        self._write_scales = [(1.0 / k, 1.0 / v) for k, v in c.kv_scales]
         base = slab.ptr
         self._planes = [(base + 2 * layer * self.plane_bytes,
                          base + (2 * layer + 1) * self.plane_bytes)
@@ -177,9 +181,9 @@ class StepPlanner:
         k_ptr, v_ptr = self.planes(layer)
         if meta._write is not None:
             if self.fp8:  # this layer's inverse scales
-                k_scale, v_scale = self.config.kv_scales[layer]
-                meta._write.set_float(WRITE_SCALE_ARGS[0], 1.0 / k_scale)
-                meta._write.set_float(WRITE_SCALE_ARGS[1], 1.0 / v_scale)
+                k_inverse, v_inverse = self._write_scales[layer]
+                meta._write.set_float(WRITE_SCALE_ARGS[0], k_inverse)
+                meta._write.set_float(WRITE_SCALE_ARGS[1], v_inverse)
             meta._write(k_ptr, v_ptr, key.ptr, value.ptr)
         elif self.on_host:
             k, v = self._host_planes(layer)
@@ -204,10 +208,9 @@ class StepPlanner:
             meta._scale = wanted
         if meta._attention is not None:
             if self.fp8:  # this layer's scales, folded with the softmax scale
-                scales = kernel_scales(self.config.dtype, meta._scale,
-                                       *self.config.kv_scales[layer])
-                meta._attention.set_float(SCALE_ARG, scales[0])
-                meta._attention.set_float(OUT_SCALE_ARG, scales[1])
+                k_part, out_scale = self._attention_scales[layer]
+                meta._attention.set_float(SCALE_ARG, meta._scale * k_part)
+                meta._attention.set_float(OUT_SCALE_ARG, out_scale)
             meta._attention(out.ptr, query.ptr, k_ptr, v_ptr)
         elif self.on_host:
             k, v = self._host_planes(layer)
