@@ -156,7 +156,7 @@ def check_cache_dtype(cache_name: str, cache: np.dtype, act: np.dtype, act_name:
     if cache == act or act in FP8_DTYPES.get(cache, ()):
         return
     if cache in FP8_DTYPES:
-        raise ValueError(f"{act_name} must be float16 or bfloat16 with an {cache} {cache_name}, "
+        raise ValueError(f"{act_name} must be float16 or bfloat16 with a {cache} {cache_name}, "
                          f"got {act}")
     raise ValueError(f"{cache_name} must be {act}, got {cache}")
 

@@ -194,7 +194,7 @@ def test_fp8_ops_refuse_what_they_cannot_serve(backend):
     q16 = DeviceArray.empty((1, 1, 64), np.float16, backend=backend)
     k16 = DeviceArray.empty((4, 1, 16, 64), np.float16, backend=backend)
     tables, lens = np.ones((1, 1), np.int32), np.ones(1, np.int32)
-    with pytest.raises(ValueError, match="query must be float16 or bfloat16 with an "
+    with pytest.raises(ValueError, match="query must be float16 or bfloat16 with a "
                                          "float8_e4m3fn k_cache, got float32"):
         ops.paged_attention(q32, q32, k8, k8, tables, lens)
     with pytest.raises(ValueError, match=r"k_scale 2\.0 applies to fp8 caches only"):

@@ -101,7 +101,7 @@ class CacheConfig:
         else:
             act = _dtype(self.activation_dtype)
         if self.is_fp8 and act not in FP8_DTYPES[self.dtype]:
-            raise ValueError(f"activation_dtype {self.activation_dtype} of an {self.dtype.name} "
+            raise ValueError(f"activation_dtype {self.activation_dtype} of a {self.dtype.name} "
                              "cache must be float16 or bfloat16")
         if not self.is_fp8 and act != self.dtype:
             raise ValueError(f"activation_dtype {self.activation_dtype} differs from dtype "
