@@ -346,21 +346,33 @@ RF_DEVICE unsigned short rf_float_to_bf16(float f) {  // round to nearest even, 
 struct alignas(16) rf_vec16 { unsigned x, y, z, w; };
 struct alignas(16) rf_float4 { float x, y, z, w; };
 
-// 16 bytes of shared memory at p: 16-byte aligned on NVIDIA; 8-byte aligned on AMD, whose
-// stage rows are padded by 8 bytes (so two 8-byte accesses).
-#if defined(RF_AMD)
-RF_DEVICE rf_vec16 rf_lds_load16(const void* p) {
+// 16 bytes of shared memory at p, 16-byte aligned (one ds_read_b128 / ld.shared.v4), or only
+// 8-byte aligned (_a8: two 8-byte accesses; AMD's matrix-path rows are padded by 8 bytes).
+// RF_LDS_TRACE(p, bytes, write) sees each access: nothing on a GPU; the CPU emulation
+// (tests/amd_emu) records them to check the layouts for bank conflicts.
+#ifndef RF_LDS_TRACE
+#define RF_LDS_TRACE(p, bytes, write) ((void)0)
+#endif
+template <class T>
+RF_DEVICE T rf_lds_read(const void* p) {
+  RF_LDS_TRACE(p, sizeof(T), 0);
+  return *static_cast<const T*>(p);
+}
+RF_DEVICE rf_vec16 rf_lds_load16(const void* p) { return rf_lds_read<rf_vec16>(p); }
+RF_DEVICE void rf_lds_store16(void* p, const rf_vec16& v) {
+  RF_LDS_TRACE(p, 16, 1);
+  *static_cast<rf_vec16*>(p) = v;
+}
+RF_DEVICE rf_vec16 rf_lds_load16_a8(const void* p) {
+  RF_LDS_TRACE(p, 16, 0);
   const rf_u64 lo = static_cast<const rf_u64*>(p)[0], hi = static_cast<const rf_u64*>(p)[1];
   return rf_vec16{(unsigned)lo, (unsigned)(lo >> 32), (unsigned)hi, (unsigned)(hi >> 32)};
 }
-RF_DEVICE void rf_lds_store16(void* p, const rf_vec16& v) {
+RF_DEVICE void rf_lds_store16_a8(void* p, const rf_vec16& v) {
+  RF_LDS_TRACE(p, 16, 1);
   static_cast<rf_u64*>(p)[0] = v.x | (rf_u64)v.y << 32;
   static_cast<rf_u64*>(p)[1] = v.z | (rf_u64)v.w << 32;
 }
-#else
-RF_DEVICE rf_vec16 rf_lds_load16(const void* p) { return *static_cast<const rf_vec16*>(p); }
-RF_DEVICE void rf_lds_store16(void* p, const rf_vec16& v) { *static_cast<rf_vec16*>(p) = v; }
-#endif
 
 // Element types: `storage` is what the cache holds; PER_VEC elements fit in one rf_vec16.
 struct rf_f32 {

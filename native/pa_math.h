@@ -41,11 +41,17 @@ struct rf_pa_core {
   static constexpr int LPR = VPR < RF_WARP ? VPR : RF_WARP;  // V: lanes per row
   static constexpr int CPL = VPR / LPR;                       // V: chunks per lane
   static constexpr int VSTEP = RF_WARP / LPR;                 // V: rows a warp covers per step
+  static constexpr int RPG = WROWS / VSTEP;                   // V: rows per group of LPR lanes
+  // Queries: a cache chunk's PV of them (16 or 32 bytes) every QPC floats: 16-bit chunks get
+  // 16 bytes of padding (48-byte steps: 3 bank groups, odd, so 8 lanes reading 8 chunks whose
+  // indices differ mod 8, as qk_chunk's do, read 8 different groups); f32 chunks none.
+  static constexpr int QPC = PV == 8 ? 12 : PV, QROW = D / PV * QPC;
   static constexpr bool QUERIES_SHARED = true;
   static_assert(CHUNKS * TPT == VPR && T * TPT == RF_PA_THREADS, "tile shape");
   static_assert(WROWS * TPT == RF_WARP, "a warp's QK rows are its V rows");
+  static_assert(RPG * VSTEP == WROWS && LPR % 8 == 0, "V: whole blocks of rows, 8-lane sets");
   struct Shared {
-    __attribute__((aligned(16))) float q[G][D];  // the group's queries, scaled
+    __attribute__((aligned(16))) float q[G][QROW];  // the group's queries, scaled
     float p[G][T];                               // each row's weight per head
   };
   Shared& sh;
@@ -57,8 +63,8 @@ struct rf_pa_core {
                               int nh, float qscale) {
     for (int i = th.tid; i < G * D; i += RF_PA_THREADS) {
       const int g = i / D, d = i % D;
-      sh.q[g][d] = g < nh ? E::to_float(q[((rf_i64)s * num_q_heads + q0 + g) * D + d]) * qscale
-                          : 0.f;
+      sh.q[g][d / PV * QPC + d % PV] =
+          g < nh ? E::to_float(q[((rf_i64)s * num_q_heads + q0 + g) * D + d]) * qscale : 0.f;
     }
   }
   RF_DEVICE void reset() {
@@ -72,13 +78,13 @@ struct rf_pa_core {
   }
   RF_DEVICE void tile(const char* k_plane, const char* v_plane, int t0, int end, float) {
     // scores: TPT threads per token, each over CHUNKS chunks, then summed across them
-    const int my_row = th.tid / TPT, my_chunk0 = (th.tid % TPT) * CHUNKS;
+    const int my_row = th.tid / TPT;
     const int tok = t0 + my_row;
     // the queries are read from shared memory per tile: held across the loop, eight heads'
     // would take G x CHUNKS x PV registers
     int q_at = 0;
     if constexpr (G >= 8) rf_opaque(q_at);
-    const float(*q_s)[D] = reinterpret_cast<const float(*)[D]>(
+    const float(*q_s)[QROW] = reinterpret_cast<const float(*)[QROW]>(
         reinterpret_cast<const char*>(&sh.q[0][0]) + q_at);
     // two accumulators (chunks alternate, halving the FMA chains) where registers allow
     constexpr int CHAINS = G < 8 ? 2 : 1;
@@ -87,16 +93,15 @@ struct rf_pa_core {
     for (int g = 0; g < G; ++g) s[g] = s_odd[g] = 0.f;
 #pragma unroll
     for (int c = 0; c < CHUNKS; ++c) {
-      // chunks rotate by thread, so the lanes of a shared-memory phase hit distinct banks
-      const int j = my_chunk0 + (c + (th.tid % TPT) * Tile::ROTATE) % CHUNKS;
+      const int j = Tile::qk_chunk(th.tid % TPT, c);  // conflict-free (rf_pa_tile)
       float k[PV];
-      E::unpack(rf_lds_load16(Tile::chunk(k_plane, my_row, j)), k);
+      E::unpack(Tile::load(k_plane, my_row, j), k);
 #pragma unroll
       for (int g = 0; g < G; ++g) {
         float dot = 0.f;
 #pragma unroll
         for (int e = 0; e < PV; e += 4) {
-          const rf_float4 qv = *reinterpret_cast<const rf_float4*>(&q_s[g][j * PV + e]);
+          const rf_float4 qv = rf_lds_read<rf_float4>(&q_s[g][j * QPC + e]);
           dot += qv.x * k[e] + qv.y * k[e + 1] + qv.z * k[e + 2] + qv.w * k[e + 3];
         }
         if (CHAINS == 2 && (c & 1)) s_odd[g] += dot; else s[g] += dot;
@@ -121,15 +126,15 @@ struct rf_pa_core {
       for (int e = 0; e < CPL * PV; ++e) acc[g][e] *= alpha;
     }
     rf_syncwarp();
-    // values: lane owns chunks [vchunk0, vchunk0 + CPL) of rows vrow0, vrow0 + VSTEP, ...
+    // values: lane owns chunks lane % LPR + cc * LPR (cc < CPL) of its group's RPG rows
     const int rows = end - t0 < T ? end - t0 : T;
-    const int vrow0 = th.warp * WROWS + th.lane / LPR, vchunk0 = (th.lane % LPR) * CPL;
-    for (int r = vrow0; r < (th.warp + 1) * WROWS; r += VSTEP) {
+    const int vrow0 = th.warp * WROWS + RPG * v_group();
+    for (int r = vrow0; r < vrow0 + RPG; ++r) {
       if (r < rows) {
 #pragma unroll
         for (int cc = 0; cc < CPL; ++cc) {
           float v[PV];
-          E::unpack(rf_lds_load16(Tile::chunk(v_plane, r, vchunk0 + cc)), v);
+          E::unpack(Tile::load(v_plane, r, th.lane % LPR + cc * LPR), v);
 #pragma unroll
           for (int g = 0; g < G; ++g) {
             const float p = sh.p[g][r];
@@ -154,13 +159,24 @@ struct rf_pa_core {
   }
   RF_DEVICE void add_to(float (*out_s)[D], const float* m_cta) {
     if (th.lane >= LPR) return;
-    const int vchunk0 = (th.lane % LPR) * CPL;
 #pragma unroll
     for (int g = 0; g < G; ++g) {
       const float scale_w = l_part_scale(m_run[g], m_cta[g]);
 #pragma unroll
-      for (int e = 0; e < CPL * PV; ++e) out_s[g][vchunk0 * PV + e] += scale_w * acc[g][e];
+      for (int cc = 0; cc < CPL; ++cc)
+#pragma unroll
+        for (int e = 0; e < PV; ++e)
+          out_s[g][(th.lane + cc * LPR) * PV + e] += scale_w * acc[g][cc * PV + e];
     }
+  }
+  // Which of the warp's blocks of RPG rows the lane's group of LPR lanes reads V from: block
+  // i for group i, except on wave64 with 16 lanes a row (groups 0-3, RPG = 4), where groups 1
+  // and 2 trade blocks, so that lanes 16 apart, which gfx9's ds_read_b128 serves together
+  // (0-3 with 20-23, ...), read rows 8 apart: the same bank groups, for different chunks.
+  // With 8 lanes a row, lanes 16 apart are groups i and i + 2, 8 rows apart already.
+  RF_DEVICE int v_group() const {
+    const int i = th.lane / LPR;
+    return RF_WARP == 64 && LPR == 16 ? (i & 1) << 1 | i >> 1 : i;
   }
 };
 
@@ -562,19 +578,16 @@ struct rf_pa_matrix {
 };
 #endif
 
-// The path for a 16-bit or 32-bit cache E, head_dim D, G heads per group, WROWS rows per warp.
+// The path of an instance (Tile::MATRIX: rf_pa_matrix_path in paged_attention.cu).
 template <class E, int D, int G, class Tile>
 struct rf_pa_math {
 #if defined(RF_HAVE_MMA)
-  static constexpr bool MATRIX = E::TENSOR_KIND != 0 && G >= 4 && Tile::TOKENS / RF_PA_WARPS >= 8;
-  typedef typename rf_pa_pick<MATRIX, rf_pa_mma<E, D, G, Tile>, rf_pa_core<E, D, G, Tile>>::type
-      type;
+  typedef typename rf_pa_pick<Tile::MATRIX, rf_pa_mma<E, D, G, Tile>,
+                              rf_pa_core<E, D, G, Tile>>::type type;
 #elif defined(RF_HAVE_MFMA) || defined(RF_HAVE_WMMA)
-  static constexpr bool MATRIX = E::TENSOR_KIND != 0 && G >= 4;
-  typedef typename rf_pa_pick<MATRIX, rf_pa_matrix<E, D, G, Tile>,
+  typedef typename rf_pa_pick<Tile::MATRIX, rf_pa_matrix<E, D, G, Tile>,
                               rf_pa_core<E, D, G, Tile>>::type type;
 #else
-  static constexpr bool MATRIX = false;
   typedef rf_pa_core<E, D, G, Tile> type;
 #endif
 };

@@ -55,31 +55,73 @@
 #define RF_PA_MIN_BLOCKS 3
 #endif
 
+// Whether an instance computes on matrix units (pa_math.h: NVIDIA tensor cores, AMD MFMA or
+// WMMA) rather than CUDA cores / VALU: a 16-bit stage, 4+ query heads per group and, on
+// NVIDIA, 8+ rows per warp.
+template <class E, int G, int TOKENS>
+struct rf_pa_matrix_path {
+#if defined(RF_HAVE_MMA)
+  static constexpr bool value = E::TENSOR_KIND != 0 && G >= 4 && TOKENS / RF_PA_WARPS >= 8;
+#elif defined(RF_HAVE_MFMA) || defined(RF_HAVE_WMMA)
+  static constexpr bool value = E::TENSOR_KIND != 0 && G >= 4;
+#else
+  static constexpr bool value = false;
+#endif
+};
+
 // A shared-memory stage: the K rows of one tile (TOKENS tokens), then its V rows, each row
-// padded. NVIDIA pads by 16 bytes, so chunk j of row r sits r + j bank groups on: the 8 rows
-// an ldmatrix reads, and the 8 chunks of a row a copy writes, fall in different bank groups,
-// and a row stays contiguous for one bulk copy. AMD pads by 8 bytes, so the 16 rows of an
-// MFMA/WMMA K read (8 bytes each) fall in 16 distinct bank pairs.
-template <class E, int D, int STAGE_BYTES>
+// padded. Shared memory is 32 banks of 4 bytes; a 16-byte access by a wave is served 8 lanes
+// at a time (NVIDIA: a quarter warp; AMD: lanes 8i..8i+7, and for gfx9's ds_read_b128 also
+// lanes 4i..4i+3 with those 16 on and 4 off: 0-3 with 20-23, 4-7 with 16-19), so it is
+// conflict-free when the 8 lanes of each such set read 8 different bank groups of 16 bytes
+// (or the same address). Rows are padded by 16 bytes (AMD's vector path: 16 per 8 threads of
+// a row's score; NVIDIA's stages give a row at most 8), so row r + 1 starts PAD / 16 bank
+// groups after row r:
+// chunk j of row r is in group (r * PAD / 16 + j) mod 8. qk_chunk, the vector path's V rows
+// and chunks and query layout (pa_math.h) and the register copy's stores choose which lane
+// touches which chunk so that every access is conflict-free; tests/test_amd_emulation.py
+// checks that on the AMD kernels' traced accesses. AMD's matrix path pads by 8 bytes instead,
+// so the 16 rows of an MFMA/WMMA K read (8 bytes each) fall in 16 distinct bank pairs (rows
+// then only 8-byte aligned: two 8-byte accesses per chunk).
+template <class E, int D, int STAGE_BYTES, int G>
 struct rf_pa_tile {
   static constexpr int ROW_BYTES = D * (int)sizeof(typename E::storage);
   static constexpr int TOKENS = STAGE_BYTES / 2 / ROW_BYTES;  // 4..128
   static constexpr int VPR = ROW_BYTES / 16;                        // 16-byte chunks per row
   static constexpr int TPT = RF_PA_THREADS / TOKENS;                // threads per token (QK)
   static constexpr int CHUNKS = VPR / TPT;                          // chunks per thread (QK)
-  static constexpr int ROTATE = TPT < 8 ? 8 / TPT : 1;  // CUDA-core QK: chunk rotation
+  static constexpr bool MATRIX = rf_pa_matrix_path<E, G, TOKENS>::value;
 #if defined(RF_AMD)
-  static constexpr int PAD = 8;
+  static constexpr int PAD = MATRIX ? 8 : 16 * (TPT > 8 ? TPT / 8 : 1);
 #else
-  static constexpr int PAD = 16;
+  static constexpr int PAD = 16;  // planning.ATTENTION_STAGES sizes the stages with it
 #endif
   static constexpr int STRIDE = ROW_BYTES + PAD;  // bytes per padded row
   static constexpr int PLANE = TOKENS * STRIDE;   // bytes of K (or V) of one stage
+  static constexpr bool ALIGNED = PAD % 16 == 0;  // every chunk 16-byte aligned
+  static_assert(ROW_BYTES % 128 == 0, "a row spans whole sets of the 32 banks");
   RF_DEVICE static const char* row(const char* plane, int r) { return plane + r * STRIDE; }
   RF_DEVICE static const char* chunk(const char* plane, int r, int j) {
     return plane + r * STRIDE + 16 * j;
   }
   RF_DEVICE static char* chunk(char* plane, int r, int j) { return plane + r * STRIDE + 16 * j; }
+  RF_DEVICE static rf_vec16 load(const char* plane, int r, int j) {
+    if constexpr (ALIGNED) return rf_lds_load16(chunk(plane, r, j));
+    else return rf_lds_load16_a8(chunk(plane, r, j));
+  }
+  RF_DEVICE static void store(char* plane, int r, int j, const rf_vec16& x) {
+    if constexpr (ALIGNED) rf_lds_store16(chunk(plane, r, j), x);
+    else rf_lds_store16_a8(chunk(plane, r, j), x);
+  }
+  // The chunk that thread t of a row's TPT reads at step c of its CHUNKS (core path's scores):
+  // thread t owns chunks [t * CHUNKS, (t + 1) * CHUNKS) and starts at a rotated one. With 8+
+  // chunks a thread, the TPT threads of a row start 8 / TPT groups apart; with 4 or 2 (AMD's
+  // 16 KiB stages and half stages, NVIDIA's fp8 half stage), by bits 1 and 2 of t, which also
+  // keeps gfx9's lane sets (0-3 with 20-23, ...) on distinct groups.
+  RF_DEVICE static int qk_chunk(int t, int c) {
+    const int start = CHUNKS >= 8 ? t * (TPT < 8 ? 8 / TPT : 1) : 2 * (t >> 1 & 1) + (t >> 2 & 1);
+    return t * CHUNKS + (c + start) % CHUNKS;
+  }
 };
 
 // The stage of one instance. On wave32 AMD targets a group of 8 heads halves it: the next
@@ -186,12 +228,28 @@ struct rf_pa_reg_copy {
         v[j * SPAN + s] = ok ? vc[at] : rf_vec16{0u, 0u, 0u, 0u};
       }
   }
-  RF_DEVICE static void put(char* plane, int row, int chunk, const rf_vec16& x) {
+  // A widened chunk fills stage chunks 2c and 2c + 1. On AMD's vector path (16-byte stores),
+  // lanes with bit 2 set write the second first, so the 8 lanes of a store fill 8 bank groups,
+  // not every other group twice. NVIDIA keeps the plain order (the swap measured 3 % slower
+  // there: H200, S1/S5/S6 fp8), as does AMD's matrix path (8-byte stores; 3 more VGPRs cost
+  // gfx1100's d256 G = 4 instances a workgroup per CU).
+  RF_DEVICE void put(char* plane, int row, int chunk, const rf_vec16& x) const {
+#if defined(RF_AMD)
+    constexpr bool SWAP = WIDEN == 2 && Tile::ALIGNED;
+#else
+    constexpr bool SWAP = false;
+#endif
     if constexpr (WIDEN == 1) {
-      rf_lds_store16(Tile::chunk(plane, row, chunk), x);
+      Tile::store(plane, row, chunk, x);
+    } else if constexpr (!SWAP) {
+      Tile::store(plane, row, 2 * chunk, C::template widen<E>(x.x, x.y));
+      Tile::store(plane, row, 2 * chunk + 1, C::template widen<E>(x.z, x.w));
     } else {
-      rf_lds_store16(Tile::chunk(plane, row, 2 * chunk), C::template widen<E>(x.x, x.y));
-      rf_lds_store16(Tile::chunk(plane, row, 2 * chunk + 1), C::template widen<E>(x.z, x.w));
+      const int second = (g * (VPR / SPAN) + c) >> 2 & 1;  // the lane's bit 2
+      const unsigned swap = 0u - (unsigned)second;            // all ones if second
+      const unsigned zx = (x.x ^ x.z) & swap, wy = (x.y ^ x.w) & swap;
+      Tile::store(plane, row, 2 * chunk + second, C::template widen<E>(x.x ^ zx, x.y ^ wy));
+      Tile::store(plane, row, 2 * chunk + 1 - second, C::template widen<E>(x.z ^ zx, x.w ^ wy));
     }
   }
   RF_DEVICE void store(char* stage, int row0) const {
@@ -219,7 +277,7 @@ RF_DEVICE void paged_attention(
     const rf_pa_work& w, const int* __restrict__ first_seq, float scale, int num_q_heads,
     int num_kv_heads, int max_blocks, int block_shift, float out_scale) {
   constexpr bool FP8 = sizeof(typename C::storage) != sizeof(typename E::storage);
-  typedef rf_pa_tile<E, D, rf_pa_stage<G, FP8>::BYTES> Tile;
+  typedef rf_pa_tile<E, D, rf_pa_stage<G, FP8>::BYTES, G> Tile;
   typedef typename rf_pa_math<E, D, G, Tile>::type Math;
   typedef rf_pa_reg_copy<E, C, D, Tile> Copy;
 #if defined(RF_AMD)

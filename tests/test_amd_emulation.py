@@ -17,7 +17,9 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 import pytest
+from amd_emu import lds_banks
 from amd_emu.emulator import (
+    LDS_ACCESS,
     NATIVE_DIR,
     Build,
     EmulationError,
@@ -202,6 +204,73 @@ def test_fp8_writes_quantize_as_ml_dtypes(libraries, wave, rng, cache_dtype, dty
     np.testing.assert_array_equal(v.view(np.uint8), want_v.view(np.uint8))
 
 
+# --- LDS bank conflicts ------------------------------------------------------------------------
+#: The vector-path instances (VALU: every f32 group; 16-bit and fp8 caches at 1 or 2 query
+#: heads a group) as (dtype, fp8 cache dtype or None, query heads per kv head).
+VECTOR_PATH = ([(DTYPES[2], None, ratio) for ratio in (1, 2, 4, 8)]
+               + [(DTYPES[1], None, ratio) for ratio in (1, 2)]
+               + [(DTYPES[0], FP8[0], ratio) for ratio in (1, 2)])
+
+
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+@pytest.mark.parametrize("case", VECTOR_PATH, ids=lambda c: f"{c[0].name}"
+                         f"{'-' + c[1].name if c[1] is not None else ''}-r{c[2]}")
+def test_vector_path_lds_accesses_are_conflict_free(libraries, wave, rng, case, head_dim):
+    """Every stage write and every K, V and query read of a vector-path instance, as the
+    emulated kernel makes them: 16-byte aligned (one ds_read_b128 / ds_write_b128 each) and
+    conflict-free in lds_banks' model, for the lanes AMD serves together (lanes 8i..8i+7, and
+    on wave64 gfx9's ds_read_b128 sets). One CTA over 128 tokens: whole tiles at every tile
+    size, so every lane of a wave makes the same accesses."""
+    dtype, cache_dtype, ratio = case
+    emulator = libraries["paged_attention", wave]
+    with emulator.lds_trace() as trace:
+        got, want, _ = attention(emulator, rng, dtype, head_dim, 16, ratio, [128],
+                                 num_kv_heads=1, slots=1, cache_dtype=cache_dtype)
+    assert relative_error(got, want) < TOLERANCE[dtype]
+    counts, conflicts = {False: 0, True: 0}, []
+    for access in lds_banks.instructions(trace.records, wave):
+        assert access.bytes == 16 and all(a % 16 == 0 for a in access.addresses), access
+        counts[access.write] += 1
+        sets = lds_banks.CONSECUTIVE
+        if wave == 64 and not access.write:
+            sets += lds_banks.GFX9_READ_B128
+        if (ways := lds_banks.ways(access.addresses, sets)) > 1:
+            conflicts.append(f"{'write' if access.write else 'read'} {access.index} of wave "
+                             f"{access.wave}: {ways}-way")
+    assert counts[False] and counts[True], counts  # the stage was written and read
+    assert not conflicts, f"{len(conflicts)} conflicting accesses, e.g. {conflicts[:4]}"
+
+
+def test_the_bank_model_finds_conflicts():
+    lanes = range(64)
+    assert lds_banks.ways([16 * lane for lane in lanes], lds_banks.CONSECUTIVE) == 1
+    assert lds_banks.ways([0] * 64, lds_banks.CONSECUTIVE) == 1  # one word: shared
+    assert lds_banks.ways([128 * lane for lane in lanes], lds_banks.CONSECUTIVE) == 8
+    assert lds_banks.ways([32 * lane for lane in lanes], lds_banks.CONSECUTIVE) == 2
+    # 16 lanes a row of 16 chunks, rows 16 B apart: fine 8 at a time, but gfx9 pairs lanes
+    # 0-3 (row 0, chunks 0-3) with 20-23 (row 1, chunks 4-7), one bank group over
+    shifted = [(lane // 16) * 272 + 16 * (lane % 16) for lane in lanes]
+    assert lds_banks.ways(shifted, lds_banks.CONSECUTIVE) == 1
+    assert lds_banks.ways(shifted, lds_banks.GFX9_READ_B128) == 2
+    assert sorted(sum(lds_banks.GFX9_READ_B128, ())) == list(lanes)
+
+
+def test_instructions_pair_the_lanes_accesses_and_refuse_divergence():
+    records = np.zeros(6, LDS_ACCESS)
+    records["item"] = [0, 1, 0, 1, 2, 3]
+    records["address"] = [0, 16, 32, 48, 0, 0]
+    records["bytes"] = 16
+    records["write"] = [0, 0, 1, 1, 0, 0]
+    found = list(lds_banks.instructions(records[:4], 2))
+    assert [(a.index, a.write, a.addresses) for a in found] == [(0, False, (0, 16)),
+                                                                (1, True, (32, 48))]
+    with pytest.raises(ValueError, match="divergent"):
+        list(lds_banks.instructions(records[:5], 2))
+    records["write"][5] = 1
+    with pytest.raises(ValueError, match="differs in kind"):
+        list(lds_banks.instructions(records[4:], 2))
+
+
 # --- cache writes and copies ----------------------------------------------------------------
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: d.name)
 def test_reshape_and_cache_writes_slots_and_skips_minus_one(libraries, wave, rng, dtype):
@@ -284,6 +353,14 @@ PROBES = textwrap.dedent("""\
       RF_DYNAMIC_SHARED(float, buffer);
       if (rf_tid() == 0) buffer[n] = 1.f;
     }
+    // each work-item writes chunk tid and reads chunk tid + 1 through compat.h's LDS helpers
+    RF_KERNEL(64) rf_lds_neighbour(unsigned* out) {
+      RF_SHARED rf_vec16 chunks[64];
+      const int tid = (int)rf_tid();
+      rf_lds_store16(&chunks[tid], rf_vec16{(unsigned)tid, 0u, 0u, 0u});
+      rf_sync();
+      out[rf_bid_x() * 64 + tid] = rf_lds_load16(&chunks[(tid + 1) % 64]).x;
+    }
     // waits for a flag that no one sets
     RF_KERNEL(64) rf_wait_forever(const volatile int* flag) {
       while (!*flag) rf_nap();
@@ -305,6 +382,27 @@ def test_wave32_and_wave64_builds_differ_in_the_wave_size(probes, wave):
     probes[wave].launch("rf_wave_sums", 1, 128, ptr(sums), ptr(warp))
     assert warp[0] == wave == probes[wave].wave_size
     np.testing.assert_array_equal(sums, np.full(128, wave * (wave - 1) / 2))
+
+
+def test_an_lds_trace_records_each_helper_access_in_program_order(probes):
+    emulator, out = probes[64], np.zeros(128, np.uint32)
+    emulator.launch("rf_lds_neighbour", 2, 64, ptr(out))  # outside a block: not recorded
+    with emulator.lds_trace() as trace:
+        with pytest.raises(RuntimeError, match="already recording"), emulator.lds_trace():
+            pass
+        emulator.launch("rf_lds_neighbour", 2, 64, ptr(out))
+    np.testing.assert_array_equal(out, np.tile((np.arange(64) + 1) % 64, 2))
+    records = trace.records
+    assert records.dtype == LDS_ACCESS and len(records) == 2 * 64 * 2
+    base = int(records["address"].min())
+    for group in (0, 1):
+        for item in (0, 1, 63):
+            mine = records[(records["group"] == group) & (records["item"] == item)]
+            assert mine["write"].tolist() == [1, 0] and mine["bytes"].tolist() == [16, 16]
+            assert (mine["address"] - base).tolist() == [16 * item, 16 * ((item + 1) % 64)]
+    with emulator.lds_trace() as after:
+        pass
+    assert after.records.size == 0
 
 
 def test_a_missing_barrier_reads_poisoned_shared_memory(probes, wave):

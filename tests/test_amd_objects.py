@@ -154,8 +154,10 @@ def test_launch_sizes_are_what_planning_and_basic_cu_launch(path):
 @dataclass(frozen=True)
 class _Stage:
     """An attention instance's stage as native/paged_attention.cu sizes it: 16 KiB of K and V
-    rows of the activations (an fp8 cache's codes are widened into it), each padded by 8
-    bytes, half that on wave32 for groups of 8 heads; and its register copy's chunks."""
+    rows of the activations (an fp8 cache's codes are widened into it), half that on wave32
+    for groups of 8 heads, each row padded (rf_pa_tile: by 8 bytes on the matrix path, 16-bit
+    with 4+ heads a group; by 16 per 8 threads of a row's score, at least 16, on the vector
+    path); and its register copy's chunks."""
 
     bytes: int          # the stage's LDS, padding included
     chunks_per_lane: int  # 16-byte chunks of K (as many of V) each lane loads per tile
@@ -167,8 +169,10 @@ def _stage(wave: int, kernel: str) -> _Stage:
     stage = 8192 if wave == 32 and group >= 8 else 16384
     itemsize = 4 if dtype == "f32" else 2
     rows = stage // 2 // (head_dim * itemsize)
+    matrix = dtype != "f32" and group >= 4
+    pad = 8 if matrix else 16 * max(1, 128 // rows // 8)
     cache_chunks = head_dim * (1 if fp8 else itemsize) // 16  # rf_pa_reg_copy's VPR
-    return _Stage(stage + 2 * rows * 8, rows // (128 // wave) * cache_chunks // wave)
+    return _Stage(stage + 2 * rows * pad, rows // (128 // wave) * cache_chunks // wave)
 
 
 @_each_object(("paged_attention",))
@@ -219,9 +223,11 @@ def test_metadata_of_a_cuda_image_is_refused():
 
 
 # --- disassembly and loops --------------------------------------------------------------------
-#: The paged-attention tile loop: it copies K/V tiles (16-byte global loads, LDS writes) and
+#: The paged-attention tile loop: it copies K/V tiles (16-byte global loads, LDS writes: 16
+#: bytes on the vector path, two 8-byte halves on the matrix path's 8-byte-padded rows) and
 #: reads them back from LDS.
-TILE_LOOP = (r"global_load_(dwordx4|b128)", r"ds_(write|store)(2)?_b64", r"ds_(read|load)(2)?_b64")
+TILE_LOOP = (r"global_load_(dwordx4|b128)", r"ds_(write|store)(2|_2addr)?_b(64|128)",
+             r"ds_(read|load)(2|_2addr)?_b(64|128)")
 NEXT_TILE_LOAD = r"global_load_(dwordx4|b128)\b"
 MATRIX = r"\bv_(mfma|wmma)_"
 MATH = r"\bv_(mfma|wmma|(dual_)?(pk_)?fma(c|mk|ak)?_f(16|32)|dual_fmac)"

@@ -17,6 +17,7 @@ checked against the kernel's signature before the launch.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import hashlib
@@ -25,11 +26,13 @@ import re
 import shutil
 import subprocess
 import tempfile
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from rocmforge_raw.module import LaunchConfig, pack_args
 
@@ -212,7 +215,11 @@ class Emulator:
             ctypes.c_ulonglong, ctypes.c_void_p, ctypes.c_ulonglong, ctypes.c_double,
             ctypes.c_char_p, ctypes.c_size_t]
         lib.rf_emu_matrix_ops.restype = ctypes.c_ulonglong
+        lib.rf_emu_lds_trace.argtypes = [ctypes.c_int]
+        lib.rf_emu_lds_trace_size.restype = ctypes.c_size_t
+        lib.rf_emu_lds_trace_data.restype = ctypes.c_void_p
         self.wave_size = lib.rf_emu_wave_size()
+        self._tracing = False
         self.kernels = {
             lib.rf_emu_kernel_name(i).decode(): KernelInfo(
                 i, lib.rf_emu_kernel_threads(i), lib.rf_emu_kernel_signature(i).decode())
@@ -242,6 +249,28 @@ class Emulator:
         """Matrix-core instructions (MFMA on wave64, WMMA on wave32) run so far, per wave."""
         return self._lib.rf_emu_matrix_ops()
 
+    @contextlib.contextmanager
+    def lds_trace(self) -> Iterator[LdsTrace]:
+        """Records, for the launches inside the block, every LDS access the kernels make
+        through compat.h's helpers (rf_lds_read, rf_lds_load16, rf_lds_store16 and their
+        8-byte-aligned forms): ``trace.records`` once the block ends. One block at a time
+        per library, and its launches from this thread only (the library keeps one trace)."""
+        if self._tracing:
+            raise RuntimeError(f"{self.path.name} is already recording an LDS trace")
+        trace = LdsTrace()
+        self._tracing = True
+        self._lib.rf_emu_lds_trace(1)
+        try:
+            yield trace
+            count = self._lib.rf_emu_lds_trace_size()
+            if count:
+                raw = (ctypes.c_char * (count * LDS_ACCESS.itemsize)).from_address(
+                    self._lib.rf_emu_lds_trace_data())
+                trace.records = np.frombuffer(bytes(raw), LDS_ACCESS)
+        finally:
+            self._lib.rf_emu_lds_trace(0)
+            self._tracing = False
+
     def info(self, name: str) -> KernelInfo:
         """Kernel ``name``'s entry; KeyError naming it if the source defines no such kernel."""
         if name not in self.kernels:
@@ -254,6 +283,21 @@ class Emulator:
         ``seed`` for every launch)."""
         self.info(name)
         return EmulatedKernel(self, name, seed)
+
+
+#: One traced LDS access (runtime.cc's LdsAccess): its address (a host address: banks are
+#: the same up to a rotation, as every access of a launch is in one thread's block), the
+#: workgroup (linear, x fastest), the work-item within it, its size and whether it wrote.
+LDS_ACCESS = np.dtype([("address", "<u8"), ("group", "<u4"), ("item", "<u4"),
+                       ("bytes", "<i4"), ("write", "<i4")])
+
+
+@dataclass
+class LdsTrace:
+    """The LDS accesses of the launches in an ``Emulator.lds_trace()`` block, each work-item's
+    in its program order (``LDS_ACCESS`` records; empty until the block ends)."""
+
+    records: np.ndarray = field(default_factory=lambda: np.empty(0, LDS_ACCESS))
 
 
 @dataclass(frozen=True)

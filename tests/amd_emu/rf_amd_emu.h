@@ -50,6 +50,10 @@ unsigned long long rf_emu_sendmsg_rtnl(int message);  // only MSG_RTN_GET_REALTI
 void rf_emu_sleep(int units);                         // lets the other work-items run
 void rf_emu_fence(int order, const char* scope);      // checks the scope; orders nothing
 }
+// Every shared-memory access compat.h's helpers make (rf_lds_read, rf_lds_load16, ...): the
+// runtime records them while a trace is on (emulator.py: Emulator.lds_trace).
+extern "C" void rf_emu_lds_access(const void* address, int bytes, int write);
+#define RF_LDS_TRACE(p, bytes, write) rf_emu_lds_access(p, bytes, write)
 #define __builtin_amdgcn_workitem_id_x() rf_emu_workitem_id(0)
 #define __builtin_amdgcn_workitem_id_y() rf_emu_workitem_id(1)
 #define __builtin_amdgcn_workitem_id_z() rf_emu_workitem_id(2)

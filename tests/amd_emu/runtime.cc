@@ -13,6 +13,7 @@
 #include <cstdio>
 #include <cstring>
 #include <mutex>
+#include <vector>
 
 #include "scheduler.h"
 
@@ -143,6 +144,34 @@ int rf_emu_swizzle_source(int pattern) {
   const int xor_mask = (pattern >> 10) & 0x1F;
   return (lane & ~31) | (((lane & and_mask) | or_mask) ^ xor_mask);
 }
+
+// The LDS trace: one record per access through compat.h's helpers, in each work-item's
+// program order, while on (one launch at a time writes it: launches hold launch_mutex; the
+// caller starts, reads and stops it between launches, from one thread: emulator.py).
+struct LdsAccess {
+  unsigned long long address;
+  unsigned group, item;  // workgroup (x fastest) and work-item index within it
+  int bytes, write;
+};
+static bool lds_tracing = false;
+static std::vector<LdsAccess> lds_trace;
+
+void rf_emu_lds_access(const void* address, int bytes, int write) {
+  if (!lds_tracing) return;
+  const Launch& l = *active;
+  lds_trace.push_back(LdsAccess{
+      (unsigned long long)address, l.group[0] + l.grid[0] * (l.group[1] + l.grid[1] * l.group[2]),
+      (unsigned)(l.current - l.lanes.data()), bytes, write});
+}
+
+// Starts (on != 0) or stops recording; either way the records so far are dropped.
+RF_EMU_API void rf_emu_lds_trace(int on) {
+  lds_tracing = on != 0;
+  lds_trace.clear();
+  lds_trace.shrink_to_fit();
+}
+RF_EMU_API size_t rf_emu_lds_trace_size() { return lds_trace.size(); }
+RF_EMU_API const LdsAccess* rf_emu_lds_trace_data() { return lds_trace.data(); }
 
 static unsigned long long matrix_ops = 0;  // matrix instructions run (whole waves)
 
