@@ -109,6 +109,7 @@ RF_DEVICE float rf_load_cg(const float* p) { return __ldcg(p); }
 #define RF_INF __int_as_float(0x7f800000)
 #define RF_HAVE_MMA 1
 RF_DEVICE float rf_shfl(float v, int src) { return __shfl_sync(0xffffffffu, v, src); }
+RF_DEVICE int rf_shfl_int(int v, int src) { return __shfl_sync(0xffffffffu, v, src); }
 // Four 8x8 tiles of 16-bit values from shared memory (transposed with TRANS); lane i gives
 // the address of row i % 8 of tile i / 8.
 template <bool TRANS>

@@ -364,10 +364,23 @@ RF_DEVICE void paged_attention(
 #if !defined(RF_AMD)
   // Each warp copies its own rows of every tile, so a tile needs warp barriers only. Rows
   // (of the cache's [num_blocks * num_kv_heads * block_size, D] rows, fewer than 2^31 as
-  // the host checks; -1 past the piece's end) come from row_s, which lane l fills for row
-  // row0 + l one tile ahead of the copy that uses them; ok_s says whether the stage's tile
-  // exists at all.
-  RF_SHARED int row_s[STAGES][T];
+  // the host checks; -1 past the piece's end) are held in registers, one per stage: lane l
+  // places row row0 + l of the tile a stage takes next one tile ahead of its copy, and the
+  // copying lane takes it by a shuffle (shared memory would cost d64's G = 8 instances a CTA
+  // per SM); ok_s says whether the stage's tile exists at all.
+  int rows_of[STAGES];  // indexed by constants only (unrolled selects): stays in registers
+#pragma unroll
+  for (int i = 0; i < STAGES; ++i) rows_of[i] = -1;
+  auto rows_at = [&](int st) {
+    int r = rows_of[0];
+#pragma unroll
+    for (int i = 1; i < STAGES; ++i) r = st == i ? rows_of[i] : r;
+    return r;
+  };
+  auto set_rows = [&](int st, int r) {
+#pragma unroll
+    for (int i = 0; i < STAGES; ++i) rows_of[i] = st == i ? r : rows_of[i];
+  };
   RF_SHARED bool ok_s[STAGES][RF_PA_WARPS];
   auto row_offset = [&]() -> int {  // cache row of row row0 + lane of the tile ahead
     const int tok = a_t + row0 + lane;
@@ -381,9 +394,12 @@ RF_DEVICE void paged_attention(
   RF_SHARED rf_u64 bar_s[STAGES][RF_PA_WARPS];
   auto issue = [&](int stage) {
     unsigned bytes = 0;
-    for (int c = lane; c < 2 * WROWS; c += RF_WARP) {
-      const int row = row0 + c % WROWS, kv = c / WROWS;
-      const int cache_row = row_s[stage][row];
+    const int mine = rows_at(stage);
+#pragma unroll
+    for (int it = 0; it < (2 * WROWS + RF_WARP - 1) / RF_WARP; ++it) {
+      const int c = it * RF_WARP + lane, row = row0 + c % WROWS, kv = c / WROWS;
+      const int cache_row = rf_shfl_int(mine, c % WROWS);
+      if (c >= 2 * WROWS) continue;
       char* dst = Tile::chunk(stage_s + (stage * 2 + kv) * Tile::PLANE, row, 0);
       if (cache_row >= 0) {
         rf_bulk_copy(dst, (kv ? v_cache : k_cache) + (rf_i64)cache_row * D, Tile::ROW_BYTES,
@@ -404,10 +420,11 @@ RF_DEVICE void paged_attention(
   auto issue = [&](int stage) {
     char* k_dst = stage_s + (stage * 2 + 0) * Tile::PLANE;
     char* v_dst = stage_s + (stage * 2 + 1) * Tile::PLANE;
+    const int mine = rows_at(stage);
 #pragma unroll
     for (int it = 0; it < WROWS * VPR / RF_WARP; ++it) {
       const int piece_i = it * RF_WARP + lane, row = row0 + piece_i / VPR, j = piece_i % VPR;
-      const int cache_row = row_s[stage][row];
+      const int cache_row = rf_shfl_int(mine, piece_i / VPR);
       const rf_i64 offset = (rf_i64)cache_row * D;
       if (cache_row >= 0) {
         rf_copy16_async(Tile::chunk(k_dst, row, j),
@@ -426,8 +443,7 @@ RF_DEVICE void paged_attention(
   if constexpr (!REG) {
 #pragma unroll
     for (int st = 0; st < STAGES; ++st) {
-      const int cache_row = row_offset();
-      if (lane < WROWS) row_s[st][row0 + lane] = cache_row;
+      rows_of[st] = row_offset();
       if (lane == 0) ok_s[st][warp] = a_ok;
       advance();
     }
@@ -474,7 +490,7 @@ RF_DEVICE void paged_attention(
 #if !defined(RF_AMD)
         // keep STAGES-1 tiles in flight: issue tile `tile + STAGES-1` into the stage freed by
         // the previous tile, then wait for this tile only; the block ids of the tile after
-        // that load meanwhile and land in row_s[stage] at the end of this tile
+        // that load meanwhile and land in rows_of[stage] at the end of this tile
         next_row = row_offset();
         next_ok = a_ok;
         const int free_stage = stage == 0 ? STAGES - 1 : stage - 1;
@@ -493,7 +509,7 @@ RF_DEVICE void paged_attention(
       math.tile(k_plane, k_plane + Tile::PLANE, t0, end, qscale);
 #if !defined(RF_AMD)
       if constexpr (!REG) {
-        if (lane < WROWS) row_s[stage][row0 + lane] = next_row;
+        set_rows(stage, next_row);
         if (lane == 0) ok_s[stage][warp] = next_ok;
         rf_syncwarp();  // the warp's rows of this stage are rewritten by its next issue
       }
