@@ -76,13 +76,12 @@ struct rf_pa_matrix_path {
 // conflict-free when the 8 lanes of each such set read 8 different bank groups of 16 bytes
 // (or the same address). Rows are padded by 16 bytes (AMD's vector path: 16 per 8 threads of
 // a row's score; NVIDIA's stages give a row at most 8), so row r + 1 starts PAD / 16 bank
-// groups after row r:
-// chunk j of row r is in group (r * PAD / 16 + j) mod 8. qk_chunk, the vector path's V rows
-// and chunks and query layout (pa_math.h) and the register copy's stores choose which lane
-// touches which chunk so that every access is conflict-free; tests/test_amd_emulation.py
-// checks that on the AMD kernels' traced accesses. AMD's matrix path pads by 8 bytes instead,
-// so the 16 rows of an MFMA/WMMA K read (8 bytes each) fall in 16 distinct bank pairs (rows
-// then only 8-byte aligned: two 8-byte accesses per chunk).
+// groups after row r: chunk j of row r is in group (r * PAD / 16 + j) mod 8. qk_chunk, the
+// vector path's V rows and chunks and query layout (pa_math.h) and the register copy's stores
+// choose which lane touches which chunk so that every access is conflict-free;
+// tests/test_amd_emulation.py checks that on the AMD kernels' traced accesses. AMD's matrix
+// path pads by 8 bytes instead, so the 16 rows of an MFMA/WMMA K read (8 bytes each) fall in
+// 16 distinct bank pairs (rows then only 8-byte aligned: two 8-byte accesses per chunk).
 template <class E, int D, int STAGE_BYTES, int G>
 struct rf_pa_tile {
   static constexpr int ROW_BYTES = D * (int)sizeof(typename E::storage);

@@ -401,17 +401,25 @@ def kernel_scales(cache: np.dtype, scale: float, k_scale: float, v_scale: float
     return scale * (k_scale * factor), v_scale * factor
 
 
+def attention_instance(dtype: np.dtype, head_dim: int, ratio: int,
+                       cache_dtype: np.dtype | None = None) -> tuple[str, int]:
+    """The attention kernel's name for ``ratio`` query heads per kv head of ``dtype``
+    activations over a cache of ``cache_dtype`` (None: ``dtype``), and its group size G
+    (the fewest heads of GROUP_SIZES that hold the ratio, at most the largest)."""
+    group = next(g for g in GROUP_SIZES if g >= min(ratio, GROUP_SIZES[-1]))
+    codes = "_e4m3" if cache_dtype in FP8_DTYPES else ""
+    return f"rf_paged_attention_{DTYPES[dtype]}{codes}_d{head_dim}_g{group}", group
+
+
 @functools.lru_cache(maxsize=256)
 def attention_kernel(backend: Backend, device: int, dtype: np.dtype, head_dim: int,
                      ratio: int, cache_dtype: np.dtype | None = None) -> AttentionKernel:
     """The kernel for ``ratio`` query heads per kv head of ``dtype`` activations over a
     cache of ``cache_dtype`` (None: ``dtype``), looked up once per process."""
-    group = next(g for g in GROUP_SIZES if g >= min(ratio, GROUP_SIZES[-1]))
-    module = load_kernels("paged_attention", device, backend)
-    fp8 = cache_dtype in FP8_DTYPES
-    name = f"{DTYPES[dtype]}_e4m3" if fp8 else DTYPES[dtype]
-    kernel = module.function(f"rf_paged_attention_{name}_d{head_dim}_g{group}")
-    shared = attention_shared_bytes(backend.name, head_dim * dtype.itemsize, fp8)
+    name, group = attention_instance(dtype, head_dim, ratio, cache_dtype)
+    kernel = load_kernels("paged_attention", device, backend).function(name)
+    shared = attention_shared_bytes(backend.name, head_dim * dtype.itemsize,
+                                    cache_dtype in FP8_DTYPES)
     multiprocessors = backend.cached_properties(device).multiprocessors
     slots = kernel.max_active_blocks(THREADS, shared) * multiprocessors
     return AttentionKernel(kernel, group, math.ceil(ratio / group), shared, slots)

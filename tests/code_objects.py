@@ -15,10 +15,12 @@ from rocmforge_raw.codeobject import (
 #: source stem -> the kernels its code objects must define
 KERNELS = {
     "basic": ["rf_fill_f32", "rf_scale_f32", "rf_hold_ns", "rf_read_bytes"],
-    "cache_ops": ["rf_reshape_and_cache", "rf_copy_blocks"],
+    "cache_ops": ["rf_reshape_and_cache", "rf_copy_blocks", "rf_reshape_and_cache_e4m3_f16",
+                  "rf_reshape_and_cache_e4m3_bf16"],
     "paged_attention": [
         f"rf_paged_attention_{dt}_d{d}_g{g}"
-        for dt in ("f16", "bf16", "f32") for d in (64, 128, 256) for g in (1, 2, 4, 8)
+        for dt in ("f16", "bf16", "f32", "f16_e4m3", "bf16_e4m3") for d in (64, 128, 256)
+        for g in (1, 2, 4, 8)
     ],
 }
 

@@ -92,10 +92,9 @@ def attention(emulator, rng, dtype, head_dim, block_size, ratio, lens, num_kv_he
     out = np.empty_like(q)
     out.view(np.uint8)[...] = POISON
 
-    group = next(g for g in planning.GROUP_SIZES if g >= min(ratio, planning.GROUP_SIZES[-1]))
-    fp8 = "_e4m3" if cache_dtype is not None else ""
-    name = f"rf_paged_attention_{planning.DTYPES[dtype]}{fp8}_d{head_dim}_g{group}"
-    shared = planning.attention_shared_bytes("hip", head_dim * dtype.itemsize, bool(fp8))
+    name, group = planning.attention_instance(dtype, head_dim, ratio, cache_dtype)
+    shared = planning.attention_shared_bytes("hip", head_dim * dtype.itemsize,
+                                             cache_dtype is not None)
     work = planning.plan_work(num_kv_heads * math.ceil(ratio / group), slots, num_seqs,
                               None if uniform else lens, tables.shape[1] * block_size,
                               num_partitions)

@@ -203,8 +203,8 @@ class StepPlanner:
         if scale is not None or meta._scale != self.default_scale:
             wanted = self.default_scale if scale is None else default_scale(
                 self.config.head_dim, scale)
-            if wanted != meta._scale and meta._attention is not None:
-                meta._attention.set_float(SCALE_ARG, wanted)
+            if wanted != meta._scale and meta._attention is not None and not self.fp8:
+                meta._attention.set_float(SCALE_ARG, wanted)  # (fp8: set per layer below)
             meta._scale = wanted
         if meta._attention is not None:
             if self.fp8:  # this layer's scales, folded with the softmax scale
