@@ -100,10 +100,11 @@ RF_DEVICE void rf_fence_proxy_async() {
 #else
 RF_DEVICE void rf_fence_proxy_async() {}  // cp.async and plain copies: one proxy
 #endif
-// Device-scope ordering between CTAs: a fence, a relaxed counter, and a load past L1.
+// Device-scope ordering between CTAs: writes, a fence, a relaxed counter; the CTA that
+// reads the last count fences too, and its plain loads then see the others' writes (the
+// fences synchronise through the counter; sm_70+'s fence also invalidates the SM's L1).
 RF_DEVICE void rf_fence_device() { __threadfence(); }
 RF_DEVICE int rf_atomic_add_device(int* p, int v) { return atomicAdd(p, v); }
-RF_DEVICE float rf_load_cg(const float* p) { return __ldcg(p); }
 #define RF_DYNAMIC_SHARED(type, name) extern __shared__ __align__(16) type name[]
 // +infinity from its bits: NVRTC has no __builtin_inff (nvcc takes it from the host compiler).
 #define RF_INF __int_as_float(0x7f800000)
@@ -234,7 +235,6 @@ RF_DEVICE void rf_fence_device() { __builtin_amdgcn_fence(__ATOMIC_SEQ_CST, "age
 RF_DEVICE int rf_atomic_add_device(int* p, int v) {  // agent scope: no system-wide traffic
   return __hip_atomic_fetch_add(p, v, __ATOMIC_RELAXED, __HIP_MEMORY_SCOPE_AGENT);
 }
-RF_DEVICE float rf_load_cg(const float* p) { return *p; }
 // Matrix cores. MFMA (gfx90a, gfx94x: v_mfma_f32_16x16x16{f16,bf16_1k}, a wave64 computes
 // D[16x16] += A[16x16] B[16x16]): lane l holds A[l % 16][4 (l / 16) + i],
 // B[4 (l / 16) + i][l % 16] and C/D[4 (l / 16) + i][l % 16], i = 0..3 (composable_kernel's

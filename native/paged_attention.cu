@@ -26,8 +26,9 @@
 // barriers only; the warps are combined once per piece. A unit inside one CTA's range is
 // written to `out`; a unit split across CTAs c0..c1 leaves unnormalised partial outputs plus
 // (max, sum) in slot 2c + (c == c0) of each CTA c (`partials`: per slot and query head of
-// the group, D floats then the pair), and the piece that finishes last combines them (a
-// per-unit counter in `counters`, zero between launches: each launch resets what it uses).
+// the group, an rf_pa_record), and the piece that finishes last combines them with the
+// whole CTA (a per-unit counter in `counters`, zero between launches: each launch resets
+// what it uses).
 #include "compat.h"
 
 #define RF_PA_THREADS 128
@@ -141,40 +142,105 @@ struct rf_pa_stage {
 #include "pa_math.h"
 #include "pa_work.h"
 
-// Combines the pieces of one (unit, query head) with one warp:
-// out = sum_p w_p o_p / sum_p w_p l_p with w_p = 2^(m_p - max_p m_p), from the unnormalised
-// partial outputs and (max, sum) pairs that CTAs c0 .. c0 + pieces - 1 wrote for head g of
-// the group (slot 2c + (c == c0); read past L1, after the caller's device-scope fence).
-// Lane owns dims lane + k*WARP.
-template <class E, int D, int G>
+// A piece's record in `partials` (per slot and query head of the group): D floats of the
+// unnormalised output, then (max, sum) and two unused floats, so every record and its pair
+// start 16-byte aligned (planning.split_workspace sizes records the same way).
+template <int D>
+struct rf_pa_record {
+  static constexpr int FLOATS = D + 4;
+};
+
+// Combines the pieces of one unit with the whole CTA: for each of the nh heads of the group,
+// out = sum_p w_p o_p / sum_p w_p l_p with w_p = 2^(m_p - max_p m_p), from the records that
+// CTAs c0 .. c0 + pieces - 1 wrote (slot 2c + (c == c0); plain loads, after the caller's
+// device-scope fence: rf_fence_device). `out` is the group's first head's row. The group's
+// outputs are COLUMNS columns of 4 dims; thread t takes TASKS of them (t + k * RF_PA_THREADS)
+// over the pieces p = slice (mod SLICES), folding its pieces online (running max) with LOADS
+// records in flight at a time; slice 0 then folds the other slices' results through
+// `scratch` (shared, 6 floats a thread, idle until the caller's next barrier). Inlined: an
+// out-of-line call cost every piece of the hot path on sm_90 (ragged batches 9-30 % slower).
+template <class E, int D, int G, int LOADS>
 RF_DEVICE void combine_pieces(typename E::storage* __restrict__ out, const float* partials,
-                              rf_i64 c0, int pieces, int g, int lane) {
-  constexpr int PER = D / RF_WARP;
-  auto at = [&](int p) -> const float* {  // piece p's record: D floats, then (max, sum)
-    return partials + ((2 * (c0 + p) + (p == 0)) * G + g) * (D + 2);
+                              rf_i64 c0, int pieces, int nh, int tid, float* scratch) {
+  constexpr int COLS = D / 4, COLUMNS = G * COLS;  // 4-dim columns per head, per group
+  constexpr int SLICES = COLUMNS < RF_PA_THREADS ? RF_PA_THREADS / COLUMNS : 1;
+  constexpr int TASKS = COLUMNS > RF_PA_THREADS ? COLUMNS / RF_PA_THREADS : 1;
+  constexpr int BATCH = LOADS / TASKS > 1 ? LOADS / TASKS : 1;  // pieces a batch
+  constexpr int R = rf_pa_record<D>::FLOATS;
+  static_assert(COLUMNS % RF_PA_THREADS == 0 || RF_PA_THREADS % COLUMNS == 0, "even split");
+  static_assert(RF_PA_THREADS % COLS == 0, "a thread's columns share their dims");
+  const int slice = tid / (RF_PA_THREADS / SLICES), column = tid % (RF_PA_THREADS / SLICES);
+  float m[TASKS], l[TASKS];
+  rf_float4 acc[TASKS];
+#pragma unroll
+  for (int k = 0; k < TASKS; ++k) {
+    m[k] = -RF_INF;
+    l[k] = 0.f;
+    acc[k] = rf_float4{0.f, 0.f, 0.f, 0.f};
+  }
+  // record of piece p for column task k: its head's record, and the column's dims in it
+  auto at = [&](int p, int k) -> const float* {
+    const int col = column + k * RF_PA_THREADS, g = col / COLS;
+    return partials + ((2 * (c0 + p) + (p == 0)) * G + g) * R;
   };
-  float m = -RF_INF;
-  for (int p = lane; p < pieces; p += RF_WARP) m = rf_fmax(m, rf_load_cg(at(p) + D));
-  m = rf_warp_max(m);
-  float total = 0.f, o[PER];
-  for (int p = lane; p < pieces; p += RF_WARP) {
-    const float l = rf_load_cg(at(p) + D + 1);
-    total += l > 0.f ? rf_exp2(rf_load_cg(at(p) + D) - m) * l : 0.f;
+  auto fold = [&](int k, float mp, float lp, const rf_float4& o) {
+    if (!(lp > 0.f)) return;  // an empty piece (no tokens): nothing to add
+    const float mn = rf_fmax(m[k], mp);
+    const float a = rf_exp2(m[k] - mn), b = rf_exp2(mp - mn);
+    acc[k] = rf_float4{acc[k].x * a + o.x * b, acc[k].y * a + o.y * b,
+                       acc[k].z * a + o.z * b, acc[k].w * a + o.w * b};
+    l[k] = l[k] * a + lp * b;
+    m[k] = mn;
+  };
+  const int dims = 4 * (column % COLS);  // the same for each task: COLS divides the threads
+  for (int p0 = slice; p0 < pieces; p0 += SLICES * BATCH) {
+    float mp[BATCH][TASKS], lp[BATCH][TASKS];  // every load of the batch, then the folds
+    rf_float4 o[BATCH][TASKS];
+#pragma unroll
+    for (int b = 0; b < BATCH; ++b) {
+      const int p = p0 + b * SLICES;
+#pragma unroll
+      for (int k = 0; k < TASKS; ++k) {
+        const bool here = p < pieces && (column + k * RF_PA_THREADS) / COLS < nh;
+        const float* record = at(here ? p : 0, k);
+        mp[b][k] = here ? record[D] : -RF_INF;
+        lp[b][k] = here ? record[D + 1] : 0.f;
+        o[b][k] = here ? *reinterpret_cast<const rf_float4*>(record + dims)
+                       : rf_float4{0.f, 0.f, 0.f, 0.f};
+      }
+    }
+#pragma unroll
+    for (int b = 0; b < BATCH; ++b)
+#pragma unroll
+      for (int k = 0; k < TASKS; ++k) fold(k, mp[b][k], lp[b][k], o[b][k]);
   }
-  total = rf_warp_sum(total);
-#pragma unroll
-  for (int e = 0; e < PER; ++e) o[e] = 0.f;
-#pragma unroll 4
-  for (int p = 0; p < pieces; ++p) {
-    const float* record = at(p);
-    const float l = rf_load_cg(record + D + 1);
-    const float w = l > 0.f ? rf_exp2(rf_load_cg(record + D) - m) : 0.f;
-#pragma unroll
-    for (int e = 0; e < PER; ++e) o[e] += w * rf_load_cg(record + lane + e * RF_WARP);
+  if constexpr (SLICES > 1) {  // slice 0 folds the others' results (TASKS is 1 here)
+    float* mine = scratch + 6 * tid;
+    mine[0] = m[0];
+    mine[1] = l[0];
+    mine[2] = acc[0].x;
+    mine[3] = acc[0].y;
+    mine[4] = acc[0].z;
+    mine[5] = acc[0].w;
+    rf_sync();
+    if (slice == 0)
+      for (int s = 1; s < SLICES; ++s) {
+        const float* theirs = scratch + 6 * (tid + s * (RF_PA_THREADS / SLICES));
+        fold(0, theirs[0], theirs[1], rf_float4{theirs[2], theirs[3], theirs[4], theirs[5]});
+      }
   }
-  const float inv = total > 0.f ? 1.f / total : 0.f;
+  if (slice != 0) return;
 #pragma unroll
-  for (int e = 0; e < PER; ++e) out[lane + e * RF_WARP] = E::from_float(o[e] * inv);
+  for (int k = 0; k < TASKS; ++k) {
+    const int g = (column + k * RF_PA_THREADS) / COLS;
+    if (g >= nh) continue;
+    const float inv = l[k] > 0.f ? 1.f / l[k] : 0.f;
+    typename E::storage* row = out + g * D + dims;
+    row[0] = E::from_float(acc[k].x * inv);
+    row[1] = E::from_float(acc[k].y * inv);
+    row[2] = E::from_float(acc[k].z * inv);
+    row[3] = E::from_float(acc[k].w * inv);
+  }
 }
 
 // The register copy (AMD always; NVIDIA for fp8 caches, whose codes are widened on the way
@@ -287,7 +353,8 @@ RF_DEVICE void paged_attention(
   constexpr int T = Tile::TOKENS, VPR = Tile::VPR, WROWS = T / RF_PA_WARPS;
   constexpr int STAGES = REG ? 1 : RF_PA_STAGES;
   static_assert(WROWS * VPR % RF_WARP == 0 && WROWS <= RF_WARP, "copy shape");
-  static_assert(G * D * 4 <= 2 * Tile::PLANE, "a piece's output fits in one stage");
+  static_assert(G * D * 4 <= 2 * Tile::PLANE && RF_PA_THREADS * 6 * 4 <= 2 * Tile::PLANE,
+                "a piece's output, and the combine's scratch, fit in one stage");
 #if defined(RF_AMD)
   RF_SHARED rf_vec16 stage_v[STAGES * 2 * Tile::PLANE / 16];  // [STAGES][K, V][T padded rows]
 #else
@@ -555,7 +622,7 @@ RF_DEVICE void paged_attention(
         const rf_i64 head = (rf_i64)piece.s * num_q_heads + q0 + g;
         out[head * D + d] = E::from_float(l > 0.f ? o / l : 0.f);
       } else {
-        float* record = partials + (slot * G + g) * (D + 2);
+        float* record = partials + (slot * G + g) * rf_pa_record<D>::FLOATS;
         record[d] = o;
         if (d == 0) {
           record[D] = m;
@@ -578,10 +645,17 @@ RF_DEVICE void paged_attention(
       rf_sync();
       if (last_s) {
         rf_fence_device();
-        for (int g = warp; g < nh; g += RF_PA_WARPS) {
-          const rf_i64 head = (rf_i64)piece.s * num_q_heads + q0 + g;
-          combine_pieces<E, D, G>(out + head * D, partials, c0, pieces, g, lane);
-        }
+        const rf_i64 first_head = (rf_i64)piece.s * num_q_heads + q0;
+        // records in flight a thread: fewer where the registers are at their cap (fp8's
+        // register copy, groups of 1024+ outputs; gfx11's d256 G = 4 spilled at 4)
+#if defined(RF_AMD)
+        constexpr int TIGHT = RF_WARP == 32 ? 2 : 4;
+#else
+        constexpr int TIGHT = 4;
+#endif
+        constexpr int LOADS = FP8 || G * D >= 1024 ? TIGHT : 8;
+        combine_pieces<E, D, G, LOADS>(out + first_head * D, partials, c0, pieces, nh, tid,
+                                       &out_s[0][0]);
       }
     }
     rf_fence_proxy_async();  // out_s's generic accesses before later bulk copies there

@@ -302,9 +302,10 @@ def split_workspace(num_ctas: int, group: int, head_dim: int, num_units: int
     """(bytes of partials, int32 counters) of a launch of ``num_ctas`` CTAs of ``group``
     query heads over ``num_units`` units: two partial slots per CTA (its first and last piece
     may be parts of units split with its neighbours), each a record per query head of
-    ``head_dim`` floats and the (max, sum) pair; one counter per unit. Records sit at fixed
-    places whatever the CTA count, so a prepared launch keeps its workspace address."""
-    return 2 * num_ctas * group * (head_dim + 2) * 4, num_units
+    ``head_dim`` floats, the (max, sum) pair and two unused floats (so records are 16-byte
+    aligned); one counter per unit. Records sit at fixed places whatever the CTA count, so
+    a prepared launch keeps its workspace address."""
+    return 2 * num_ctas * group * (head_dim + 4) * 4, num_units
 
 
 @dataclass(frozen=True)
