@@ -178,10 +178,9 @@ RF_DEVICE void combine_pieces(typename E::storage* __restrict__ out, const float
     l[k] = 0.f;
     acc[k] = rf_float4{0.f, 0.f, 0.f, 0.f};
   }
-  // record of piece p for column task k: its head's record, and the column's dims in it
-  auto at = [&](int p, int k) -> const float* {
-    const int col = column + k * RF_PA_THREADS, g = col / COLS;
-    return partials + ((2 * (c0 + p) + (p == 0)) * G + g) * R;
+  auto head = [&](int k) { return (column + k * RF_PA_THREADS) / COLS; };  // task k's head
+  auto at = [&](int p, int k) -> const float* {  // piece p's record for task k's head
+    return partials + ((2 * (c0 + p) + (p == 0)) * G + head(k)) * R;
   };
   auto fold = [&](int k, float mp, float lp, const rf_float4& o) {
     if (!(lp > 0.f)) return;  // an empty piece (no tokens): nothing to add
@@ -201,7 +200,7 @@ RF_DEVICE void combine_pieces(typename E::storage* __restrict__ out, const float
       const int p = p0 + b * SLICES;
 #pragma unroll
       for (int k = 0; k < TASKS; ++k) {
-        const bool here = p < pieces && (column + k * RF_PA_THREADS) / COLS < nh;
+        const bool here = p < pieces && head(k) < nh;
         const float* record = at(here ? p : 0, k);
         mp[b][k] = here ? record[D] : -RF_INF;
         lp[b][k] = here ? record[D + 1] : 0.f;
@@ -232,10 +231,9 @@ RF_DEVICE void combine_pieces(typename E::storage* __restrict__ out, const float
   if (slice != 0) return;
 #pragma unroll
   for (int k = 0; k < TASKS; ++k) {
-    const int g = (column + k * RF_PA_THREADS) / COLS;
-    if (g >= nh) continue;
+    if (head(k) >= nh) continue;
     const float inv = l[k] > 0.f ? 1.f / l[k] : 0.f;
-    typename E::storage* row = out + g * D + dims;
+    typename E::storage* row = out + head(k) * D + dims;
     row[0] = E::from_float(acc[k].x * inv);
     row[1] = E::from_float(acc[k].y * inv);
     row[2] = E::from_float(acc[k].z * inv);
