@@ -100,9 +100,10 @@ RF_DEVICE void rf_fence_proxy_async() {
 #else
 RF_DEVICE void rf_fence_proxy_async() {}  // cp.async and plain copies: one proxy
 #endif
-// Device-scope ordering between CTAs: writes, a fence, a relaxed counter; the CTA that
-// reads the last count fences too, and its plain loads then see the others' writes (the
-// fences synchronise through the counter; sm_70+'s fence also invalidates the SM's L1).
+// Device-scope ordering between CTAs: writes, a CTA barrier, one thread's fence (cumulative:
+// it orders what the barrier ordered before it), a relaxed counter; the CTA that reads the
+// last count fences too before a barrier, and its plain loads then see the others' writes
+// (the fences synchronise through the counter; sm_70+'s fence also invalidates the SM's L1).
 RF_DEVICE void rf_fence_device() { __threadfence(); }
 RF_DEVICE int rf_atomic_add_device(int* p, int v) { return atomicAdd(p, v); }
 #define RF_DYNAMIC_SHARED(type, name) extern __shared__ __align__(16) type name[]
@@ -230,7 +231,8 @@ RF_DEVICE rf_u64 rf_clock_ns() {
 }
 RF_DEVICE void rf_nap() { __builtin_amdgcn_s_sleep(127); }
 // The agent-scope fence also invalidates this CU's L1, so plain loads after it see other
-// workgroups' published writes.
+// workgroups' published writes (after one thread's fence, the workgroup acquire of the
+// barrier that follows invalidates the L0 of the other CU of a gfx11 WGP).
 RF_DEVICE void rf_fence_device() { __builtin_amdgcn_fence(__ATOMIC_SEQ_CST, "agent"); }
 RF_DEVICE int rf_atomic_add_device(int* p, int v) {  // agent scope: no system-wide traffic
   return __hip_atomic_fetch_add(p, v, __ATOMIC_RELAXED, __HIP_MEMORY_SCOPE_AGENT);

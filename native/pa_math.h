@@ -7,14 +7,23 @@
 //   rf_pa_matrix  AMD matrix cores (MFMA on gfx90a/gfx94x, WMMA on gfx11), 16-bit, G >= 4.
 // Interface (every call warp-uniform): load_queries (then a CTA barrier if QUERIES_SHARED),
 // reset, tile (one tile's rows of this warp, tokens [t0, end) of the piece valid), publish
-// (the warp's max and sum per head into wm_s/wl_s), add_to (this warp's accumulators,
-// rescaled from its max to the CTA's, into out_s[G][D]; warps take turns).
+// (the warp's max and sum per head into wm_s/wl_s), put<ADD> (this warp's accumulators,
+// rescaled from its max to the CTA's, stored into out_s[G][D], every element, or added to
+// it: rf_pa_put).
 #pragma once
 #include "compat.h"
 
 // Weight of a warp whose running max is m_warp in a sum rescaled to max m_cta (0 if empty).
 RF_DEVICE float l_part_scale(float m_warp, float m_cta) {
   return m_warp == -RF_INF ? 0.f : rf_exp2(m_warp - m_cta);
+}
+
+// A warp's share of a piece's output into shared memory: stored (the first writer of the
+// element) or added (a later one).
+template <bool ADD>
+RF_DEVICE void rf_pa_put(float& out, float x) {
+  if constexpr (ADD) out += x;
+  else out = x;
 }
 
 // Where a thread is: its index in the CTA, its lane, its warp.
@@ -157,7 +166,8 @@ struct rf_pa_core {
       }
     }
   }
-  RF_DEVICE void add_to(float (*out_s)[D], const float* m_cta) {
+  template <bool ADD>
+  RF_DEVICE void put(float (*out_s)[D], const float* m_cta) {
     if (th.lane >= LPR) return;
 #pragma unroll
     for (int g = 0; g < G; ++g) {
@@ -166,7 +176,8 @@ struct rf_pa_core {
       for (int cc = 0; cc < CPL; ++cc)
 #pragma unroll
         for (int e = 0; e < PV; ++e)
-          out_s[g][(th.lane + cc * LPR) * PV + e] += scale_w * acc[g][cc * PV + e];
+          rf_pa_put<ADD>(out_s[g][(th.lane + cc * LPR) * PV + e],
+                         scale_w * acc[g][cc * PV + e]);
     }
   }
   // Which of the warp's blocks of RPG rows the lane's group of LPR lanes reads V from: block
@@ -347,7 +358,8 @@ struct rf_pa_mma {
       }
     }
   }
-  RF_DEVICE void add_to(float (*out_s)[D], const float* m_cta) {
+  template <bool ADD>
+  RF_DEVICE void put(float (*out_s)[D], const float* m_cta) {
 #pragma unroll
     for (int hh = 0; hh < 2; ++hh) {
       const int h = (th.lane % 4) * 2 + hh;
@@ -362,7 +374,9 @@ struct rf_pa_mma {
       for (int dt = 0; dt < DTILES; ++dt)
 #pragma unroll
         for (int r = 0; r < 2; ++r)
-          if (h < G) out_s[h][dt * 16 + th.lane / 4 + 8 * r] += scale_w * acc2[dt][r * 2 + hh];
+          if (h < G)
+            rf_pa_put<ADD>(out_s[h][dt * 16 + th.lane / 4 + 8 * r],
+                           scale_w * acc2[dt][r * 2 + hh]);
     }
   }
 };
@@ -564,7 +578,8 @@ struct rf_pa_matrix {
       wl_s[head()][th.warp] = l;
     }
   }
-  RF_DEVICE void add_to(float (*out_s)[D], const float* m_cta) {
+  template <bool ADD>
+  RF_DEVICE void put(float (*out_s)[D], const float* m_cta) {
     if (head() >= G) return;
     float m_c = 0.f;
 #pragma unroll
@@ -573,7 +588,8 @@ struct rf_pa_matrix {
 #pragma unroll
     for (int dt = 0; dt < DTILES; ++dt)
 #pragma unroll
-      for (int i = 0; i < R; ++i) out_s[head()][dt * 16 + token(i)] += scale_w * acc[dt][i];
+      for (int i = 0; i < R; ++i)
+        rf_pa_put<ADD>(out_s[head()][dt * 16 + token(i)], scale_w * acc[dt][i]);
   }
 };
 #endif

@@ -153,12 +153,13 @@ struct rf_pa_record {
 // Combines the pieces of one unit with the whole CTA: for each of the nh heads of the group,
 // out = sum_p w_p o_p / sum_p w_p l_p with w_p = 2^(m_p - max_p m_p), from the records that
 // CTAs c0 .. c0 + pieces - 1 wrote (slot 2c + (c == c0); plain loads, after the caller's
-// device-scope fence: rf_fence_device). `out` is the group's first head's row. The group's
-// outputs are COLUMNS columns of 4 dims; thread t takes TASKS of them (t + k * RF_PA_THREADS)
-// over the pieces p = slice (mod SLICES), folding its pieces online (running max) with LOADS
-// records in flight at a time; slice 0 then folds the other slices' results through
-// `scratch` (shared, 6 floats a thread, idle until the caller's next barrier). Inlined: an
-// out-of-line call cost every piece of the hot path on sm_90 (ragged batches 9-30 % slower).
+// device-scope fence, rf_fence_device, and a barrier). `out` is the group's first head's
+// row. The group's outputs are COLUMNS columns of 4 dims; thread t takes TASKS of them
+// (t + k * RF_PA_THREADS) over the pieces p = slice (mod SLICES), folding its pieces online
+// (running max) with LOADS records in flight at a time; slice 0 then folds the other slices'
+// results through `scratch` (shared, 6 floats a thread, idle until the caller's next
+// barrier). Inlined: an out-of-line call cost every piece of the hot path on sm_90 (ragged
+// batches 9-30 % slower).
 template <class E, int D, int G, int LOADS>
 RF_DEVICE void combine_pieces(typename E::storage* __restrict__ out, const float* partials,
                               rf_i64 c0, int pieces, int nh, int tid, float* scratch) {
@@ -373,15 +374,17 @@ RF_DEVICE void paged_attention(
   // The walks: each warp's walk of the pieces STAGES tiles ahead of the computation, and the
   // CTA's walk of the pieces it computes, live in shared memory and move (lane 0 of the warp,
   // thread 0 of the CTA) only from one piece to the next; the tile ahead within its piece is
-  // in registers, uniform across the warp.
+  // in registers, uniform across the warp. The CTA's walk has two places: the piece being
+  // computed, pieces_s[now], and the next, which thread 0 steps to as the piece's tiles end
+  // (its queries' loads then overlap the piece's output).
   RF_SHARED rf_pa_walker ahead_s[RF_PA_WARPS];
   RF_SHARED bool ahead_done_s[RF_PA_WARPS];
-  RF_SHARED rf_pa_walker piece_s;
+  RF_SHARED rf_pa_walker pieces_s[2];
   RF_SHARED bool more_pieces_s;
   rf_pa_walker& ahead = ahead_s[warp];
-  const rf_pa_walker& piece = piece_s;
+  int now = 0;
   if (lane == 0) ahead.begin(w, first_seq, cta);
-  if (tid == 0) piece_s.begin(w, first_seq, cta);
+  if (tid == 0) pieces_s[0].begin(w, first_seq, cta);
   rf_syncwarp();
   const int* a_table = nullptr;  // the tile ahead: its sequence's block table, kv head, first
   int a_kvh = 0, a_t = 0, a_end = 0;  // token and its piece's end; a_ok: it exists
@@ -523,15 +526,23 @@ RF_DEVICE void paged_attention(
   }
 #endif
 
-  rf_sync();  // piece_s is set
-  int kvh = piece.x / chunks, q0 = kvh * ratio + (piece.x % chunks) * G;
-  int nh = ratio - (q0 - kvh * ratio) < G ? ratio - (q0 - kvh * ratio) : G;
+  rf_sync();  // pieces_s[0] is set
+  // the query heads of a piece: q0 .. q0 + nh - 1 (nh < G in a kv head's last group)
+  auto first_head = [&](const rf_pa_walker& p) {
+    return p.x / chunks * ratio + p.x % chunks * G;
+  };
+  auto heads = [&](int q0_of) {
+    const int left = ratio - q0_of % ratio;
+    return left < G ? left : G;
+  };
+  int q0 = first_head(pieces_s[0]), nh = heads(q0);
   Math math{math_s, th};
-  math.load_queries(q, piece.s, num_q_heads, q0, nh, qscale);
+  math.load_queries(q, pieces_s[0].s, num_q_heads, q0, nh, qscale);
   rf_sync();
 
   int stage = 0, tile = 0;  // the next tile to compute: its stage and its index in the stream
   for (;;) {  // pieces
+    const rf_pa_walker& piece = pieces_s[now];
     math.reset();
     const int end = rf_uniform(piece.end);
     for (int t0 = rf_uniform(piece.start); t0 < end;
@@ -580,12 +591,20 @@ RF_DEVICE void paged_attention(
 #endif
     }
 
-    // The piece's result: warps combined, rescaled to the CTA's max, into out_s, which is
-    // the stage the last tile used (idle until the next tile's copy, after this).
-    float (*out_s)[D] = reinterpret_cast<float (*)[D]>(
+    // The piece's result: each warp's share, rescaled to the CTA's max, in a region of its
+    // own ([G][D] floats) of the stage the last tile used (idle until the next tile's copy,
+    // after this): every warp at once where RF_PA_WARPS regions fit, else in turns, the
+    // later ones adding to the first's.
+    constexpr int FIT = 2 * Tile::PLANE / (G * D * 4);
+    constexpr int REGIONS = FIT >= RF_PA_WARPS ? RF_PA_WARPS : FIT >= 2 ? 2 : 1;
+    static_assert(RF_PA_WARPS % REGIONS == 0, "whole turns");
+    float* const out_s = reinterpret_cast<float*>(
         stage_s + (stage == 0 ? STAGES - 1 : stage - 1) * 2 * Tile::PLANE);
-    rf_sync();  // every warp is done with that stage
-    for (int i = tid; i < G * D; i += RF_PA_THREADS) out_s[i / D][i % D] = 0.f;
+    rf_sync();  // every warp is done with that stage and with the piece's queries
+    if (tid == 0) {  // the next piece
+      pieces_s[now ^ 1] = piece;
+      more_pieces_s = pieces_s[now ^ 1].next(w);
+    }
     math.publish(wm_s, wl_s);
     rf_sync();
     float m_cta[G], l_cta[G];
@@ -599,10 +618,16 @@ RF_DEVICE void paged_attention(
       for (int v = 0; v < RF_PA_WARPS; ++v)
         if (wl_s[g][v] > 0.f) l_cta[g] += rf_exp2(wm_s[g][v] - m_cta[g]) * wl_s[g][v];
     }
-    for (int v = 0; v < RF_PA_WARPS; ++v) {  // the warps add theirs in turn
-      if (warp == v) math.add_to(out_s, m_cta);
-      rf_sync();
+    float (*const mine)[D] = reinterpret_cast<float (*)[D]>(out_s + warp % REGIONS * G * D);
+    for (int turn = 0; turn < RF_PA_WARPS / REGIONS; ++turn) {
+      if (warp / REGIONS == turn) {
+        if (turn == 0) math.template put<false>(mine, m_cta);
+        else math.template put<true>(mine, m_cta);
+      }
+      if (turn + 1 < RF_PA_WARPS / REGIONS) rf_sync();
     }
+    const bool more = more_pieces_s;
+    rf_sync();  // the regions are written
     const rf_i64 c0 = piece.first_cta(w);
     const int pieces = (int)(piece.last_cta(w) - c0) + 1;
     const rf_i64 slot = 2 * (rf_i64)cta + (c0 == cta);  // this CTA's slot for the unit
@@ -614,7 +639,9 @@ RF_DEVICE void paged_attention(
         m = h == g ? m_cta[h] : m;
         l = h == g ? l_cta[h] : l;
       }
-      float o = out_s[g][d];
+      float o = 0.f;
+#pragma unroll
+      for (int r = 0; r < REGIONS; ++r) o += out_s[r * G * D + i];
       if constexpr (FP8) o *= out_scale;
       if (pieces == 1) {
         const rf_i64 head = (rf_i64)piece.s * num_q_heads + q0 + g;
@@ -630,20 +657,25 @@ RF_DEVICE void paged_attention(
     }
     if (pieces > 1) {
       // The last piece of the unit to finish combines them all: each publishes its partials
-      // (fence, then one count); the one that counts last resets the counter for the next
-      // launch and reads the others' partials after a fence.
+      // (a barrier, then thread 0's fence and one count: the barrier orders every thread's
+      // records before the fence, which is cumulative); the one that counts last resets the
+      // counter for the next launch and fences again before the barrier after which its
+      // threads read the others' partials.
       RF_SHARED int last_s;
-      rf_fence_device();
       rf_sync();
       if (tid == 0) {
+        rf_fence_device();
         int* counter = counters + (rf_i64)piece.s * w.groups + piece.x;
-        last_s = rf_atomic_add_device(counter, 1) == pieces - 1;
-        if (last_s) *counter = 0;
+        const bool last = rf_atomic_add_device(counter, 1) == pieces - 1;
+        if (last) {
+          *counter = 0;
+          rf_fence_device();
+        }
+        last_s = last;
       }
       rf_sync();
       if (last_s) {
-        rf_fence_device();
-        const rf_i64 first_head = (rf_i64)piece.s * num_q_heads + q0;
+        const rf_i64 first_row = (rf_i64)piece.s * num_q_heads + q0;
         // records in flight a thread: fewer where the registers are at their cap (fp8's
         // register copy, groups of 1024+ outputs; gfx11's d256 G = 4 spilled at 4)
 #if defined(RF_AMD)
@@ -652,20 +684,19 @@ RF_DEVICE void paged_attention(
         constexpr int TIGHT = 4;
 #endif
         constexpr int LOADS = FP8 || G * D >= 1024 ? TIGHT : 8;
-        combine_pieces<E, D, G, LOADS>(out + first_head * D, partials, c0, pieces, nh, tid,
-                                       &out_s[0][0]);
+        combine_pieces<E, D, G, LOADS>(out + first_row * D, partials, c0, pieces, nh, tid,
+                                       out_s);
       }
     }
+    if (!more) return;
+    // The next piece's queries: loaded into registers, they are waited for in its first
+    // tile, after its copies; stored into shared memory, the barrier below publishes them.
+    q0 = first_head(pieces_s[now ^ 1]);
+    nh = heads(q0);
+    math.load_queries(q, pieces_s[now ^ 1].s, num_q_heads, q0, nh, qscale);
     rf_fence_proxy_async();  // out_s's generic accesses before later bulk copies there
-    rf_sync();  // every thread is done with this piece (piece_s, out_s)
-    if (tid == 0) more_pieces_s = piece_s.next(w);
-    rf_sync();
-    if (!more_pieces_s) return;
-    kvh = piece.x / chunks;
-    q0 = kvh * ratio + (piece.x % chunks) * G;
-    nh = ratio - (q0 - kvh * ratio) < G ? ratio - (q0 - kvh * ratio) : G;
-    math.load_queries(q, piece.s, num_q_heads, q0, nh, qscale);
-    if constexpr (Math::QUERIES_SHARED) rf_sync();
+    rf_sync();  // every thread is done with this piece (its walk, out_s)
+    now ^= 1;
   }
 }
 
