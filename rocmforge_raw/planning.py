@@ -235,6 +235,12 @@ WORK_GRANULE = 16
 #: The least work one CTA gets (tokens): less costs more in per-piece fixed work than it
 #: gains in parallel streams.
 MIN_TOKENS_PER_CTA = 64
+#: A short launch (a balanced share under this many tokens) of units of one length takes a
+#: share that divides that length where one is at most twice the balanced share: each CTA
+#: then holds whole pieces of one unit or whole units, with no piece end inside a unit's
+#: share and fewer pieces for each unit's combine (H200, native/NOTES.md v21: 1 x 32768
+#: 57 -> 52 us on 256 CTAs instead of 391, 1 x 8192 27 -> 22).
+ALIGNED_SHARE_TOKENS = 1024
 
 
 @dataclass(frozen=True)
@@ -269,13 +275,26 @@ def _round16(tokens: int) -> int:
     return max(WORK_GRANULE, -(-tokens // WORK_GRANULE) * WORK_GRANULE)
 
 
+def _aligned_share(share: int, unit: int) -> int:
+    """The least multiple of WORK_GRANULE from ``share`` to ``2 * share`` that divides
+    ``unit`` (work tokens, a multiple of WORK_GRANULE) or that ``unit`` divides; ``share``
+    when there is none."""
+    if unit <= 2 * share:  # whole units a CTA
+        return -(-share // unit) * unit
+    for granules in range(share // WORK_GRANULE, 2 * share // WORK_GRANULE + 1):
+        if (unit // WORK_GRANULE) % granules == 0:
+            return granules * WORK_GRANULE
+    return share
+
+
 def plan_work(groups: int, slots: int, num_seqs: int, lens: np.ndarray | None = None,
               max_len: int = 0, num_partitions: int | None = None) -> WorkSplit:
     """The split of ``num_seqs`` sequences x ``groups`` units over a device that runs
     ``slots`` CTAs at once: one wave of CTAs with equal shares (at least
-    ``MIN_TOKENS_PER_CTA`` tokens each). ``lens`` (host, int32) gives each sequence's length;
-    without it every sequence counts ``max_len``. ``num_partitions`` instead cuts the longest
-    sequence into that many pieces (a test and tuning knob)."""
+    ``MIN_TOKENS_PER_CTA`` tokens each; aligned to the units where they are short and the
+    units of one length: ``ALIGNED_SHARE_TOKENS``). ``lens`` (host, int32) gives each
+    sequence's length; without it every sequence counts ``max_len``. ``num_partitions``
+    instead cuts the longest sequence into that many pieces (a test and tuning knob)."""
     if lens is not None:
         cum16 = np.empty(num_seqs + 1, np.int64)
         total = prefix_sums(np.ascontiguousarray(lens, np.int32), WORK_GRANULE, cum16) * groups
@@ -288,6 +307,11 @@ def plan_work(groups: int, slots: int, num_seqs: int, lens: np.ndarray | None = 
         share = -(-longest // max(1, int(num_partitions)))
     else:
         share = max(MIN_TOKENS_PER_CTA, -(-total // max(slots, 1)))
+        if MIN_TOKENS_PER_CTA < share < ALIGNED_SHARE_TOKENS and num_seqs:
+            work16 = np.diff(cum16) if cum16 is not None else None
+            if work16 is None or (work16 == work16[0]).all():  # units of one length
+                unit = uniform16 or int(work16[0])
+                share = _aligned_share(-(-share // WORK_GRANULE) * WORK_GRANULE, unit)
     per_cta = -(-share // WORK_GRANULE) * WORK_GRANULE
     num_ctas = -(-total // per_cta)
     first_seq = None

@@ -308,6 +308,36 @@ def test_num_partitions_cuts_the_longest_sequence_into_that_many_pieces():
     assert 3 <= len(longest) <= 4  # 3 pieces, one more where a boundary falls inside
 
 
+@pytest.mark.parametrize("lens, groups, per_cta", [
+    ([32768], 8, 1024), ([4096] * 8, 8, 1024), ([8192], 8, 256), ([16400], 8, 400),
+    ([512] * 64, 8, 1024), ([16384] * 2, 8, 1024)])
+def test_a_short_launch_of_equal_units_cuts_only_at_unit_boundaries(lens, groups, per_cta):
+    lens = np.asarray(lens, np.int32)
+    balanced = -(-sum(-(-n // 16) * 16 for n in lens) * groups // 396 // 16) * 16
+    assert planning.MIN_TOKENS_PER_CTA < balanced < planning.ALIGNED_SHARE_TOKENS
+    for split in (ops.plan_work(groups, 396, len(lens), lens),
+                  ops.plan_work(groups, 396, len(lens), None, max_len=int(lens[0]))):
+        assert split.per_cta == per_cta and balanced <= per_cta <= 2 * balanced
+        unit = -(-int(lens[0]) // 16) * 16
+        assert unit % per_cta == 0 or per_cta % unit == 0
+    pieces = walk(split := ops.plan_work(groups, 396, len(lens), lens), lens)
+    assert len(pieces) == split.num_ctas <= 396
+    for items in pieces.values():  # a piece of one unit, or whole units
+        assert len(items) == 1 or all(end - start == lens[s] for s, _, start, end in items)
+
+
+@pytest.mark.parametrize("lens, groups", [
+    ([8192, 4096, 5000], 8),  # lengths differ
+    ([16336], 8),             # 1021 granules (a prime): no divisor near the balanced share
+    ([4096] * 14, 8),         # a share of 1168 tokens: not short
+    ([1000], 8)])             # a share of MIN_TOKENS_PER_CTA
+def test_other_launches_keep_the_balanced_share(lens, groups):
+    lens = np.asarray(lens, np.int32)
+    split = ops.plan_work(groups, 396, len(lens), lens)
+    balanced = max(planning.MIN_TOKENS_PER_CTA, -(-split.total // 396))
+    assert split.per_cta == -(-balanced // 16) * 16
+
+
 def test_few_tokens_get_few_ctas():
     split = ops.plan_work(1, 396, 2, np.array([10, 20], np.int32))
     assert split.per_cta == planning.MIN_TOKENS_PER_CTA and split.num_ctas == 1
