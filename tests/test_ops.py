@@ -313,12 +313,12 @@ def test_num_partitions_cuts_the_longest_sequence_into_that_many_pieces():
     ([512] * 64, 8, 1024), ([16384] * 2, 8, 1024)])
 def test_a_short_launch_of_equal_units_cuts_only_at_unit_boundaries(lens, groups, per_cta):
     lens = np.asarray(lens, np.int32)
-    balanced = -(-sum(-(-n // 16) * 16 for n in lens) * groups // 396 // 16) * 16
+    unit = _ceil16(int(lens[0]))
+    balanced = _ceil16(-(-unit * len(lens) * groups // 396))
     assert planning.MIN_TOKENS_PER_CTA < balanced < planning.ALIGNED_SHARE_TOKENS
     for split in (ops.plan_work(groups, 396, len(lens), lens),
                   ops.plan_work(groups, 396, len(lens), None, max_len=int(lens[0]))):
         assert split.per_cta == per_cta and balanced <= per_cta <= 2 * balanced
-        unit = -(-int(lens[0]) // 16) * 16
         assert unit % per_cta == 0 or per_cta % unit == 0
     pieces = walk(split := ops.plan_work(groups, 396, len(lens), lens), lens)
     assert len(pieces) == split.num_ctas <= 396
@@ -335,7 +335,11 @@ def test_other_launches_keep_the_balanced_share(lens, groups):
     lens = np.asarray(lens, np.int32)
     split = ops.plan_work(groups, 396, len(lens), lens)
     balanced = max(planning.MIN_TOKENS_PER_CTA, -(-split.total // 396))
-    assert split.per_cta == -(-balanced // 16) * 16
+    assert split.per_cta == _ceil16(balanced)
+
+
+def _ceil16(tokens: int) -> int:
+    return -(-tokens // 16) * 16
 
 
 def test_few_tokens_get_few_ctas():
