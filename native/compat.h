@@ -105,6 +105,9 @@ RF_DEVICE void rf_fence_proxy_async() {}  // cp.async and plain copies: one prox
 // last count fences too before a barrier, and its plain loads then see the others' writes
 // (the fences synchronise through the counter; sm_70+'s fence also invalidates the SM's L1).
 RF_DEVICE void rf_fence_device() { __threadfence(); }
+// Each thread's part of such a release made by one thread after a CTA barrier: none (the
+// fence is cumulative over what the barrier ordered before it).
+RF_DEVICE void rf_fence_device_before_barrier() {}
 RF_DEVICE int rf_atomic_add_device(int* p, int v) { return atomicAdd(p, v); }
 #define RF_DYNAMIC_SHARED(type, name) extern __shared__ __align__(16) type name[]
 // +infinity from its bits: NVRTC has no __builtin_inff (nvcc takes it from the host compiler).
@@ -234,6 +237,11 @@ RF_DEVICE void rf_nap() { __builtin_amdgcn_s_sleep(127); }
 // workgroups' published writes (after one thread's fence, the workgroup acquire of the
 // barrier that follows invalidates the L0 of the other CU of a gfx11 WGP).
 RF_DEVICE void rf_fence_device() { __builtin_amdgcn_fence(__ATOMIC_SEQ_CST, "agent"); }
+// Each thread's part of a release made by one thread after a workgroup barrier: its own
+// agent-scope fence, because the barrier as LLVM 19 builds it for gfx9 (and for gfx11 in CU
+// mode) does not wait for the other waves' stores, and one wave's agent fence waits only
+// for its own.
+RF_DEVICE void rf_fence_device_before_barrier() { rf_fence_device(); }
 RF_DEVICE int rf_atomic_add_device(int* p, int v) {  // agent scope: no system-wide traffic
   return __hip_atomic_fetch_add(p, v, __ATOMIC_RELAXED, __HIP_MEMORY_SCOPE_AGENT);
 }

@@ -658,10 +658,11 @@ RF_DEVICE void paged_attention(
     if (pieces > 1) {
       // The last piece of the unit to finish combines them all: each publishes its partials
       // (a barrier, then thread 0's fence and one count: the barrier orders every thread's
-      // records before the fence, which is cumulative); the one that counts last resets the
-      // counter for the next launch and fences again before the barrier after which its
-      // threads read the others' partials.
+      // records before the fence, which is cumulative on NVIDIA; AMD fences each wave too);
+      // the one that counts last resets the counter for the next launch and fences again
+      // before the barrier after which its threads read the others' partials.
       RF_SHARED int last_s;
+      rf_fence_device_before_barrier();
       rf_sync();
       if (tid == 0) {
         rf_fence_device();

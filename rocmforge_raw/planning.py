@@ -235,12 +235,14 @@ WORK_GRANULE = 16
 #: The least work one CTA gets (tokens): less costs more in per-piece fixed work than it
 #: gains in parallel streams.
 MIN_TOKENS_PER_CTA = 64
-#: A short launch (a balanced share under this many tokens) of units of one length takes a
-#: share that divides that length where one is at most twice the balanced share: each CTA
-#: then holds whole pieces of one unit or whole units, with no piece end inside a unit's
-#: share and fewer pieces for each unit's combine (H200, native/NOTES.md v21: 1 x 32768
-#: 57 -> 52 us on 256 CTAs instead of 391, 1 x 8192 27 -> 22).
+#: A short launch (a balanced share under this many tokens) of units of one length takes the
+#: least share, up to ALIGNED_STRETCH times the balanced one, that divides that length or
+#: that the length divides: each CTA then holds one piece of one unit or whole units, with
+#: no piece end inside a unit's share and fewer pieces for each unit's combine (H200,
+#: native/NOTES.md v21: 1 x 32768 57 -> 52 us on 256 CTAs instead of 391, 1 x 8192 27 ->
+#: 22; measured up to 1.52 times the balanced share, so at least 5/8 of the slots stay busy).
 ALIGNED_SHARE_TOKENS = 1024
+ALIGNED_STRETCH = 1.6
 
 
 @dataclass(frozen=True)
@@ -276,13 +278,13 @@ def _round16(tokens: int) -> int:
 
 
 def _aligned_share(share: int, unit: int) -> int:
-    """The least multiple of WORK_GRANULE from ``share`` to ``2 * share`` that divides
-    ``unit`` (work tokens, a multiple of WORK_GRANULE) or that ``unit`` divides; ``share``
+    """The least multiple of WORK_GRANULE from ``share`` to ``ALIGNED_STRETCH * share`` that
+    divides ``unit`` or that ``unit`` divides (both multiples of WORK_GRANULE); ``share``
     when there is none."""
-    if unit <= 2 * share:  # whole units a CTA
-        return -(-share // unit) * unit
-    for granules in range(share // WORK_GRANULE, 2 * share // WORK_GRANULE + 1):
-        if (unit // WORK_GRANULE) % granules == 0:
+    whole = unit // WORK_GRANULE
+    for granules in range(share // WORK_GRANULE,
+                          int(ALIGNED_STRETCH * share) // WORK_GRANULE + 1):
+        if whole % granules == 0 or granules % whole == 0:
             return granules * WORK_GRANULE
     return share
 

@@ -278,12 +278,12 @@ def test_disassembly_names_a_missing_kernel():
 
 @_each_object(("paged_attention",))
 def test_tile_loop_copies_through_lds(path):
+    # _tile_loop raises LookupError where no loop holds the copy together with the math
     for kernel, code in _disassembly(path).items():
         loop = _tile_loop(kernel, code)
         assert loop[-1].target == loop[0].address, kernel
         assert re.match(r"s_(c)?branch", loop[-1].mnemonic), kernel
         assert sum(bool(re.match(NEXT_TILE_LOAD, i.text)) for i in loop) >= 2, kernel
-        assert any(re.search(MATH, i.text) for i in loop), kernel
 
 
 def _first(loop: list, pattern: str) -> int:
