@@ -333,7 +333,7 @@ def test_a_short_launch_of_equal_units_cuts_only_at_unit_boundaries(lens, groups
     ([4096] * 14, 8),         # a share of 1168 tokens: not short
     ([160] * 20, 8),          # a share of 80 tokens, which divides the units' 160
     ([512] * 29, 8),          # a share of 304: one unit (512) is 1.68 times it
-    ([1000], 8)])             # a share of MIN_TOKENS_PER_CTA
+    ([1200], 8)])             # a share of MIN_TOKENS_PER_CTA (80 would divide 1200)
 def test_other_launches_keep_the_balanced_share(lens, groups):
     lens = np.asarray(lens, np.int32)
     split = ops.plan_work(groups, 396, len(lens), lens)
