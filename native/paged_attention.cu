@@ -55,6 +55,9 @@
 #ifndef RF_PA_MIN_BLOCKS  // CTAs per multiprocessor the register budget is fitted to
 #define RF_PA_MIN_BLOCKS 3
 #endif
+#ifndef RF_PA_NARROW_BLOCKS  // the same for NVIDIA's narrow instances (rf_pa_stage)
+#define RF_PA_NARROW_BLOCKS 5
+#endif
 
 // Whether an instance computes on matrix units (pa_math.h: NVIDIA tensor cores, AMD MFMA or
 // WMMA) rather than CUDA cores / VALU: a 16-bit stage, 4+ query heads per group and, on
@@ -124,19 +127,27 @@ struct rf_pa_tile {
   }
 };
 
-// The stage of one instance. On wave32 AMD targets a group of 8 heads halves it: the next
-// tile, which waits in registers, then takes 16 registers a lane instead of 32, and with
-// eight heads' accumulators a 16 KiB stage spilled on gfx1100 (to 128 bytes of scratch).
-// NVIDIA's fp8 instances copy through registers too (one stage, widened on the way in): half
-// a stage keeps them within the register budget (a full one spilled 8-264 bytes on sm_90),
-// and 8 KiB of codes per tile and CTA still keep enough bytes in flight.
-template <int G, bool FP8>
+// The stage of one instance, and the CTAs per multiprocessor its registers are fitted to. On
+// wave32 AMD targets a group of 8 heads halves it: the next tile, which waits in registers,
+// then takes 16 registers a lane instead of 32, and with eight heads' accumulators a 16 KiB
+// stage spilled on gfx1100 (to 128 bytes of scratch). NVIDIA's fp8 instances copy through
+// registers too (one stage, widened on the way in): half a stage keeps them within the
+// register budget (a full one spilled 8-264 bytes on sm_90), and 8 KiB of codes per tile and
+// CTA still keep enough bytes in flight. NVIDIA's narrow instances (128-byte rows of a 16-bit
+// cache, head_dim 64, and fewer than 8 heads) take half stages (64-token tiles, as at head_dim
+// 128) and five CTAs per SM instead of three: their per-tile work is a latency chain that
+// more warps hide (planning.attention_shared_bytes halves their stages the same way).
+template <class E, class C, int D, int G>
 struct rf_pa_stage {
+  static constexpr bool FP8 = sizeof(typename C::storage) != sizeof(typename E::storage);
 #if defined(RF_AMD)
+  static constexpr bool NARROW = false;
   static constexpr int BYTES = RF_WARP == 32 && G >= 8 ? RF_PA_STAGE_BYTES / 2 : RF_PA_STAGE_BYTES;
 #else
-  static constexpr int BYTES = FP8 ? RF_PA_STAGE_BYTES / 2 : RF_PA_STAGE_BYTES;
+  static constexpr bool NARROW = !FP8 && D * sizeof(typename E::storage) == 128 && G < 8;
+  static constexpr int BYTES = FP8 || NARROW ? RF_PA_STAGE_BYTES / 2 : RF_PA_STAGE_BYTES;
 #endif
+  static constexpr int MIN_BLOCKS = NARROW ? RF_PA_NARROW_BLOCKS : RF_PA_MIN_BLOCKS;
 };
 
 #include "pa_math.h"
@@ -340,8 +351,9 @@ RF_DEVICE void paged_attention(
     const typename C::storage* __restrict__ v_cache, const int* __restrict__ block_tables,
     const rf_pa_work& w, const int* __restrict__ first_seq, float scale, int num_q_heads,
     int num_kv_heads, int max_blocks, int block_shift, float out_scale) {
-  constexpr bool FP8 = sizeof(typename C::storage) != sizeof(typename E::storage);
-  typedef rf_pa_tile<E, D, rf_pa_stage<G, FP8>::BYTES, G> Tile;
+  typedef rf_pa_stage<E, C, D, G> Stage;
+  constexpr bool FP8 = Stage::FP8;
+  typedef rf_pa_tile<E, D, Stage::BYTES, G> Tile;
   typedef typename rf_pa_math<E, D, G, Tile>::type Math;
   typedef rf_pa_reg_copy<E, C, D, Tile> Copy;
 #if defined(RF_AMD)
@@ -704,7 +716,7 @@ RF_DEVICE void paged_attention(
 // rf_paged_attention_<E>[_e4m3]_d<D>_g<G>: queries and outputs of E, a cache of E (or of
 // fp8 e4m3 codes: _e4m3).
 #define RF_PA_KERNEL(NAME, E, C, D, G)                                                         \
-  RF_KERNEL_OCCUPANCY(RF_PA_THREADS, RF_PA_MIN_BLOCKS)                                         \
+  RF_KERNEL_OCCUPANCY(RF_PA_THREADS, (rf_pa_stage<E, C, D, G>::MIN_BLOCKS))                    \
   rf_paged_attention_##NAME##_d##D##_g##G(                                                     \
       E::storage* out, float* partials, int* counters, const E::storage* q,                    \
       const C::storage* k_cache, const C::storage* v_cache, const int* block_tables,           \

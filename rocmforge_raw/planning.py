@@ -48,17 +48,26 @@ ATTENTION_STAGES = {"cuda": (2, 32768, 16), "hip": (0, 0, 0)}
 WRITE_PATCH = (0, 1, 2, 3)  # k_cache, v_cache, key, value
 
 
-def attention_shared_bytes(backend: str, row_bytes: int, fp8: bool = False) -> int:
-    """Dynamic shared memory a launch of the attention kernel whose stage rows (of the
-    activation dtype) are ``row_bytes`` long passes: its stages, each holding the K and V
-    rows of a tile, every row padded (0 on hip: the stage is static there). An fp8 cache's
-    kernel keeps one stage of half the size (the next tile waits in registers, widened on
-    its way in)."""
+#: Stage rows this long (head_dim 64 of a 16-bit cache) make an instance with fewer than
+#: GROUP_SIZES[-1] heads narrow on cuda: half stages, five CTAs per SM (rf_pa_stage).
+NARROW_ROW_BYTES = 128
+
+
+def attention_shared_bytes(backend: str, row_bytes: int, group: int, fp8: bool = False
+                           ) -> int:
+    """Dynamic shared memory a launch of the attention kernel of ``group`` heads whose stage
+    rows (of the activation dtype) are ``row_bytes`` long passes: its stages, each holding
+    the K and V rows of a tile, every row padded (0 on hip: the stage is static there). An
+    fp8 cache's kernel keeps one stage of half the size (the next tile waits in registers,
+    widened on its way in); a narrow instance (NARROW_ROW_BYTES) keeps its stages at half
+    the size."""
     stages, stage_bytes, pad = ATTENTION_STAGES[backend]
     if stages == 0:
         return 0
     if fp8:  # rf_pa_stage: one stage of half the size
         stages, stage_bytes = 1, stage_bytes // 2
+    elif row_bytes == NARROW_ROW_BYTES and group < GROUP_SIZES[-1]:
+        stage_bytes //= 2
     rows = stage_bytes // 2 // row_bytes
     return stages * (stage_bytes + 2 * rows * pad)
 
@@ -445,7 +454,7 @@ def attention_kernel(backend: Backend, device: int, dtype: np.dtype, head_dim: i
     cache of ``cache_dtype`` (None: ``dtype``), looked up once per process."""
     name, group = attention_instance(dtype, head_dim, ratio, cache_dtype)
     kernel = load_kernels("paged_attention", device, backend).function(name)
-    shared = attention_shared_bytes(backend.name, head_dim * dtype.itemsize,
+    shared = attention_shared_bytes(backend.name, head_dim * dtype.itemsize, group,
                                     cache_dtype in FP8_DTYPES)
     multiprocessors = backend.cached_properties(device).multiprocessors
     slots = kernel.max_active_blocks(THREADS, shared) * multiprocessors

@@ -119,6 +119,42 @@ def test_mixed_group_sizes_beyond_eight_on_gpu(gpu, rng):
     assert relative_error(got, want) < 1e-2
 
 
+# --- narrow instances (cuda: head_dim 64 of a 16-bit cache, fewer than 8 heads) -------------
+@pytest.mark.parametrize("ratio", [2, 3])
+def test_narrow_groups_of_two_and_three_heads_match_reference_on_gpu(gpu, rng, ratio):
+    # ratios 1, 4 and 8 are in MATRIX; 3 leaves one of a group's four heads unused
+    got, want = run_attention(gpu, rng, ml_dtypes.bfloat16, 64, 16, ratio,
+                              [0, 1, 63, 64, 65, 3000])
+    assert relative_error(got, want) < TOLERANCE[np.dtype(ml_dtypes.bfloat16)]
+
+
+def test_narrow_instances_plan_half_stages():
+    def shared(row_bytes, group, fp8=False):
+        return ops.attention_shared_bytes("cuda", row_bytes, group, fp8)
+    narrow = planning.NARROW_ROW_BYTES
+    for group in (1, 2, 4):
+        assert 2 * shared(narrow, group) == shared(narrow, 8)
+        assert shared(2 * narrow, group) == shared(2 * narrow, 8)
+        assert shared(narrow, group, True) == shared(narrow, 8, True)
+
+
+def test_each_cuda_attention_instance_fits_the_ctas_its_registers_are_fitted_to(gpu):
+    if gpu.name != "cuda":
+        pytest.skip("the CTAs per SM of NVIDIA's instances (rf_pa_stage)")
+    sms = gpu.cached_properties(0).multiprocessors
+    fp8 = ml_dtypes.float8_e4m3fn
+    for dtype, head_dim, group, cache in itertools.product(
+            DTYPES, ops.HEAD_DIMS, ops.GROUP_SIZES, (None, fp8)):
+        if cache is not None and dtype is np.float32:
+            continue  # fp8 caches serve 16-bit activations only
+        found = planning.attention_kernel(gpu, 0, np.dtype(dtype), head_dim, group,
+                                          None if cache is None else np.dtype(cache))
+        narrow = (cache is None and head_dim * np.dtype(dtype).itemsize ==
+                  planning.NARROW_ROW_BYTES and group < ops.GROUP_SIZES[-1])
+        ctas = found.slots // sms
+        assert ctas >= (5 if narrow else 3), (dtype, head_dim, group, cache, ctas)
+
+
 def test_paged_attention_on_host_matches_float64_reference(rng):
     got, want = run_attention(rf.get_backend("host"), rng, np.float32, 64, 8, 4, [1, 7, 8, 9, 300])
     assert relative_error(got, want) < 1e-5

@@ -194,11 +194,12 @@ class Instance:
 def dynamic_lds(kernel: str) -> int:
     """Dynamic LDS a launch of ``kernel`` passes: the attention kernel's pipeline stages for
     its row size (``rf_paged_attention_{f16,bf16,f32}[_e4m3]_d{D}_g{G}``), else 0."""
-    match = re.fullmatch(r"rf_paged_attention_(f16|bf16|f32)(_e4m3)?_d(\d+)_g\d+", kernel)
+    match = re.fullmatch(r"rf_paged_attention_(f16|bf16|f32)(_e4m3)?_d(\d+)_g(\d+)", kernel)
     if match is None:
         return 0
     itemsize = 4 if match[1] == "f32" else 2
-    return planning.attention_shared_bytes("hip", int(match[3]) * itemsize, bool(match[2]))
+    return planning.attention_shared_bytes("hip", int(match[3]) * itemsize, int(match[4]),
+                                           bool(match[2]))
 
 
 def instances(path: Path) -> list[Instance]:
