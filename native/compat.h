@@ -86,10 +86,14 @@ RF_DEVICE void rf_mbar_wait(rf_u64* bar, unsigned phase) {
                "@!done bra RF_WAIT_%=;\n\t}" ::"r"(rf_smem_addr(bar)), "r"(phase) : "memory");
 }
 // Copies `bytes` (a multiple of 16, both ends 16-byte aligned) from `gmem` to `smem`.
+// The rows stream through L2 once (evict first: 0-5 % faster on H200's bench shapes than the
+// default policy, NOTES v23); the policy is not volatile, so the compiler makes it once.
 RF_DEVICE void rf_bulk_copy(void* smem, const void* gmem, unsigned bytes, rf_u64* bar) {
-  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes "
-               "[%0], [%1], %2, [%3];" ::"r"(rf_smem_addr(smem)), "l"(gmem), "r"(bytes),
-               "r"(rf_smem_addr(bar)) : "memory");
+  rf_u64 policy;
+  asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint "
+               "[%0], [%1], %2, [%3], %4;" ::"r"(rf_smem_addr(smem)), "l"(gmem), "r"(bytes),
+               "r"(rf_smem_addr(bar)), "l"(policy) : "memory");
 }
 RF_DEVICE unsigned rf_warp_sum_u32(unsigned v) { return __reduce_add_sync(0xffffffffu, v); }
 // Orders this thread's earlier generic-proxy accesses to shared memory before later bulk
