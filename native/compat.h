@@ -87,7 +87,7 @@ RF_DEVICE void rf_mbar_wait(rf_u64* bar, unsigned phase) {
 }
 // Copies `bytes` (a multiple of 16, both ends 16-byte aligned) from `gmem` to `smem`.
 // The rows stream through L2 once (evict first: 0-5 % faster on H200's bench shapes than the
-// default policy, NOTES v23); the policy is not volatile, so the compiler makes it once.
+// default policy, NOTES v23); the policy's asm is not volatile, so copies may share it.
 RF_DEVICE void rf_bulk_copy(void* smem, const void* gmem, unsigned bytes, rf_u64* bar) {
   rf_u64 policy;
   asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));

@@ -119,8 +119,8 @@ struct rf_pa_tile {
   // The chunk that thread t of a row's TPT reads at step c of its CHUNKS (core path's scores):
   // thread t owns chunks [t * CHUNKS, (t + 1) * CHUNKS) and starts at a rotated one. With 8+
   // chunks a thread, the TPT threads of a row start 8 / TPT groups apart; with 4 or 2 (AMD's
-  // 16 KiB stages and half stages, NVIDIA's fp8 half stage), by bits 1 and 2 of t, which also
-  // keeps gfx9's lane sets (0-3 with 20-23, ...) on distinct groups.
+  // 16 KiB stages and half stages, NVIDIA's fp8 and narrow half stages), by bits 1 and 2 of t,
+  // which also keeps gfx9's lane sets (0-3 with 20-23, ...) on distinct groups.
   RF_DEVICE static int qk_chunk(int t, int c) {
     const int start = CHUNKS >= 8 ? t * (TPT < 8 ? 8 / TPT : 1) : 2 * (t >> 1 & 1) + (t >> 2 & 1);
     return t * CHUNKS + (c + start) % CHUNKS;

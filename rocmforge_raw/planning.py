@@ -59,8 +59,8 @@ def attention_shared_bytes(backend: str, row_bytes: int, group: int, fp8: bool =
     rows (of the activation dtype) are ``row_bytes`` long passes: its stages, each holding
     the K and V rows of a tile, every row padded (0 on hip: the stage is static there). An
     fp8 cache's kernel keeps one stage of half the size (the next tile waits in registers,
-    widened on its way in); a narrow instance (NARROW_ROW_BYTES) keeps its stages at half
-    the size."""
+    widened on its way in); a narrow instance (rows of NARROW_ROW_BYTES, fewer than
+    GROUP_SIZES[-1] heads, a 16-bit cache) keeps its two stages at half the size."""
     stages, stage_bytes, pad = ATTENTION_STAGES[backend]
     if stages == 0:
         return 0
