@@ -322,7 +322,7 @@ def plan_work(groups: int, slots: int, num_seqs: int, lens: np.ndarray | None = 
             work16 = np.diff(cum16) if cum16 is not None else None
             if work16 is None or (work16 == work16[0]).all():  # units of one length
                 unit = uniform16 or int(work16[0])
-                share = _aligned_share(-(-share // WORK_GRANULE) * WORK_GRANULE, unit)
+                share = _aligned_share(_round16(share), unit)
     per_cta = -(-share // WORK_GRANULE) * WORK_GRANULE
     num_ctas = -(-total // per_cta)
     first_seq = None
