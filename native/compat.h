@@ -45,12 +45,15 @@ RF_DEVICE unsigned rf_smem_addr(const void* smem) {
                : "=r"(addr) : "l"(smem));
   return addr;
 }
+// .cg: through L2 only; L2::128B: L2 fetches the whole 128-byte line of each request (the
+// rows are read whole: H100, native/NOTES.md v24, 1-3 % faster than without; RF_COPY_CA
+// caches in L1 too, for A/B).
 RF_DEVICE void rf_copy16_async(void* smem, const void* gmem) {
-#if defined(RF_COPY_CG)
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(rf_smem_addr(smem)),
+#if defined(RF_COPY_CA)
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 16;" ::"r"(rf_smem_addr(smem)),
                "l"(gmem) : "memory");
 #else
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 16;" ::"r"(rf_smem_addr(smem)),
+  asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16;" ::"r"(rf_smem_addr(smem)),
                "l"(gmem) : "memory");
 #endif
 }
@@ -65,9 +68,11 @@ RF_DEVICE rf_u64 rf_clock_ns() {
   return t;
 }
 RF_DEVICE void rf_nap() { __nanosleep(1000); }
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && !defined(RF_NO_BULK)
-// sm_90 bulk copies (the copy engine) into shared memory, completing on an mbarrier
-// (RF_NO_BULK builds the sm_80 cp.async path instead, to test it on a Hopper GPU).
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && defined(RF_USE_BULK)
+// sm_90 bulk copies (the copy engine) into shared memory, completing on an mbarrier: one
+// per 256-byte row costs the copy unit more than cp.async's 16-byte copies cost the LSU
+// (H100, native/NOTES.md v24: a no-math stream of S1's pages at 90 % of read, against 94 %),
+// so every NVIDIA target builds the cp.async path unless RF_USE_BULK asks for this one (A/B).
 #define RF_HAVE_BULK 1
 // One arrival (the expect_tx) per phase; makes the barrier visible to the copy engine.
 RF_DEVICE void rf_mbar_init(rf_u64* bar) {
@@ -357,6 +362,31 @@ RF_DEVICE unsigned short rf_float_to_bf16(float f) {  // round to nearest even, 
   return (unsigned short)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
 }
 
+// The type A when C holds, else B (the standard library's conditional, which NVRTC and
+// -nogpuinc builds lack).
+template <bool C, class A, class B>
+struct rf_pa_pick {
+  typedef A type;
+};
+template <class A, class B>
+struct rf_pa_pick<false, A, B> {
+  typedef B type;
+};
+
+// Byte i of the result is byte (selector nibble i) of the 8 bytes x (0-3), y (4-7), as
+// NVIDIA's prmt / __byte_perm: one instruction there, shifts elsewhere.
+RF_DEVICE unsigned rf_byte_perm(unsigned x, unsigned y, unsigned selector) {
+#if defined(RF_NVIDIA)
+  return __byte_perm(x, y, selector);
+#else
+  const rf_u64 both = (rf_u64)y << 32 | x;
+  unsigned r = 0;
+  for (int i = 0; i < 4; ++i)
+    r |= (unsigned)(both >> (8 * (selector >> (4 * i) & 7)) & 0xffu) << (8 * i);
+  return r;
+#endif
+}
+
 // 16 bytes, the width of one vector load/store.
 struct alignas(16) rf_vec16 { unsigned x, y, z, w; };
 struct alignas(16) rf_float4 { float x, y, z, w; };
@@ -451,6 +481,32 @@ struct rf_e4m3 {
   template <class E>
   RF_DEVICE static rf_vec16 widen(unsigned w0, unsigned w1) {
     return rf_vec16{pair<E>(w0), pair<E>(w0 >> 16), pair<E>(w1), pair<E>(w1 >> 16)};
+  }
+  // A stage of codes (NVIDIA's fp8 instances copy the codes as they are and widen them in
+  // registers, pa_math.h): a 16-byte chunk holds PER_VEC codes; `unpack` gives their values
+  // / 256 as floats (the CUDA-core path).
+  static constexpr int PER_VEC = 16;
+  RF_DEVICE static void unpack(const rf_vec16& v, float* out) {
+    const unsigned words[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const unsigned two = half2(words[i] >> (16 * h));
+        out[4 * i + 2 * h] = rf_half_to_float((unsigned short)(two & 0xffffu));
+        out[4 * i + 2 * h + 1] = rf_half_to_float((unsigned short)(two >> 16));
+      }
+  }
+  // Two codes in bytes 1 and 3 of y (bytes 0 and 2 zero: rf_byte_perm places them) -> the two
+  // 16-bit halves of a word of E's bits by moving fields (the tensor-core path): fp16 holds
+  // value / 256 as `pair` does; bf16 holds value * 2^-120 (bf16's exponent bias is 127, the
+  // code's 7; subnormal codes land on bf16 subnormals), which BF16_UNIT brings back to value
+  // / 256. Three integer operations, no conversion.
+  static constexpr float BF16_UNIT = 5.192296858534828e33f;  // 2^112
+  template <class E>
+  RF_DEVICE static unsigned moved(unsigned y) {
+    if constexpr (E::TENSOR_KIND == 1) return ((y >> 1) & 0x3f803f80u) | (y & 0x80008000u);
+    else return ((y >> 4) & 0x07f007f0u) | (y & 0x80008000u);
   }
 };
 

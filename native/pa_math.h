@@ -31,34 +31,27 @@ struct rf_pa_thread {
   int tid, lane, warp;
 };
 
-// The type A when C holds, else B (the standard library's conditional, which NVRTC and
-// -nogpuinc builds lack).
-template <bool C, class A, class B>
-struct rf_pa_pick {
-  typedef A type;
-};
-template <class A, class B>
-struct rf_pa_pick<false, A, B> {
-  typedef B type;
-};
-
 // ---- CUDA cores -----------------------------------------------------------------------------
 template <class E, int D, int G, class Tile>
 struct rf_pa_core {
-  static constexpr int PV = E::PER_VEC, T = Tile::TOKENS, VPR = Tile::VPR, TPT = Tile::TPT;
+  typedef typename Tile::stored S;  // E, or fp8 codes (Tile::CODES), each chunk unpacked
+  static constexpr int PV = S::PER_VEC, T = Tile::TOKENS, VPR = Tile::VPR, TPT = Tile::TPT;
   static constexpr int CHUNKS = Tile::CHUNKS, WROWS = T / RF_PA_WARPS;
   static constexpr int LPR = VPR < RF_WARP ? VPR : RF_WARP;  // V: lanes per row
   static constexpr int CPL = VPR / LPR;                       // V: chunks per lane
   static constexpr int VSTEP = RF_WARP / LPR;                 // V: rows a warp covers per step
   static constexpr int RPG = WROWS / VSTEP;                   // V: rows per group of LPR lanes
-  // Queries: a cache chunk's PV of them (16 or 32 bytes) every QPC floats: 16-bit chunks get
-  // 16 bytes of padding (48-byte steps: 3 bank groups, odd, so 8 lanes reading 8 chunks whose
-  // indices differ mod 8, as qk_chunk's do, read 8 different groups); f32 chunks none.
-  static constexpr int QPC = PV == 8 ? 12 : PV, QROW = D / PV * QPC;
+  // Queries: a cache chunk's PV of them (16, 32 or 64 bytes) every QPC floats: 16-bit chunks
+  // get 16 bytes of padding (48-byte steps: 3 bank groups, odd, so 8 lanes reading 8 chunks
+  // whose indices differ mod 8, as qk_chunk's do, read 8 different groups), chunks of codes
+  // 16 too (80-byte steps: 5 groups); f32 chunks none.
+  static constexpr int QPC = PV == 8 ? 12 : PV == 16 ? 20 : PV, QROW = D / PV * QPC;
   static constexpr bool QUERIES_SHARED = true;
+  static constexpr float UNIT = 1.f;  // chunks unpack to their values (codes: / 256)
   static_assert(CHUNKS * TPT == VPR && T * TPT == RF_PA_THREADS, "tile shape");
   static_assert(WROWS * TPT == RF_WARP, "a warp's QK rows are its V rows");
-  static_assert(RPG * VSTEP == WROWS && LPR % 8 == 0, "V: whole blocks of rows, 8-lane sets");
+  static_assert(RPG * VSTEP == WROWS && (LPR % 8 == 0 || Tile::CODES),
+                "V: whole blocks of rows, 8-lane sets (AMD's bank analysis; codes: NVIDIA)");
   struct Shared {
     __attribute__((aligned(16))) float q[G][QROW];  // the group's queries, scaled
     float p[G][T];                               // each row's weight per head
@@ -104,7 +97,7 @@ struct rf_pa_core {
     for (int c = 0; c < CHUNKS; ++c) {
       const int j = Tile::qk_chunk(th.tid % TPT, c);  // conflict-free (rf_pa_tile)
       float k[PV];
-      E::unpack(Tile::load(k_plane, my_row, j), k);
+      S::unpack(Tile::load(k_plane, my_row, j), k);
 #pragma unroll
       for (int g = 0; g < G; ++g) {
         float dot = 0.f;
@@ -143,7 +136,7 @@ struct rf_pa_core {
 #pragma unroll
         for (int cc = 0; cc < CPL; ++cc) {
           float v[PV];
-          E::unpack(Tile::load(v_plane, r, th.lane % LPR + cc * LPR), v);
+          S::unpack(Tile::load(v_plane, r, th.lane % LPR + cc * LPR), v);
 #pragma unroll
           for (int g = 0; g < G; ++g) {
             const float p = sh.p[g][r];
@@ -199,16 +192,42 @@ struct rf_pa_core {
 // conflict-free; heads past the group are zero, and scores are scaled after the product.
 // PV: O^T[16 dims x 8 heads] += V^T[16 dims x 16 tokens] . P^T[16 tokens x 8 heads], V^T by
 // ldmatrix.trans, P rounded to the cache's type through shared memory.
+// A stage of fp8 codes (Tile::CODES) is read by the same ldmatrix, two codes taken for one
+// 16-bit element, and widened in registers (rf_e4m3::moved, a byte permute apart):
+// - K: one x4 covers 16 rows x 32 dims, two k-steps; lane (g, c) = (lane / 4, lane % 4) gets
+//   dims 4c .. 4c + 3 of rows g and g + 8 of each, which fill the A operand's k-slots 2c, 2c
+//   + 1 (dims 4c, 4c + 1) and 2c + 8, 2c + 9 (dims 4c + 2, 4c + 3): the k-step's dims taken
+//   in that order, as the query fragments are (load_queries);
+// - V: one x4.trans covers 16 tokens x 32 dims, two d-tiles; lane (g, c) gets tokens 2c and
+//   2c + 1 of dims 2g and 2g + 1 (of 8 tokens and 16 dims), which fill the V^T operand's
+//   rows g (dim 2g) and g + 8 (dim 2g + 1): the d-tile's dims in that order, as put()
+//   stores them.
 template <class E, int D, int G, class Tile>
 struct rf_pa_mma {
+  static constexpr bool CODES = Tile::CODES;
   static constexpr int T = Tile::TOKENS, WROWS = T / RF_PA_WARPS, KSTEPS = D / 16;
   static constexpr int DTILES = D / 16, MROWS = WROWS < 16 ? WROWS : 16;
   static constexpr int MTILES = WROWS < 16 ? 1 : WROWS / 16;
   static constexpr bool Q_IN_SMEM = D > 128, QUERIES_SHARED = Q_IN_SMEM;
+  // Q^T rows in shared memory (D > 128): padded by 16 bytes, or 32 for codes (whose lanes read
+  // 8 bytes: 4 rows then fill the 32 banks)
+  static constexpr int QROW = D + (CODES ? 16 : 8);
+  static constexpr float UNIT = CODES && E::TENSOR_KIND == 2 ? rf_e4m3::BF16_UNIT : 1.f;
+  static_assert(!CODES || MROWS == 16, "codes: whole 16-row m-tiles");
   struct Shared {
     typename E::storage p16[G][T];
-    typename E::storage q16[Q_IN_SMEM ? 8 : 1][Q_IN_SMEM ? D + 8 : 2];
+    alignas(16) typename E::storage q16[Q_IN_SMEM ? 8 : 1][Q_IN_SMEM ? QROW : 2];
   };
+  // Lane (g, c)'s query dims for k-slots 2c + 8 half (and the next): 16-bit rows keep them in
+  // order, codes take 4c + 2 half (see above).
+  RF_DEVICE static int q_dim(int lane, int half) {
+    return CODES ? 4 * (lane % 4) + 2 * half : half * 8 + (lane % 4) * 2;
+  }
+  // Two of a register's four codes -> one A-operand register (selector: their bytes, placed
+  // in bytes 1 and 3)
+  RF_DEVICE static unsigned widen(unsigned codes, unsigned selector) {
+    return rf_e4m3::moved<E>(rf_byte_perm(codes, 0u, selector));
+  }
   Shared& sh;
   rf_pa_thread th;
   unsigned qb[Q_IN_SMEM ? 1 : KSTEPS][2];
@@ -222,13 +241,13 @@ struct rf_pa_mma {
         sh.q16[g][d] = g < nh ? q[((rf_i64)s * num_q_heads + q0 + g) * D + d] : 0;
       }
     } else {
-      const int head = th.lane / 4, k0 = (th.lane % 4) * 2;
+      const int head = th.lane / 4;
       const typename E::storage* qrow = q + ((rf_i64)s * num_q_heads + q0 + head) * D;
 #pragma unroll
       for (int ks = 0; ks < KSTEPS; ++ks)
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
-          const int d = ks * 16 + half * 8 + k0;
+          const int d = ks * 16 + q_dim(th.lane, half);
           qb[ks][half] = head < nh ? (unsigned)qrow[d] | ((unsigned)qrow[d + 1] << 16) : 0u;
         }
     }
@@ -253,21 +272,40 @@ struct rf_pa_mma {
       float odd[4] = {0.f, 0.f, 0.f, 0.f};  // odd k-steps: two chains of dependent mma
       sc[mt][0] = sc[mt][1] = sc[mt][2] = sc[mt][3] = 0.f;
       const int row = warp * WROWS + mt * 16 + row_in % MROWS;
-#pragma unroll
-      for (int ks = 0; ks < KSTEPS; ++ks) {
-        unsigned a[4];
-        rf_ldmatrix_x4<false>(a, Tile::chunk(k_plane, row, ks * 2 + lane / 16));
-        unsigned b[2];
+      auto query = [&](int ks, unsigned (&b)[2]) {  // the k-step's Q^T fragment
         if constexpr (Q_IN_SMEM) {
-          const unsigned* qrow =
-              reinterpret_cast<const unsigned*>(&sh.q16[lane / 4][ks * 16 + (lane % 4) * 2]);
+          const unsigned* qrow = reinterpret_cast<const unsigned*>(
+              &sh.q16[lane / 4][ks * 16 + q_dim(lane, 0)]);
           b[0] = qrow[0];
-          b[1] = qrow[4];
+          b[1] = qrow[CODES ? 1 : 4];
         } else {
           b[0] = qb[ks][0];
           b[1] = qb[ks][1];
         }
-        rf_mma16816<E::TENSOR_KIND>(ks % 2 ? odd : sc[mt], a, b);
+      };
+      if constexpr (CODES) {
+#pragma unroll
+        for (int ks = 0; ks < KSTEPS; ks += 2) {
+          unsigned r[4];  // [rows 0-7, rows 8-15] x [k-step ks, ks + 1], 4 codes each
+          rf_ldmatrix_x4<false>(r, Tile::chunk(k_plane, row, ks + lane / 16));
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            const unsigned a[4] = {widen(r[2 * h], 0x1404u), widen(r[2 * h + 1], 0x1404u),
+                                   widen(r[2 * h], 0x3424u), widen(r[2 * h + 1], 0x3424u)};
+            unsigned b[2];
+            query(ks + h, b);
+            rf_mma16816<E::TENSOR_KIND>(h ? odd : sc[mt], a, b);
+          }
+        }
+      } else {
+#pragma unroll
+        for (int ks = 0; ks < KSTEPS; ++ks) {
+          unsigned a[4];
+          rf_ldmatrix_x4<false>(a, Tile::chunk(k_plane, row, ks * 2 + lane / 16));
+          unsigned b[2];
+          query(ks, b);
+          rf_mma16816<E::TENSOR_KIND>(ks % 2 ? odd : sc[mt], a, b);
+        }
       }
 #pragma unroll
       for (int e = 0; e < 4; ++e) sc[mt][e] += odd[e];
@@ -339,12 +377,27 @@ struct rf_pa_mma {
         const typename E::storage* p = sh.p16[head < G ? head : 0] + base + k;
         b[half] = ok ? (unsigned)p[0] | ((unsigned)p[1] << 16) : 0u;
       }
-      const int row = base + ((lane % 8) + 8 * (lane / 16)) % MROWS;
+      if constexpr (CODES) {
+        const int row = base + (lane % 8) + 8 * ((lane / 8) % 2);
 #pragma unroll
-      for (int dt = 0; dt < DTILES; ++dt) {
-        unsigned a[4];
-        rf_ldmatrix_x4<true>(a, Tile::chunk(v_plane, row, dt * 2 + (lane / 8) % 2));
-        rf_mma16816<E::TENSOR_KIND>(acc2[dt], a, b);
+        for (int dt = 0; dt < DTILES; dt += 2) {
+          unsigned r[4];  // [tokens 0-7, tokens 8-15] x [d-tile dt, dt + 1]
+          rf_ldmatrix_x4<true>(r, Tile::chunk(v_plane, row, dt + lane / 16));
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            const unsigned a[4] = {widen(r[2 * h], 0x2404u), widen(r[2 * h], 0x3414u),
+                                   widen(r[2 * h + 1], 0x2404u), widen(r[2 * h + 1], 0x3414u)};
+            rf_mma16816<E::TENSOR_KIND>(acc2[dt + h], a, b);
+          }
+        }
+      } else {
+        const int row = base + ((lane % 8) + 8 * (lane / 16)) % MROWS;
+#pragma unroll
+        for (int dt = 0; dt < DTILES; ++dt) {
+          unsigned a[4];
+          rf_ldmatrix_x4<true>(a, Tile::chunk(v_plane, row, dt * 2 + (lane / 8) % 2));
+          rf_mma16816<E::TENSOR_KIND>(acc2[dt], a, b);
+        }
       }
     }
   }
@@ -373,9 +426,10 @@ struct rf_pa_mma {
 #pragma unroll
       for (int dt = 0; dt < DTILES; ++dt)
 #pragma unroll
-        for (int r = 0; r < 2; ++r)
+        for (int r = 0; r < 2; ++r)  // row lane / 4 + 8 r of the d-tile (see above for codes)
           if (h < G)
-            rf_pa_put<ADD>(out_s[h][dt * 16 + th.lane / 4 + 8 * r],
+            rf_pa_put<ADD>(out_s[h][dt * 16 + (CODES ? 2 * (th.lane / 4) + r
+                                                     : th.lane / 4 + 8 * r)],
                            scale_w * acc2[dt][r * 2 + hh]);
     }
   }
@@ -410,6 +464,7 @@ struct rf_pa_matrix {
   static constexpr int R = 8;
 #endif
   static constexpr bool QUERIES_SHARED = WMMA;
+  static constexpr float UNIT = 1.f;
   static_assert(G <= 16, "one head per lane of a 16-column tile");
   struct Shared {
     alignas(16) S q16[WMMA ? 8 : 1][WMMA ? D + 8 : 2];  // WMMA's Q^T, rows padded by 16 bytes

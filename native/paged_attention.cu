@@ -17,8 +17,10 @@
 //
 // Pipeline. A CTA streams K and V through shared memory in tiles from one unit's piece to
 // the next without draining: the copies of the next piece's first tiles are in flight while
-// the last one is finished. NVIDIA: RF_PA_STAGES stages filled asynchronously (the bulk-copy
-// engine on sm_90, cp.async on sm_80). AMD: one stage, and the next tile in registers — each
+// the last one is finished. NVIDIA: RF_PA_STAGES stages filled asynchronously by 16-byte
+// cp.async copies (sm_80 and sm_90; RF_USE_BULK: sm_90's bulk-copy engine, one copy a row, for
+// A/B), an fp8 cache's codes as they are (widened in registers by the math, pa_math.h).
+// AMD: one stage, and the next tile in registers — each
 // lane loads its share of tile i + 1 from global memory before tile i is computed and
 // writes it to the stage once tile i is done. Each warp owns a fixed share of every tile's
 // rows: it copies them, scores them and accumulates their V with its own online softmax
@@ -64,7 +66,9 @@
 // NVIDIA, 8+ rows per warp.
 template <class E, int G, int TOKENS>
 struct rf_pa_matrix_path {
-#if defined(RF_HAVE_MMA)
+#if defined(RF_HAVE_MMA) && defined(RF_PA_MMA_ANY_G)  // tuning: tensor cores at any group
+  static constexpr bool value = E::TENSOR_KIND != 0 && TOKENS / RF_PA_WARPS >= 8;
+#elif defined(RF_HAVE_MMA)
   static constexpr bool value = E::TENSOR_KIND != 0 && G >= 4 && TOKENS / RF_PA_WARPS >= 8;
 #elif defined(RF_HAVE_MFMA) || defined(RF_HAVE_WMMA)
   static constexpr bool value = E::TENSOR_KIND != 0 && G >= 4;
@@ -86,9 +90,14 @@ struct rf_pa_matrix_path {
 // tests/test_amd_emulation.py checks that on the AMD kernels' traced accesses. AMD's matrix
 // path pads by 8 bytes instead, so the 16 rows of an MFMA/WMMA K read (8 bytes each) fall in
 // 16 distinct bank pairs (rows then only 8-byte aligned: two 8-byte accesses per chunk).
-template <class E, int D, int STAGE_BYTES, int G>
+//
+// S is what the stage holds: E (16-bit or f32 rows), or on NVIDIA an fp8 cache's codes as
+// they are in the cache (CODES: rows of D bytes, widened in registers by the math).
+template <class E, class S, int D, int STAGE_BYTES, int G>
 struct rf_pa_tile {
-  static constexpr int ROW_BYTES = D * (int)sizeof(typename E::storage);
+  typedef S stored;
+  static constexpr bool CODES = sizeof(typename S::storage) == 1;
+  static constexpr int ROW_BYTES = D * (int)sizeof(typename S::storage);
   static constexpr int TOKENS = STAGE_BYTES / 2 / ROW_BYTES;  // 4..128
   static constexpr int VPR = ROW_BYTES / 16;                        // 16-byte chunks per row
   static constexpr int TPT = RF_PA_THREADS / TOKENS;                // threads per token (QK)
@@ -102,7 +111,8 @@ struct rf_pa_tile {
   static constexpr int STRIDE = ROW_BYTES + PAD;  // bytes per padded row
   static constexpr int PLANE = TOKENS * STRIDE;   // bytes of K (or V) of one stage
   static constexpr bool ALIGNED = PAD % 16 == 0;  // every chunk 16-byte aligned
-  static_assert(ROW_BYTES % 128 == 0, "a row spans whole sets of the 32 banks");
+  static_assert(ROW_BYTES % 128 == 0 || (CODES && ROW_BYTES == 64),
+                "a row spans whole sets of the 32 banks (or half of them: codes of 64 dims)");
   RF_DEVICE static const char* row(const char* plane, int r) { return plane + r * STRIDE; }
   RF_DEVICE static const char* chunk(const char* plane, int r, int j) {
     return plane + r * STRIDE + 16 * j;
@@ -130,23 +140,31 @@ struct rf_pa_tile {
 // The stage of one instance, and the CTAs per multiprocessor its registers are fitted to. On
 // wave32 AMD targets a group of 8 heads halves it: the next tile, which waits in registers,
 // then takes 16 registers a lane instead of 32, and with eight heads' accumulators a 16 KiB
-// stage spilled on gfx1100 (to 128 bytes of scratch). NVIDIA's fp8 instances copy through
-// registers too (one stage, widened on the way in): half a stage keeps them within the
-// register budget (a full one spilled 8-264 bytes on sm_90), and 8 KiB of codes per tile and
-// CTA still keep enough bytes in flight. NVIDIA's narrow instances (128-byte rows of a 16-bit
-// cache, head_dim 64, and fewer than 8 heads) take half stages (64-token tiles, as at head_dim
-// 128) and five CTAs per SM instead of three: their per-tile work is a latency chain that
-// more warps hide (planning.attention_shared_bytes halves their stages the same way).
+// stage spilled on gfx1100 (to 128 bytes of scratch). NVIDIA's narrow instances (128-byte
+// rows of a 16-bit cache, head_dim 64, and fewer than 8 heads) take half stages (64-token
+// tiles, as at head_dim 128) and five CTAs per SM instead of three: their per-tile work is a
+// latency chain that more warps hide (planning.attention_shared_bytes halves their stages the
+// same way).
+//
+// NVIDIA's fp8 instances stage the codes as copied (CODES: the asynchronous pipeline of the
+// 16-bit instances, half the bytes a token) and widen them in registers; their stages hold
+// at most 128 tokens (one row a lane: 32 rows a warp), so head_dim 64 takes half a stage.
 template <class E, class C, int D, int G>
 struct rf_pa_stage {
   static constexpr bool FP8 = sizeof(typename C::storage) != sizeof(typename E::storage);
 #if defined(RF_AMD)
+  static constexpr bool CODES = false;
   static constexpr bool NARROW = false;
   static constexpr int BYTES = RF_WARP == 32 && G >= 8 ? RF_PA_STAGE_BYTES / 2 : RF_PA_STAGE_BYTES;
 #else
+  static constexpr bool CODES = FP8;
   static constexpr bool NARROW = !FP8 && D * sizeof(typename E::storage) == 128 && G < 8;
-  static constexpr int BYTES = FP8 || NARROW ? RF_PA_STAGE_BYTES / 2 : RF_PA_STAGE_BYTES;
+  static constexpr int CODE_BYTES = 2 * 128 * D < RF_PA_STAGE_BYTES ? 2 * 128 * D
+                                                                    : RF_PA_STAGE_BYTES;
+  static constexpr int BYTES = CODES ? CODE_BYTES
+                               : NARROW ? RF_PA_STAGE_BYTES / 2 : RF_PA_STAGE_BYTES;
 #endif
+  typedef typename rf_pa_pick<CODES, C, E>::type S;  // what the stage holds
   static constexpr int MIN_BLOCKS = NARROW ? RF_PA_NARROW_BLOCKS : RF_PA_MIN_BLOCKS;
 };
 
@@ -253,8 +271,8 @@ RF_DEVICE void combine_pieces(typename E::storage* __restrict__ out, const float
   }
 }
 
-// The register copy (AMD always; NVIDIA for fp8 caches, whose codes are widened on the way
-// into the stage): each lane moves N 16-byte chunks of the cache's K and N of its V per tile
+// The register copy (AMD; an fp8 cache's codes are widened on the way into the stage): each
+// lane moves N 16-byte chunks of the cache's K and N of its V per tile
 // (N = 4 for a 16-bit 16 KiB stage: 128 bytes in eight registers): chunk c of RPL consecutive
 // rows, SPAN chunks a row apart by a warp's width (SPAN = 1 while a row has at most a warp's
 // width of chunks; rows of f32 x 256 on wave32 take two passes). Lane l: c = l % (VPR / SPAN),
@@ -339,8 +357,8 @@ struct rf_pa_reg_copy {
   }
 };
 
-// E: the queries', outputs' and stage's element type; C: the cache's (E, or rf_e4m3, whose
-// codes the copy widens to E on their way into the stage: the math never sees them).
+// E: the queries' and outputs' element type; C: the cache's (E, or rf_e4m3: codes the AMD copy
+// widens to E on their way into the stage, NVIDIA's math in registers: rf_pa_stage::S).
 // `scale` multiplies the scores, `out_scale` the outputs of an fp8 cache (the host folds the
 // layer's K and V scales and the codes' factor into them; other caches ignore out_scale).
 template <class E, class C, int D, int G>
@@ -353,13 +371,13 @@ RF_DEVICE void paged_attention(
     int num_kv_heads, int max_blocks, int block_shift, float out_scale) {
   typedef rf_pa_stage<E, C, D, G> Stage;
   constexpr bool FP8 = Stage::FP8;
-  typedef rf_pa_tile<E, D, Stage::BYTES, G> Tile;
+  typedef rf_pa_tile<E, typename Stage::S, D, Stage::BYTES, G> Tile;
   typedef typename rf_pa_math<E, D, G, Tile>::type Math;
   typedef rf_pa_reg_copy<E, C, D, Tile> Copy;
 #if defined(RF_AMD)
   constexpr bool REG = true;  // the copy through registers, one stage
 #else
-  constexpr bool REG = FP8;
+  constexpr bool REG = false;
 #endif
   constexpr int T = Tile::TOKENS, VPR = Tile::VPR, WROWS = T / RF_PA_WARPS;
   constexpr int STAGES = REG ? 1 : RF_PA_STAGES;
@@ -380,7 +398,10 @@ RF_DEVICE void paged_attention(
   const int cta = (int)rf_bid_x();
   const int ratio = num_q_heads / num_kv_heads, chunks = (ratio + G - 1) / G;
   const int block_size = 1 << block_shift;
-  const float qscale = scale * RF_LOG2E;
+  // Math::UNIT: what the math's widened codes need to read as value / 256 (1 but for bf16
+  // on tensor cores: rf_e4m3::moved); it multiplies the scores and the outputs
+  const float qscale = scale * RF_LOG2E * Math::UNIT;
+  const float o_scale = out_scale * Math::UNIT;
   const int row0 = warp * WROWS;
 
   // The walks: each warp's walk of the pieces STAGES tiles ahead of the computation, and the
@@ -593,7 +614,9 @@ RF_DEVICE void paged_attention(
 #endif
       }
       const char* k_plane = stage_s + stage * 2 * Tile::PLANE;
+#if !defined(RF_PA_NO_MATH)  // tuning builds: the copy path alone (outputs meaningless)
       math.tile(k_plane, k_plane + Tile::PLANE, t0, end, qscale);
+#endif
 #if !defined(RF_AMD)
       if constexpr (!REG) {
         set_rows(stage, next_row);
@@ -654,7 +677,7 @@ RF_DEVICE void paged_attention(
       float o = 0.f;
 #pragma unroll
       for (int r = 0; r < REGIONS; ++r) o += out_s[r * G * D + i];
-      if constexpr (FP8) o *= out_scale;
+      if constexpr (FP8) o *= o_scale;
       if (pieces == 1) {
         const rf_i64 head = (rf_i64)piece.s * num_q_heads + q0 + g;
         out[head * D + d] = E::from_float(l > 0.f ? o / l : 0.f);
@@ -744,6 +767,8 @@ RF_DEVICE void paged_attention(
 #ifdef RF_PA_BENCH_ONLY  // tuning builds: just what the bench shapes use
 RF_PA_KERNEL(f16, rf_f16, rf_f16, 128, 4) RF_PA_KERNEL(f16, rf_f16, rf_f16, 128, 1)
 RF_PA_KERNEL(bf16, rf_bf16, rf_bf16, 128, 4) RF_PA_KERNEL(bf16, rf_bf16, rf_bf16, 128, 8)
+RF_PA_KERNEL(f16_e4m3, rf_f16, rf_e4m3, 128, 4) RF_PA_KERNEL(f16_e4m3, rf_f16, rf_e4m3, 128, 1)
+RF_PA_KERNEL(bf16_e4m3, rf_bf16, rf_e4m3, 128, 4) RF_PA_KERNEL(bf16_e4m3, rf_bf16, rf_e4m3, 128, 8)
 #else
 RF_PA_DTYPE(f16, rf_f16, rf_f16)
 RF_PA_DTYPE(bf16, rf_bf16, rf_bf16)

@@ -53,19 +53,24 @@ WRITE_PATCH = (0, 1, 2, 3)  # k_cache, v_cache, key, value
 NARROW_ROW_BYTES = 128
 
 
+#: Tokens an fp8 cache's stage holds at most (rf_pa_stage: one row a lane).
+CODE_STAGE_TOKENS = 128
+
+
 def attention_shared_bytes(backend: str, row_bytes: int, group: int, fp8: bool = False
                            ) -> int:
-    """Dynamic shared memory a launch of the attention kernel of ``group`` heads whose stage
-    rows (of the activation dtype) are ``row_bytes`` long passes: its stages, each holding
-    the K and V rows of a tile, every row padded (0 on hip: the stage is static there). An
-    fp8 cache's kernel keeps one stage of half the size (the next tile waits in registers,
-    widened on its way in); a narrow instance (rows of NARROW_ROW_BYTES, fewer than
-    GROUP_SIZES[-1] heads, a 16-bit cache) keeps its two stages at half the size."""
+    """Dynamic shared memory a launch of the attention kernel of ``group`` heads whose rows
+    of the activation dtype are ``row_bytes`` long passes: its stages, each holding the K and
+    V rows of a tile, every row padded (0 on hip: the stage is static there). An fp8 cache's
+    stages hold its codes (rows of ``row_bytes / 2``), at most CODE_STAGE_TOKENS of them; a
+    narrow instance (rows of NARROW_ROW_BYTES, fewer than GROUP_SIZES[-1] heads, a 16-bit
+    cache) keeps its two stages at half the size."""
     stages, stage_bytes, pad = ATTENTION_STAGES[backend]
     if stages == 0:
         return 0
-    if fp8:  # rf_pa_stage: one stage of half the size
-        stages, stage_bytes = 1, stage_bytes // 2
+    if fp8:  # rf_pa_stage: the codes as they are in the cache
+        row_bytes //= 2
+        stage_bytes = min(stage_bytes, 2 * CODE_STAGE_TOKENS * row_bytes)
     elif row_bytes == NARROW_ROW_BYTES and group < GROUP_SIZES[-1]:
         stage_bytes //= 2
     rows = stage_bytes // 2 // row_bytes

@@ -138,6 +138,16 @@ def test_narrow_instances_plan_half_stages():
         assert shared(narrow, group, True) == shared(narrow, 8, True)
 
 
+def test_fp8_instances_plan_two_stages_of_codes_at_most_128_tokens_each():
+    # rf_pa_stage: an fp8 cache's stages hold its codes (rows of head_dim bytes, padded by 16)
+    pad = planning.ATTENTION_STAGES["cuda"][2]
+    for head_dim, tokens in ((64, 128), (128, 128), (256, 64)):
+        want = 2 * tokens * 2 * (head_dim + pad)
+        for group in ops.GROUP_SIZES:
+            assert ops.attention_shared_bytes("cuda", 2 * head_dim, group, True) == want
+    assert ops.attention_shared_bytes("hip", 256, 4, True) == 0  # AMD: static LDS
+
+
 def test_each_cuda_attention_instance_fits_the_ctas_its_registers_are_fitted_to(gpu):
     if gpu.name != "cuda" or gpu.cached_properties(0).arch != "sm_90":
         pytest.skip("the CTAs per SM rf_pa_stage fits on sm_90's 228 KiB of shared memory")
