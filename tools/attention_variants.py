@@ -19,6 +19,12 @@ from rocmforge_raw import bench, module, planning
 from rocmforge_raw.runtime import get_backend
 
 
+def _at_most(shared_bytes, ctas: int):
+    """attention_shared_bytes raised so that at most ``ctas`` CTAs fit an SM of 228 KiB."""
+    floor = (228 // ctas - 14) << 10  # static shared memory and the reserve: < 14 KiB
+    return lambda *args: max(shared_bytes(*args), floor)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--iters", type=int, default=30)
@@ -26,7 +32,7 @@ def main() -> None:
     parser.add_argument("--shapes", nargs="*", default=[])
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     args = parser.parse_args()
-    known = {s.name: s for s in (*bench.SHAPES, *bench.sweep_shapes())}
+    known = {s.name: s for s in (*bench.SHAPES, *bench.FP8_SHAPES, *bench.sweep_shapes())}
     shapes = tuple(known[name] for name in args.shapes) or bench.SHAPES
     backend = get_backend("cuda")
     copy = bench.copy_bandwidth(backend, 0)
@@ -34,12 +40,16 @@ def main() -> None:
     print(f"copy bandwidth {copy:.0f} GB/s, read bandwidth {read:.0f} GB/s")
     results = []
     default_stages = planning.ATTENTION_STAGES["cuda"]
+    shared_bytes = planning.attention_shared_bytes
     for path in sorted(Path(".variants").glob("*.cubin")):
         module._loaded[("cuda", 0, "paged_attention")] = module.Module(path, 0, backend)
         planning.attention_kernel.cache_clear()
         stages = re.search(r"_s(\d+)x(\d+)$", path.stem)  # NAME_sSTAGESxBYTES
         planning.ATTENTION_STAGES["cuda"] = ((int(stages[1]), int(stages[2]), 16) if stages
                                              else default_stages)
+        ctas = re.search(r"_c(\d+)(?:_|$)", path.stem)  # NAME_cN: N CTAs per SM at most
+        planning.attention_shared_bytes = (
+            _at_most(shared_bytes, int(ctas[1])) if ctas else shared_bytes)
         for parts in [None, *args.partitions]:
             rows = bench.bench_attention(backend, 0, copy, args.iters, shapes,
                                          num_partitions=parts, read_gbs=read)
