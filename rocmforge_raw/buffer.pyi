@@ -11,6 +11,7 @@ from ._registry import memory_stats as memory_stats
 from ._registry import reset_peak as reset_peak
 from ._registry import track_stacks as track_stacks
 from .array import DeviceArray
+from .ipc import IpcHandle
 from .pool import MemoryPool
 from .runtime import Backend
 from .stream import Stream
@@ -27,7 +28,10 @@ class HipBuffer:
     _parent: HipBuffer | None
     def __init__(self, nbytes: int, device: int | None = None,
                  backend: str | Backend | None = None, *,
-                 pool: MemoryPool | None = None) -> None: ...
+                 pool: MemoryPool | None = None, shareable: bool = False) -> None: ...
+    def ipc_handle(self) -> IpcHandle: ...
+    @classmethod
+    def from_ipc(cls, handle: IpcHandle) -> HipBuffer: ...
     @classmethod
     def from_numpy(cls, array: Any, device: int | None = None,
                    backend: str | Backend | None = None, *,

@@ -27,7 +27,7 @@ from rocmforge_raw._registry cimport Registry
 from rocmforge_raw.runtime._alloc cimport Allocator
 
 from . import _registry as _registry_module
-from . import checks
+from . import checks, ipc
 from ._registry import Allocation, live_allocations, memory_stats, reset_peak, track_stacks
 from .errors import BufferClosedError, OutOfMemoryError
 from .pool import MemoryPool, StreamAllocator
@@ -60,9 +60,11 @@ def get_allocator():
 cdef class HipBuffer:
     """``nbytes`` of device memory, owned (root) or borrowed from a parent (view).
 
-    ``HipBuffer(nbytes, device=None, backend=None, *, pool=None)`` allocates through ``pool``,
-    the pool ``set_allocator`` installed for that backend and device, or the backend's raw
-    malloc. ``ptr`` is the device address as an ``int``; ``nbytes`` is fixed; ``device`` and
+    ``HipBuffer(nbytes, device=None, backend=None, *, pool=None, shareable=False)``
+    allocates through ``pool``, the pool ``set_allocator`` installed for that backend and
+    device, or the backend's raw malloc; ``shareable=True`` allocates memory that other
+    processes can map (``ipc_handle()``, ``from_ipc``; see ``rocmforge_raw.ipc``), never from a
+    pool. ``ptr`` is the device address as an ``int``; ``nbytes`` is fixed; ``device`` and
     ``backend`` say where the memory lives. Using a closed buffer, or a view of one, raises
     ``BufferClosedError``.
     """
@@ -77,7 +79,7 @@ cdef class HipBuffer:
     cdef object ref  # the registry's key while a root is open; None for views and once closed
     cdef object __weakref__
 
-    def __init__(self, nbytes, device=None, backend=None, *, pool=None):
+    def __init__(self, nbytes, device=None, backend=None, *, pool=None, shareable=False):
         if type(nbytes) is not int or nbytes < 0:
             nbytes = checks.size(nbytes, "nbytes")
         if device is not None and (type(device) is not int or device < 0):
@@ -85,8 +87,12 @@ cdef class HipBuffer:
         if pool is not None and not isinstance(pool, (MemoryPool, StreamAllocator)):
             raise TypeError(f"pool must be a MemoryPool (or its .on(stream)) or None, got "
                             f"{checks.show(pool)}")
+        if shareable is not False and checks.flag(shareable, "shareable") and pool is not None:
+            raise ValueError("pooled memory cannot be shared (the pool reuses it after "
+                             "close()): allocate with shareable=True and no pool")
         if pool is None:
-            if _default_pool is not None and _default_pool.serves(backend, device):
+            if (not shareable and _default_pool is not None
+                    and _default_pool.serves(backend, device)):
                 pool = _default_pool
         elif (backend is not None or device is not None) and not pool.serves(backend, device):
             raise ValueError(f"{pool!r} cannot allocate on backend {backend} device {device}")
@@ -101,7 +107,8 @@ cdef class HipBuffer:
             elif device >= self.backend.num_devices:
                 self.backend.resolve_device(device)  # raises, naming the device
             self.device = device
-            allocator = self.backend.allocator
+            allocator = ipc.shareable_allocator(self.backend) if shareable \
+                else self.backend.allocator
         if nbytes > _LARGE and nbytes > self.backend.capacity(self.device):
             free, total = self.backend.mem_info(self.device)
             raise OutOfMemoryError("HipBuffer", nbytes, free, total, 2,
@@ -191,6 +198,28 @@ cdef class HipBuffer:
     def __reduce__(self):
         raise TypeError("a HipBuffer owns its device memory and cannot be copied or pickled: "
                         "copy its bytes instead (to_numpy, from_numpy, copy_from)")
+
+    # --- sharing with other processes (rocmforge_raw.ipc) ----------------------------------
+    def ipc_handle(self) -> IpcHandle:
+        """A picklable handle that ``HipBuffer.from_ipc`` opens in another process of this
+        host. Only a root buffer allocated with ``shareable=True`` has one; while another
+        process maps it, ``close()`` here defers the free until the last mapping goes."""
+        return ipc.export_handle(self)
+
+    @classmethod
+    def from_ipc(cls, handle: IpcHandle) -> HipBuffer:
+        """Map another process's memory named by ``handle``: a root buffer whose ``close()``
+        (or garbage collection) unmaps it and never frees it. ``IpcError`` for a handle of
+        another host or of this process, or whose memory was freed or whose exporter exited."""
+        backend, addr, allocator = ipc.import_handle(handle)
+        cdef HipBuffer buf = cls.__new__(cls)
+        buf.backend, buf.device, buf.nbytes, buf.addr = backend, handle.device, handle.nbytes, addr
+        try:
+            buf.ref = _registry.add(buf, buf.nbytes, buf.device, allocator, addr)
+        except BaseException:
+            allocator.release(addr, buf.nbytes, buf.device)
+            raise
+        return buf
 
     @classmethod
     def from_numpy(cls, array: Any, device: int | None = None,

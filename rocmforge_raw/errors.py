@@ -63,3 +63,13 @@ class CacheFullError(RocmforgeError, MemoryError):
 
 class QueueFullError(RocmforgeError):
     """A Scheduler's waiting queue holds ``max_waiting`` requests: submit again later."""
+
+
+class IpcError(RocmforgeError, ValueError):
+    """Memory shared between processes cannot be mapped: a handle from another host or from
+    this very process, or one whose exporter has freed the memory or exited."""
+
+
+class TransferError(RocmforgeError):
+    """Bytes of a transfer between caches did not arrive (a transport or engine failure);
+    the receiving cache is as it was before the transfer."""

@@ -10,6 +10,11 @@ cdef class Allocator:
     cdef int free_ptr(self, uintptr_t ptr, size_t nbytes, int device) except -1
 
 
+cdef class HookAllocator(Allocator):
+    cdef object alloc_fn  # Python callables: see _alloc.pyx
+    cdef object free_fn
+
+
 cdef class BackendAllocator(Allocator):
     cdef readonly size_t fallbacks  # calls the C fast path left to the backend's Python method
     cdef bint fast_alloc(self, size_t nbytes, int device, uintptr_t* ptr) noexcept

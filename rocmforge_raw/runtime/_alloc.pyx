@@ -70,6 +70,32 @@ cdef class BackendAllocator(Allocator):
         return f"<{type(self).__name__} of {self.backend!r}>"
 
 
+cdef class HookAllocator(Allocator):
+    """Memory whose bookkeeping lives in Python (``rocmforge_raw.ipc``): ``alloc(nbytes,
+    device) -> ptr`` and ``free(ptr, nbytes, device)``; ``alloc`` None for memory this
+    process only maps (another process's, imported), which it can release but never make."""
+
+    def __init__(self, backend, alloc, free):
+        self.backend = backend
+        self.alloc_fn, self.free_fn = alloc, free
+
+    cdef uintptr_t alloc_ptr(self, size_t nbytes, int device) except 0:
+        if self.alloc_fn is None:
+            raise TypeError(f"{self!r} maps memory and cannot allocate")
+        return self.alloc_fn(nbytes, device)
+
+    cdef int free_ptr(self, uintptr_t ptr, size_t nbytes, int device) except -1:
+        self.free_fn(ptr, nbytes, device)
+        return 0
+
+    def release(self, ptr, nbytes, device):
+        """``free`` called from Python (a caller whose buffer never came to own the memory)."""
+        self.free_fn(ptr, nbytes, device)
+
+    def __repr__(self):
+        return f"<HookAllocator of {self.backend!r}: {self.free_fn!r}>"
+
+
 cdef class HostAllocator(BackendAllocator):
     """libc ``posix_memalign``/``free`` with the host backend's alignment, device 0 only."""
 

@@ -80,6 +80,35 @@ class Backend(ABC):
     @abstractmethod
     def memset(self, ptr: int, value: int, nbytes: int, stream: Any = None) -> None: ...
 
+    @abstractmethod
+    def memcpy_peer(self, dst: int, dst_device: int, src: int, src_device: int, nbytes: int,
+                    stream: Any = None) -> None:
+        """Copy between two devices of this backend (or within one), queued on ``stream``
+        (a stream of ``dst_device``); the runtime stages through host memory where the two
+        devices have no peer access."""
+
+    # memory shared with other processes (``rocmforge_raw.ipc`` holds the lifetime protocol)
+    def malloc_shareable(self, nbytes: int, device: int) -> int:
+        """``nbytes`` > 0 that ``ipc_handle`` can name for another process. GPU allocations
+        all are; the host backend makes a POSIX shared memory segment."""
+        return self.malloc(nbytes, device)
+
+    def free_shareable(self, ptr: int, nbytes: int, device: int) -> None:
+        """Free what ``malloc_shareable`` returned (no other process maps it any more)."""
+        self.free(ptr, device)
+
+    @abstractmethod
+    def ipc_handle(self, ptr: int, device: int) -> bytes:
+        """The bytes that name the shareable allocation at ``ptr`` in other processes
+        (hipIpcGetMemHandle/cuIpcGetMemHandle: 64 opaque bytes; host: a segment's name)."""
+    @abstractmethod
+    def ipc_open(self, handle: bytes, nbytes: int, device: int) -> int:
+        """Map the allocation of another process named by ``handle`` (at least ``nbytes``)
+        on ``device``; returns its address in this process."""
+    @abstractmethod
+    def ipc_close(self, ptr: int, nbytes: int, device: int) -> None:
+        """Unmap what ``ipc_open`` mapped at ``ptr``; the exporter's memory stays allocated."""
+
     # streams and events
     @abstractmethod
     def stream_create(self, device: int) -> Any: ...

@@ -6,6 +6,7 @@ Uses each device's primary context and makes it current in every thread that cal
 
 from __future__ import annotations
 
+import ctypes
 import threading
 from typing import Any
 
@@ -185,6 +186,36 @@ class CudaBackend(Backend):
             check("cuMemsetD8", cu.cuMemsetD8(ptr, value, nbytes))
         else:
             check("cuMemsetD8Async", cu.cuMemsetD8Async(ptr, value, nbytes, stream))
+
+    def memcpy_peer(self, dst: int, dst_device: int, src: int, src_device: int, nbytes: int,
+                    stream: Any = None) -> None:
+        dst_ctx, src_ctx = self._context(dst_device), self._context(src_device)
+        self._activate(dst_device)
+        if stream is None:
+            check("cuMemcpyPeer", cu.cuMemcpyPeer(dst, dst_ctx, src, src_ctx, nbytes))
+        else:
+            check("cuMemcpyPeerAsync",
+                  cu.cuMemcpyPeerAsync(dst, dst_ctx, src, src_ctx, nbytes, stream))
+
+    def ipc_handle(self, ptr: int, device: int) -> bytes:
+        self._activate(device)
+        handle = check("cuIpcGetMemHandle", cu.cuIpcGetMemHandle(ptr))
+        # opaque since cuda-bindings 13.4 (no .reserved): its 64 bytes read in place
+        return ctypes.string_at(handle.getPtr(), int(cu.CU_IPC_HANDLE_SIZE))
+
+    def ipc_open(self, handle: bytes, nbytes: int, device: int) -> int:
+        if len(handle) != int(cu.CU_IPC_HANDLE_SIZE):
+            raise ValueError(f"a CUDA IPC handle is {int(cu.CU_IPC_HANDLE_SIZE)} bytes, got "
+                             f"{len(handle)}")
+        self._activate(device)
+        native = cu.CUipcMemHandle()
+        ctypes.memmove(native.getPtr(), handle, len(handle))
+        flags = cu.CUipcMem_flags.CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS
+        return int(check("cuIpcOpenMemHandle", cu.cuIpcOpenMemHandle(native, flags)))
+
+    def ipc_close(self, ptr: int, nbytes: int, device: int) -> None:
+        self._activate(device)
+        check("cuIpcCloseMemHandle", cu.cuIpcCloseMemHandle(ptr))
 
     def stream_create(self, device: int) -> Any:
         self._activate(device)

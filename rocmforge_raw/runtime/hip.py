@@ -6,6 +6,7 @@ device current in the calling thread. Mirrors ``cuda.py`` call for call.
 
 from __future__ import annotations
 
+import ctypes
 import threading
 from typing import Any
 
@@ -169,6 +170,33 @@ class HipBackend(Backend):
             check("hipMemset", hip.hipMemset(ptr, value, nbytes))
         else:
             check("hipMemsetAsync", hip.hipMemsetAsync(ptr, value, nbytes, stream))
+
+    def memcpy_peer(self, dst: int, dst_device: int, src: int, src_device: int, nbytes: int,
+                    stream: Any = None) -> None:
+        self._activate(dst_device)
+        if stream is None:
+            check("hipMemcpyPeer", hip.hipMemcpyPeer(dst, dst_device, src, src_device, nbytes))
+        else:
+            check("hipMemcpyPeerAsync", hip.hipMemcpyPeerAsync(
+                dst, dst_device, src, src_device, nbytes, stream))
+
+    def ipc_handle(self, ptr: int, device: int) -> bytes:
+        self._activate(device)
+        handle = check("hipIpcGetMemHandle", hip.hipIpcGetMemHandle(ptr))
+        return ctypes.string_at(handle.as_c_void_p().value, handle.c_sizeof())
+
+    def ipc_open(self, handle: bytes, nbytes: int, device: int) -> int:
+        native = hip.hipIpcMemHandle_t()
+        if len(handle) != native.c_sizeof():
+            raise ValueError(f"a HIP IPC handle is {native.c_sizeof()} bytes, got {len(handle)}")
+        self._activate(device)
+        ctypes.memmove(native.as_c_void_p().value, handle, len(handle))
+        return int(check("hipIpcOpenMemHandle", hip.hipIpcOpenMemHandle(
+            native, hip.hipIpcMemLazyEnablePeerAccess)))
+
+    def ipc_close(self, ptr: int, nbytes: int, device: int) -> None:
+        self._activate(device)
+        check("hipIpcCloseMemHandle", hip.hipIpcCloseMemHandle(ptr))
 
     def stream_create(self, device: int) -> Any:
         self._activate(device)

@@ -3,18 +3,27 @@
 There is one device (0). Copies and memsets are synchronous libc calls, so streams and events
 are bookkeeping only: an event records the host clock when it is recorded. Kernels do not run
 here; the operations in ``ops`` use their NumPy implementation on this backend instead.
+
+Shareable memory is a POSIX shared memory segment (``shm_open``, space reserved with
+``posix_fallocate`` so a full ``/dev/shm`` is an error here, not a SIGBUS later, then
+``mmap``): its name is its IPC handle. The process that made a segment unlinks its name when
+it frees it, and at exit; mappings in other processes outlive the name.
 """
 
 from __future__ import annotations
 
+import atexit
 import itertools
+import mmap
 import os
 import platform
+import threading
 import time
 from typing import Any
 
 from cffi import FFI
 
+from .. import procs
 from ..errors import BackendUnavailableError, DeviceError, OutOfMemoryError
 from ._alloc import Allocator, HostAllocator
 from .base import Backend, DeviceProperties
@@ -25,8 +34,18 @@ _ffi.cdef("""
     void free(void *ptr);
     void *memcpy(void *dest, const void *src, size_t n);
     void *memset(void *s, int c, size_t n);
+    int shm_open(const char *name, int oflag, unsigned int mode);
+    int shm_unlink(const char *name);
+    void *mmap(void *addr, size_t length, int prot, int flags, int fd, long offset);
+    int munmap(void *addr, size_t length);
 """)
 _libc = _ffi.dlopen(None)
+try:  # glibc keeps shm_open in libc since 2.34, in librt before
+    _libc.shm_open  # noqa: B018
+    _librt = _libc
+except AttributeError:  # pragma: no cover - older glibc
+    _librt = _ffi.dlopen("librt.so.1")
+_MAP_FAILED = (1 << 64) - 1
 
 #: Allocations are aligned like device allocations, so views and typed arrays behave the same.
 ALIGNMENT = 256
@@ -52,6 +71,9 @@ class HostBackend(Backend):
 
     def __init__(self) -> None:
         self._ids = itertools.count(1)
+        self._segments: dict[int, tuple[bytes, int, int]] = {}  # ptr -> (name, bytes, pid)
+        self._segments_lock = threading.Lock()
+        atexit.register(self._unlink_segments)
 
     def _check_device(self, device: int) -> None:
         if device != 0:
@@ -97,6 +119,81 @@ class HostBackend(Backend):
     def make_allocator(self) -> Allocator:
         return HostAllocator(self, ALIGNMENT)
 
+    def malloc_shareable(self, nbytes: int, device: int) -> int:
+        self._check_device(device)
+        procs.sweep()
+        name = ("/" + procs.unique_name("seg")).encode()
+        fd = _librt.shm_open(name, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        if fd < 0:
+            code = _ffi.errno
+            raise DeviceError("shm_open", code, os.strerror(code), f"creating {name.decode()}")
+        try:
+            try:
+                os.posix_fallocate(fd, 0, nbytes)
+            except OSError as exc:
+                _librt.shm_unlink(name)
+                shm = os.statvfs(procs.SHM_DIR)
+                raise OutOfMemoryError("posix_fallocate", nbytes, shm.f_bavail * shm.f_frsize,
+                                       shm.f_blocks * shm.f_frsize, exc.errno,
+                                       f"/dev/shm: {exc.strerror}") from None
+            ptr = self._map(fd, nbytes, name)
+        finally:
+            os.close(fd)
+        with self._segments_lock:
+            self._segments[ptr] = (name, nbytes, os.getpid())
+        return ptr
+
+    def free_shareable(self, ptr: int, nbytes: int, device: int) -> None:
+        with self._segments_lock:
+            name, size, _ = self._segments.pop(ptr)
+        _librt.shm_unlink(name)
+        _libc.munmap(_void(ptr), size)
+
+    def ipc_handle(self, ptr: int, device: int) -> bytes:
+        self._check_device(device)
+        with self._segments_lock:
+            found = self._segments.get(ptr)
+        if found is None:
+            raise ValueError(f"host memory at {ptr:#x} is not a shared memory segment: "
+                             "allocate it shareable to share it")
+        return found[0]
+
+    def ipc_open(self, handle: bytes, nbytes: int, device: int) -> int:
+        self._check_device(device)
+        fd = _librt.shm_open(handle, os.O_RDWR, 0)
+        if fd < 0:
+            code = _ffi.errno
+            raise DeviceError("shm_open", code, os.strerror(code),
+                              f"opening {handle.decode(errors='replace')}")
+        try:
+            size = os.fstat(fd).st_size
+            if size < nbytes:
+                raise ValueError(f"shared memory segment {handle.decode()} holds {size} bytes, "
+                                 f"not the {nbytes} its handle says")
+            return self._map(fd, nbytes, handle)
+        finally:
+            os.close(fd)
+
+    def ipc_close(self, ptr: int, nbytes: int, device: int) -> None:
+        _libc.munmap(_void(ptr), nbytes)
+
+    @staticmethod
+    def _map(fd: int, nbytes: int, name: bytes) -> int:
+        ptr = int(_ffi.cast("uintptr_t", _libc.mmap(
+            _ffi.NULL, nbytes, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED, fd, 0)))
+        if ptr == _MAP_FAILED:
+            code = _ffi.errno
+            raise DeviceError("mmap", code, os.strerror(code), f"mapping {name.decode()}")
+        return ptr
+
+    def _unlink_segments(self) -> None:
+        """At exit: the names of this process's segments go (their memory goes with the
+        last mapping); a forked child leaves its parent's alone."""
+        with self._segments_lock:
+            for name, _, pid in self._segments.values():
+                if pid == os.getpid():
+                    _librt.shm_unlink(name)
+
     def host_alloc(self, nbytes: int, device: int) -> int:
         return self.malloc(nbytes, device)
 
@@ -108,6 +205,12 @@ class HostBackend(Backend):
 
     upload = memcpy_dtoh = memcpy_htod
     memcpy_dtod = memcpy_htod
+
+    def memcpy_peer(self, dst: int, dst_device: int, src: int, src_device: int, nbytes: int,
+                    stream: Any = None) -> None:
+        self._check_device(dst_device)
+        self._check_device(src_device)
+        _libc.memcpy(_void(dst), _void(src), nbytes)
 
     def memset(self, ptr: int, value: int, nbytes: int, stream: Any = None) -> None:
         _libc.memset(_void(ptr), value, nbytes)
