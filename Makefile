@@ -22,15 +22,16 @@ CORE_SRC := $(wildcard rocmforge_raw/*.pyx rocmforge_raw/*.pxd rocmforge_raw/run
                        rocmforge_raw/runtime/*.pxd)
 CORE_STAMP := build/core.stamp
 
-.PHONY: all demo test core kernels kernels-nvidia kernels-amd toolchain pyheaders venv bench \
+.PHONY: all demo test core kernels kernels-nvidia kernels-amd toolchain pyheaders transferlibs \
+        venv bench \
         soak lint mutate clean wheel wheel-check sanitize
 all: core kernels
 
 venv: $(PY)
-$(PY): pyproject.toml setup.py | pyheaders
+$(PY): pyproject.toml setup.py | pyheaders transferlibs
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[test,cuda,plot,dev]'
+	$(PY) -m pip install -q -e '.[test,cuda,plot,dev,transfer]'
 	touch $(PY)
 
 # Python's C headers, which the compiled core (Cython) builds against; installed when missing.
@@ -42,6 +43,15 @@ pyheaders:
 	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
 	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq \
 	    python3-dev build-essential >/dev/null; \
+	fi
+
+# The libraries Mooncake's Transfer Engine (the `transfer` extra) loads; installed when missing.
+transferlibs:
+	@if ! ldconfig -p | grep -q 'libibverbs.so.1 ' || ! ldconfig -p | grep -q 'libnuma.so.1 '; then \
+	  echo "installing libibverbs1 libnuma1 (Debian) for Mooncake's Transfer Engine ..."; \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq \
+	    libibverbs1 libnuma1 >/dev/null; \
 	fi
 
 # The compiled core (HipBuffer, registry, pool, allocators): rebuilt when a .pyx changes.

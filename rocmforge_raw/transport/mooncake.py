@@ -1,0 +1,135 @@
+"""MooncakeTransport: caches on other hosts (or processes), through Mooncake's Transfer Engine.
+
+Why Mooncake rather than NIXL: its PyPI wheels cover every backend of this package (a no-GPU
+build for the host backend and CI, CUDA 12/13 builds, a ROCm build for the hip backend,
+where NIXL publishes CUDA builds only), and its peer-to-peer handshake needs no metadata
+service: each engine listens on a port of its own and a reader names the peer by
+``host:port``. NIXL's agents (register memory, exchange metadata, post a read, poll) map on
+this same interface: a ``NixlTransport`` would be one more file beside this one.
+
+Each ``MooncakeTransport`` owns one engine (``initialize(host, "P2PHANDSHAKE", protocol,
+device)``; TCP by default, RDMA with ``protocol="rdma"`` and the NIC's name). ``publish``
+registers a buffer (a cache's slab, once, at the cache's start) and returns its endpoint
+(``host:port``, address, size); ``read`` registers the receiving buffer on first use, waits
+for the work queued on the receiving stream, then posts one batch of reads and returns when
+the engine says the bytes arrived. A registered buffer counts as an outside consumer of its
+memory (like a DLPack export): closing it while registered frees the memory only once
+``close()`` unregisters it, so the engine never reads or writes freed memory.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from .. import checks
+from ..buffer import HipBuffer
+from ..errors import BackendUnavailableError, TransferError
+from ..stream import Stream
+from .base import Transport, check_spans, wait
+
+#: What reaches each backend's memory: the package names of Mooncake's builds.
+_REACHES = {"host": lambda dist: True,
+            "cuda": lambda dist: not any(k in dist for k in ("non-cuda", "rocm", "npu", "musa")),
+            "hip": lambda dist: "rocm" in dist}
+
+
+@dataclass(frozen=True)
+class MooncakeEndpoint:
+    """A buffer registered with the engine listening at ``session`` (``host:port``)."""
+
+    session: str
+    address: int
+    nbytes: int
+
+
+def _engine_class() -> Any:
+    try:
+        from mooncake.engine import TransferEngine
+    except ImportError as exc:
+        raise BackendUnavailableError(
+            f"Mooncake's Transfer Engine cannot be loaded ({exc}): pip install "
+            "'rocmforge_raw[transfer]' (a GPU machine: mooncake-transfer-engine-cuda13 or "
+            "-rocm instead); it needs libibverbs.so.1 (Debian: libibverbs1)") from exc
+    return TransferEngine
+
+
+def _distribution() -> str:
+    """The installed build of Mooncake (its package name)."""
+    names = importlib.metadata.packages_distributions().get("mooncake", [])
+    return names[0] if names else "mooncake"
+
+
+class MooncakeTransport(Transport):
+    """One Transfer Engine listening on ``hostname`` (peer-to-peer handshake, no metadata
+    server); ``protocol`` ``tcp`` or ``rdma`` (then ``device_name``: the NICs, such as
+    ``mlx5_0``)."""
+
+    name = "mooncake"
+
+    def __init__(self, hostname: str = "127.0.0.1", protocol: str = "tcp",
+                 device_name: str = "") -> None:
+        for arg, value in (("hostname", hostname), ("protocol", protocol),
+                           ("device_name", device_name)):
+            if not isinstance(value, str):
+                raise TypeError(f"{arg} must be a str, got {checks.show(value)}")
+        self._engine = _engine_class()()
+        status = self._engine.initialize(hostname, "P2PHANDSHAKE", protocol, device_name)
+        if status != 0:
+            raise TransferError(f"Mooncake's engine did not start on {hostname} over "
+                                f"{protocol} (status {status}; its log says why)")
+        self.session = f"{hostname}:{self._engine.get_rpc_port()}"
+        self._registered: dict[int, tuple[HipBuffer, Any]] = {}  # ptr -> (buffer, end)
+
+    def _publish(self, buffer: HipBuffer) -> MooncakeEndpoint:
+        self._register(buffer)
+        return MooncakeEndpoint(self.session, buffer.ptr, buffer.nbytes)
+
+    def _register(self, buffer: HipBuffer) -> None:
+        """Register ``buffer`` with the engine once; it stays allocated until ``close()``."""
+        if self._engine is None:
+            raise TransferError("this MooncakeTransport was closed")
+        if buffer.ptr in self._registered:
+            return
+        dist = _distribution()
+        if not _REACHES.get(buffer.backend.name, lambda d: False)(dist):
+            raise TransferError(f"the installed {dist} cannot reach {buffer.backend.name} "
+                                "memory: install mooncake-transfer-engine-cuda13 (NVIDIA) or "
+                                "mooncake-transfer-engine-rocm (AMD)")
+        end = buffer._export()  # the memory outlives a close() while the engine may use it
+        status = self._engine.register_memory(buffer.ptr, buffer.nbytes)
+        if status != 0:
+            end()
+            raise TransferError(f"Mooncake's engine refused to register {buffer!r} "
+                                f"(status {status})")
+        self._registered[buffer.ptr] = (buffer, end)
+
+    def read(self, endpoint: Any, dst: HipBuffer, spans: np.ndarray,
+             stream: Stream | None = None) -> None:
+        if not isinstance(endpoint, MooncakeEndpoint):
+            raise TypeError(f"a mooncake endpoint is a MooncakeEndpoint, got "
+                            f"{checks.show(endpoint)}")
+        spans = check_spans(spans, endpoint.nbytes, dst)
+        self._register(dst.root)
+        if not spans.size:
+            return
+        wait(dst, stream)  # the engine writes outside the stream: after what it queued
+        status = self._engine.batch_transfer_sync_read(
+            endpoint.session, (dst.ptr + spans[:, 1]).tolist(),
+            (endpoint.address + spans[:, 0]).tolist(), spans[:, 2].tolist())
+        if status != 0:
+            raise TransferError(f"reading {int(spans[:, 2].sum())} bytes in {len(spans)} "
+                                f"spans from {endpoint.session} failed (status {status}; "
+                                "the engine's log says why)")
+
+    def close(self) -> None:
+        """Unregister every buffer (closed ones are freed now) and stop the engine."""
+        while self._registered:
+            ptr, (buffer, end) = self._registered.popitem()
+            self._engine.unregister_memory(ptr)
+            self._forget(buffer)
+            end()
+        self._engine = None  # the engine stops listening when it is destroyed

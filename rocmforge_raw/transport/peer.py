@@ -1,0 +1,63 @@
+"""PeerTransport: caches of one process, on one device or two (peer copies).
+
+The endpoint names the published slab within this process; a read copies each span with
+hipMemcpyPeerAsync / cuMemcpyPeerAsync on the receiving cache's stream (the runtime stages
+through host memory where the two devices have no peer access; on one device it is a plain
+device copy), then waits for the copies. An endpoint taken to another process is refused.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import weakref
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from .. import checks
+from ..buffer import HipBuffer
+from ..errors import BufferClosedError
+from ..stream import Stream
+from .base import Transport, check_spans, copy_spans
+
+_ids = itertools.count(1)
+_buffers: dict[int, weakref.ref[HipBuffer]] = {}
+
+
+@dataclass(frozen=True)
+class PeerEndpoint:
+    """A published buffer of process ``pid``, by its number there."""
+
+    pid: int
+    number: int
+
+
+class PeerTransport(Transport):
+    """Reads spans of a slab published in this same process."""
+
+    name = "peer"
+
+    def _publish(self, buffer: HipBuffer) -> PeerEndpoint:
+        number = next(_ids)
+        _buffers[number] = weakref.ref(buffer, lambda _, n=number: _buffers.pop(n, None))
+        return PeerEndpoint(os.getpid(), number)
+
+    def read(self, endpoint: Any, dst: HipBuffer, spans: np.ndarray,
+             stream: Stream | None = None) -> None:
+        if not isinstance(endpoint, PeerEndpoint):
+            raise TypeError(f"a peer endpoint is a PeerEndpoint, got {checks.show(endpoint)}")
+        if endpoint.pid != os.getpid():
+            raise ValueError(f"a peer endpoint names memory of process {endpoint.pid}, and "
+                             "peer copies stay in one process: use IpcTransport across "
+                             "processes")
+        ref = _buffers.get(endpoint.number)
+        src = None if ref is None else ref()
+        if src is None or src.closed:
+            raise BufferClosedError("the sender's slab was closed")
+        if src.backend is not dst.backend:
+            raise ValueError(f"the sender's slab is {src.backend.name} memory, the receiver's "
+                             f"{dst.backend.name}: peer copies stay within one backend")
+        spans = check_spans(spans, src.nbytes, dst)
+        copy_spans(dst, src.ptr, src.device, spans, stream)
