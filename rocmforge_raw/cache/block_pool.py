@@ -103,6 +103,16 @@ class BlockPool:
             self.hashes[block], self.index[digest] = digest, block
         self._evicted = []
 
+    def forget(self, ids: Any) -> None:
+        """Cached-free blocks among ``ids`` no longer hold what their hashes name (a failed
+        write reached them): their hashes leave the index and they join the free stack."""
+        for block in _ids(ids, "forget").tolist():
+            if block in self._cached:
+                del self._cached[block]
+                del self.index[self.hashes.pop(block)]
+                self._free[self._top] = block
+                self._top += 1
+
     def lookup(self, hashes: list[bytes]) -> list[int]:
         """The blocks holding the longest leading run of ``hashes`` (held or cached-free)."""
         found: list[int] = []

@@ -146,6 +146,21 @@ class CacheCore:
         self._rows.restore(rows)
         self.pool.restore(pool)
 
+    def _add_row(self, seq_id: Hashable, ids: np.ndarray, num_tokens: int, shared_last: bool,
+                 now: float) -> None:
+        """Give ``seq_id`` a row holding blocks ``ids`` (already taken from the pool) and
+        ``num_tokens`` tokens. A last block shared with another holder (a prefix hit) is
+        skipped by the step's write, as after fork."""
+        rows, bs, need = self._rows, self.config.block_size, len(ids)
+        row = rows.add(seq_id, need)
+        rows.tables[row, :need] = ids
+        rows.lens[row], rows.nblocks[row] = num_tokens, need
+        rows.last_block[row] = ids[-1]
+        rows.last_slot[row] = -1 if shared_last else int(ids[-1]) * bs + (num_tokens - 1) % bs
+        rows.created[row] = now
+        rows.touch(np.array([row]), now)
+        self._changed()
+
     def _release(self, seq_id: Hashable) -> int:
         released = self.pool.free(self._rows.release(seq_id))
         self._changed()

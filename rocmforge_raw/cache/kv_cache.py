@@ -37,7 +37,7 @@ from ..buffer import HipBuffer
 from ..errors import CacheFullError
 from ..runtime import get_backend
 from ..stream import Stream, stream_handle
-from . import prefix
+from . import prefix, transfer
 from .block_pool import BlockPool
 from .config import CacheConfig
 from .core import CacheCore, operation, repeated
@@ -61,12 +61,13 @@ class Reservation:
 class KvCache(CacheCore):
     """A paged KV cache on one device. ``strict=True`` raises ``CacheFullError`` where the
     default would preempt the least-recently-used running sequence. ``stream`` orders the
-    cache's device work (copy-on-write copies, uploads, kernels) unless a call names one."""
+    cache's device work (copy-on-write copies, uploads, kernels) unless a call names one.
+    ``shareable=True`` puts the slab in memory other processes can map (``IpcTransport``)."""
 
     def __init__(self, config: CacheConfig, device: int | None = None, backend: Any = None, *,
                  strict: bool = False, max_finished: int = 1024,
                  finished_ttl_s: float = 600.0, clock: Callable[[], float] = time.monotonic,
-                 stream: Stream | None = None) -> None:
+                 stream: Stream | None = None, shareable: bool = False) -> None:
         if not isinstance(config, CacheConfig):
             raise TypeError(f"config must be a CacheConfig, got {checks.show(config)}")
         strict = checks.flag(strict, "strict")
@@ -80,7 +81,9 @@ class KvCache(CacheCore):
         stream_handle(stream, "stream", backend, device)  # an open Stream of it, or None
         self.config, self.strict, self.clock, self.stream = config, strict, clock, stream
         self._lock = threading.RLock()
-        buf = HipBuffer(config.total_bytes, device, backend)  # checks size before allocating
+        shareable = checks.flag(shareable, "shareable")
+        # checks the size before allocating
+        buf = HipBuffer(config.total_bytes, device, backend, shareable=shareable)
         self.slab = DeviceArray(buf, config.dtype, config.slab_shape)
         buf.fill(0, stream=stream)  # unwritten slots read as zeros; copies never read garbage
         self.pool = BlockPool(config.num_blocks)
@@ -205,20 +208,11 @@ class KvCache(CacheCore):
         ids = self.pool.allocate(fresh)
         self.pool.register(ids[: len(hashes) - len(hits)], hashes[len(hits) :])
         ids = np.concatenate([np.array(hits, np.int32), ids])
-        rows, bs = self._rows, self.config.block_size
-        row = rows.add(seq_id, need)
-        rows.tables[row, :need] = ids
-        rows.lens[row], rows.nblocks[row] = num_tokens, need
-        rows.last_block[row] = ids[-1]
-        # a last block found in the cache is shared: the step's write skips it, as after fork
-        shared_last = len(hits) == need
-        rows.last_slot[row] = -1 if shared_last else int(ids[-1]) * bs + (num_tokens - 1) % bs
-        rows.created[row] = now
-        rows.touch(np.array([row]), now)
+        self._add_row(seq_id, ids, num_tokens, len(hits) == need, now)
         self.num_prefix_hits += len(hits)
         self.num_prefix_misses += len(hashes) - len(hits)
-        self._changed()
         positions = np.arange(num_tokens)
+        bs = self.config.block_size
         slots = ids[positions // bs].astype(np.int64) * bs + positions % bs
         return Reservation(slots, preempted, min(len(hits) * bs, num_tokens - 1))
 
@@ -317,6 +311,23 @@ class KvCache(CacheCore):
     def finished(self) -> dict[Hashable, tuple[float, int]]:
         """Recently finished ids → (finish time, tokens), bounded by count and age."""
         return self._finished.snapshot()
+
+    # --- moving sequences between caches (``transfer``) ---------------------------------------
+    @operation
+    def export_sequence(self, seq_id: Hashable) -> transfer.SequenceDescription:
+        """A picklable description of ``seq_id`` for another cache's ``import_sequence``
+        (after the K/V queued on the cache's stream are in memory). Keep the sequence, and
+        write nothing more into it, until that import returned."""
+        return transfer.export_sequence(self, seq_id)
+
+    @operation
+    def import_sequence(self, desc: transfer.SequenceDescription, transport: Any,
+                        seq_id: Hashable | None = None) -> transfer.Imported:
+        """Add the sequence ``desc`` describes (as ``seq_id``, default its id there), its
+        blocks read through ``transport`` (``rocmforge_raw.transport``) into fresh blocks,
+        but those whose prefix this cache holds already. Checks the layout before it
+        allocates; never preempts; if the bytes do not arrive, the cache is as before."""
+        return transfer.import_sequence(self, desc, transport, seq_id)
 
     # --- device work -------------------------------------------------------------------------
     def k_cache(self, layer: int) -> DeviceArray:
