@@ -1,0 +1,151 @@
+"""Memory shared between processes: handles, mapping in another process, and the lifetimes
+(DESIGN.md, IPC). Each test runs on the host backend (POSIX shared memory) and on each GPU
+backend that answers (hipIpc*/cuIpc*); the other process is a spawned worker (workers.py)."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import pickle
+
+import numpy as np
+import pytest
+from workers import export_and_wait, map_and_write, map_twice, share_once, spawned, try_map
+
+import rocmforge_raw as rf
+from rocmforge_raw import ipc, procs
+from rocmforge_raw.errors import IpcError
+
+
+def _shared(backend, values=1024):
+    buf = rf.HipBuffer(values * 4, backend=backend, shareable=True)
+    buf.copy_from_host(np.arange(values, dtype=np.int32))
+    return buf
+
+
+def _files():
+    return {n for n in os.listdir(procs.SHM_DIR) if n.startswith(f"{procs.PREFIX}{os.getpid()}-")}
+
+
+def test_a_handle_is_a_plain_picklable_value(backend):
+    with _shared(backend) as buf:
+        handle = buf.ipc_handle()
+        assert pickle.loads(pickle.dumps(handle)) == handle
+        assert (handle.backend, handle.device, handle.nbytes) == (backend.name, buf.device, 4096)
+        assert (handle.pid, handle.boot_id) == (os.getpid(), procs.boot_id())
+        assert buf.ipc_handle() == handle  # one export per allocation
+        assert handle.exporter_alive()
+
+
+def test_another_process_reads_and_writes_the_memory(backend):
+    with _shared(backend) as buf, spawned(map_and_write, buf.ipc_handle(), False) as worker:
+        assert worker.receive() == list(range(8))
+        assert worker.receive() == "closed"
+        assert buf.to_numpy(np.int32, 4).tolist() == [7, 7, 2, 3]
+        worker.send("exit")
+
+
+def test_a_process_maps_one_handle_once_however_often_it_imports_it(backend):
+    with _shared(backend) as buf, spawned(map_twice, buf.ipc_handle()) as worker:
+        (first, second), data, mappings = worker.receive()
+        assert first == second and mappings == 1 and data == [0, 1, 2, 3]
+        assert worker.receive() == 0
+
+
+def test_close_while_another_process_maps_it_defers_the_free(backend):
+    buf = _shared(backend)
+    with spawned(map_and_write, buf.ipc_handle(), True) as worker:
+        assert worker.receive() == list(range(8))
+        assert worker.receive() == "holding"
+        files = _files()
+        buf.close()
+        assert buf.closed
+        assert ipc.pending()["deferred_bytes"] == 4096
+        assert ipc.collect() == 0  # still mapped there
+        if backend.name == "host":
+            assert _files() == files  # the segment and its lease are still there
+        worker.send("exit")
+    assert ipc.collect() == 4096  # the importer unmapped: now it is freed
+    assert ipc.pending()["deferred"] == 0
+    assert not _files()
+
+
+def test_a_killed_importer_does_not_keep_the_memory(backend):
+    buf = _shared(backend)
+    with spawned(map_and_write, buf.ipc_handle(), True) as worker:
+        assert worker.receive() == list(range(8))
+        assert worker.receive() == "holding"
+        worker.kill()  # no unmapping, no unlocking: the kernel drops its lock
+        buf.close()
+    assert ipc.pending()["deferred"] == 0
+    assert not _files()
+
+
+def test_memory_its_exporter_freed_cannot_be_mapped(backend):
+    with _shared(backend) as buf:
+        handle = buf.ipc_handle()
+    with spawned(try_map, handle) as worker:
+        kind, message = worker.receive()
+    assert kind == "IpcError" and "gone" in message
+
+
+def test_a_handle_of_a_killed_exporter_is_refused_and_its_files_swept(backend):
+    with spawned(export_and_wait, backend.name) as worker:
+        handle = worker.receive()
+        worker.kill()
+    assert not handle.exporter_alive()
+    with pytest.raises(IpcError, match="has exited"):
+        rf.HipBuffer.from_ipc(handle)
+    with spawned(share_once, backend.name) as worker:  # a fresh process sweeps first
+        names = worker.receive()
+    assert not [n for n in names if n.startswith(f"{procs.PREFIX}{handle.pid}-")]
+
+
+def test_foreign_garbled_and_own_handles_get_clear_errors(backend):
+    with _shared(backend) as buf:
+        handle = buf.ipc_handle()
+        with pytest.raises(IpcError, match="exported by this process"):
+            rf.HipBuffer.from_ipc(handle)
+        with pytest.raises(IpcError, match="another host"):
+            rf.HipBuffer.from_ipc(dataclasses.replace(handle, boot_id="0" * 36))
+        with pytest.raises(TypeError, match="IpcHandle"):
+            rf.HipBuffer.from_ipc(handle.key)
+        with pytest.raises(rf.BackendUnavailableError, match="unknown backend"):
+            rf.HipBuffer.from_ipc(dataclasses.replace(handle, pid=1, backend="nope"))
+        garbled = dataclasses.replace(handle, lease=procs.PREFIX + "0-0-0.lease")
+        with spawned(try_map, garbled) as worker:
+            kind, message = worker.receive()
+        assert kind == "IpcError" and f"lease {garbled.lease} not found" in message
+
+
+def test_only_shareable_root_buffers_export(backend):
+    with rf.HipBuffer(64, backend=backend) as plain, \
+            pytest.raises(ValueError, match=r"not shareable: only memory allocated with"):
+        plain.ipc_handle()
+    pool = rf.MemoryPool(backend=backend)
+    with pytest.raises(ValueError, match="pooled memory cannot be shared"):
+        rf.HipBuffer(64, backend=backend, pool=pool, shareable=True)
+    with pytest.raises(TypeError, match="shareable"):
+        rf.HipBuffer(64, backend=backend, shareable="yes")
+    with rf.HipBuffer(64, backend=backend, shareable=True) as buf:
+        with pytest.raises(ValueError, match="a view cannot be exported"):
+            buf.view(0, 32).ipc_handle()
+        with rf.HipBuffer(0, backend=backend, shareable=True) as empty, \
+                pytest.raises(ValueError, match="0-byte"):
+            empty.ipc_handle()
+    with pytest.raises(rf.BufferClosedError):
+        buf.ipc_handle()
+    assert ipc.pending() == {"exported": 0, "deferred": 0, "deferred_bytes": 0, "imported": 0}
+
+
+def test_shareable_memory_is_counted_and_freed_like_any_buffer(backend):
+    before = rf.memory_stats()
+    buf = rf.HipBuffer(1 << 16, backend=backend, shareable=True)
+    assert rf.memory_stats()["live_bytes"] == before["live_bytes"] + (1 << 16)
+    if backend.name == "host":
+        assert not buf.to_numpy().any()  # a fresh segment reads as zeros
+    buf.ipc_handle()
+    del buf  # the finalizer frees it (no importer)
+    assert rf.memory_stats()["live_bytes"] == before["live_bytes"]
+    assert ipc.pending()["exported"] == 0
+    assert not _files()

@@ -1,0 +1,302 @@
+"""Sequences moving between KV caches (``export_sequence``/``import_sequence``) through each
+transport: peer copies within a process, IPC between processes, Mooncake's Transfer Engine
+(TCP on loopback) between processes. A decode side attends over the blocks it received and
+must equal the reference computed from the K/V the prefill side wrote."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import pickle
+
+import numpy as np
+import pytest
+from test_atomicity import cache_state
+from workers import kv, prefill, spawned
+
+import rocmforge_raw as rf
+from rocmforge_raw import reference
+from rocmforge_raw.array import DeviceArray
+from rocmforge_raw.cache import CacheConfig, CacheFullError, KvCache
+from rocmforge_raw.cache.transfer import block_spans
+from rocmforge_raw.errors import TransferError
+from rocmforge_raw.transport import MooncakeTransport, PeerEndpoint, PeerTransport
+
+CONFIG = dict(num_layers=2, num_kv_heads=2, head_dim=64, block_size=16, num_q_heads=4)
+FP8 = dict(dtype="float8_e4m3fn", activation_dtype="float16", kv_scales=[(0.02, 0.03)] * 2)
+
+
+def config(num_blocks=32, **changes):
+    return CacheConfig(**{**CONFIG, "num_blocks": num_blocks, **changes})
+
+
+def write_prompt(cache, seq_id, tokens, seed):
+    """Prefill: the K/V of ``kv(seed + layer)`` written at the prompt's slots, each layer."""
+    slots = cache.add_sequence(seq_id, tokens=tokens).slot_mapping
+    backend = cache.slab.backend
+    for layer in range(cache.config.num_layers):
+        k, v = (DeviceArray.from_numpy(x, backend=backend)
+                for x in kv(seed + layer, len(tokens), cache.config))
+        cache.write(layer, k, v, slots)
+        k.buffer.close()
+        v.buffer.close()
+
+
+def decode_and_check(cache, seq_id, num_tokens, seed):
+    """One decode step of ``seq_id`` on ``cache`` (a new token, then attention in every
+    layer), each layer's output checked against the reference over the prompt's K/V (from
+    ``kv``) and the new token's."""
+    c, backend, rng = cache.config, cache.slab.backend, np.random.default_rng(seed + 99)
+    new = rng.standard_normal((1, c.num_kv_heads, c.head_dim), np.float32)
+    new = new.astype(c.activation_dtype)
+    q = rng.standard_normal((1, c.num_q_heads, c.head_dim), np.float32).astype(
+        c.activation_dtype)
+    dq, dnew = (DeviceArray.from_numpy(x, backend=backend) for x in (q, new))
+    out = DeviceArray.empty(q.shape, c.activation_dtype, backend=backend)
+    cache.append([seq_id])
+    plan = cache.batch([seq_id])
+    for layer in range(c.num_layers):
+        cache.write(layer, dnew, dnew, plan)
+        cache.attention(layer, out, dq, plan)
+        k, v = (np.concatenate([x, new]) for x in kv(seed + layer, num_tokens, c))
+        want = _reference(q, k, v, c, layer)
+        got = out.to_numpy().astype(np.float64)
+        assert np.linalg.norm(got - want) / np.linalg.norm(want) < 1e-2, layer
+    for array in (dq, dnew, out):
+        array.buffer.close()
+
+
+def _reference(q, k, v, c, layer):
+    """Attention over tokens ``k``/``v`` ([tokens, heads, dim]), as one sequence of blocks."""
+    blocks = -(-len(k) // c.block_size)
+    k_scale, v_scale = c.kv_scales[layer]
+
+    def paged(x, scale):
+        x = np.concatenate([x, np.zeros((blocks * c.block_size - len(x), *x.shape[1:]),
+                                        x.dtype)])
+        if c.is_fp8:
+            x = reference.quantize(x, scale, c.dtype)
+        return x.reshape(blocks, c.block_size, c.num_kv_heads, c.head_dim).transpose(0, 2, 1, 3)
+
+    return reference.paged_attention(
+        q, paged(k, k_scale), paged(v, v_scale), np.arange(blocks)[None].astype(np.int32),
+        np.array([len(k)], np.int32), 1 / math.sqrt(c.head_dim), np.float64, k_scale, v_scale)
+
+
+def test_block_spans_copy_each_block_to_its_place_in_every_plane(rng):
+    src_cfg, dst_cfg = config(num_blocks=12), config(num_blocks=9)
+    src = rng.integers(0, 255, (2, 2, 12, 2, 16, 64)).astype(np.float16)
+    dst = np.zeros((2, 2, 9, 2, 16, 64), np.float16)
+    src_ids, dst_ids = np.array([3, 4, 5, 9, 10, 2]), np.array([1, 2, 3, 4, 7, 8])
+    spans = block_spans(src_ids, dst_ids, 12, dst_cfg)
+    assert len(spans) == 4 * 4  # runs 3-5/1-3, 9/4, 10/7 (dst breaks), 2-8: 4 runs x 4 planes
+    src_bytes, dst_bytes = src.reshape(-1).view(np.uint8), dst.reshape(-1).view(np.uint8)
+    for s, d, n in spans:
+        dst_bytes[d : d + n] = src_bytes[s : s + n]
+    assert np.array_equal(dst[:, :, dst_ids], src[:, :, src_ids])
+    assert not dst[:, :, [0, 5, 6]].any()
+    assert src_cfg.block_bytes == dst_cfg.block_bytes == spans[:, 2].sum() // 6
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["float16", "fp8"])
+def test_a_sequence_moves_between_caches_and_decodes_like_the_reference(backend, fp8):
+    extra = FP8 if fp8 else {}
+    with KvCache(config(**extra), backend=backend) as src, \
+            KvCache(config(num_blocks=20, **extra), backend=backend) as dst, \
+            PeerTransport() as link:
+        link.publish(src.slab)
+        src.add_sequence("other", num_tokens=40)  # the blocks' ids differ on the two sides
+        write_prompt(src, "prompt", np.arange(70), seed=5)
+        dst.add_sequence("resident", num_tokens=17)
+        desc = src.export_sequence("prompt")
+        assert pickle.loads(pickle.dumps(desc)) == desc
+        assert (desc.num_tokens, len(desc.block_ids), len(desc.prefix_hashes)) == (70, 5, 4)
+        done = dst.import_sequence(desc, link)
+        assert (done.blocks_moved, done.blocks_shared) == (5, 0)
+        assert done.nbytes == 5 * src.config.block_bytes
+        assert dst.seq_len("prompt") == 70 and "resident" in dst
+        dst.check_invariants()
+        decode_and_check(dst, "prompt", 70, seed=5)
+        decode_and_check(src, "prompt", 70, seed=5)  # both caches decode on alike
+
+
+def test_prefix_blocks_the_receiver_holds_are_shared_not_moved(backend):
+    with KvCache(config(), backend=backend) as src, KvCache(config(), backend=backend) as dst, \
+            PeerTransport() as link:
+        link.publish(src.slab)
+        write_prompt(src, "a", np.arange(50), seed=1)
+        dst.import_sequence(src.export_sequence("a"), link)
+        write_prompt(src, "b", np.concatenate([np.arange(32), [7] * 30]), seed=1)
+        done = dst.import_sequence(src.export_sequence("b"), link)
+        assert (done.blocks_shared, done.blocks_moved) == (2, 2)  # 32 shared tokens: 2 blocks
+        assert list(dst.block_ids("b")[:2]) == list(dst.block_ids("a")[:2])
+        dst.check_invariants()
+        assert dst.stats()["used_blocks"] == 4 + 2
+
+
+@pytest.mark.parametrize("change", [dict(block_size=32), dict(num_kv_heads=4),
+                                    dict(dtype="bfloat16"), dict(num_layers=3),
+                                    dict(FP8, kv_scales=[(0.02, 0.5)] * 2)],
+                         ids=["block_size", "heads", "dtype", "layers", "scales"])
+def test_a_layout_mismatch_is_refused_before_anything_is_allocated(change):
+    base = FP8 if "kv_scales" in change else {}
+    with KvCache(config(**base)) as src, KvCache(config(**change)) as dst, \
+            PeerTransport() as link:
+        link.publish(src.slab)
+        write_prompt(src, "s", np.arange(20), seed=0)
+        before = cache_state(dst)
+        field = next(iter(change)) if "kv_scales" not in change else "kv_scales"
+        with pytest.raises(ValueError, match=f"another layout: {field} "):
+            dst.import_sequence(src.export_sequence("s"), link)
+        assert cache_state(dst) == before
+
+
+def test_altered_or_inconsistent_descriptions_are_refused():
+    with KvCache(config()) as src, KvCache(config()) as dst, PeerTransport() as link:
+        link.publish(src.slab)
+        write_prompt(src, "s", np.arange(40), seed=0)
+        desc = src.export_sequence("s")
+        before = cache_state(dst)
+        bad = [(dataclasses.replace(desc, fingerprint="0" * 32), "was altered"),
+               (dataclasses.replace(desc, num_tokens=70), "3 blocks cannot hold 70 tokens"),
+               (dataclasses.replace(desc, block_ids=(1, 2, 40)), r"leave 1\.\.31"),
+               (dataclasses.replace(desc, prefix_hashes=(b"x",)), "hashes of 16 bytes"),
+               (dataclasses.replace(desc, endpoints={}), "published through no transport")]
+        for wrong, message in bad:
+            with pytest.raises(ValueError, match=message):
+                dst.import_sequence(wrong, link)
+        with pytest.raises(TypeError, match="SequenceDescription"):
+            dst.import_sequence(dict(desc.__dict__), link)
+        with pytest.raises(TypeError, match="Transport"):
+            dst.import_sequence(desc, "peer")
+        assert cache_state(dst) == before
+        dst.add_sequence("s", num_tokens=1)
+        before = cache_state(dst)
+        with pytest.raises(ValueError, match="already exists"):
+            dst.import_sequence(desc, link)
+        assert cache_state(dst) == before
+
+
+def test_an_import_never_preempts(backend):
+    with KvCache(config(), backend=backend) as src, \
+            KvCache(config(num_blocks=6), backend=backend) as dst, PeerTransport() as link:
+        link.publish(src.slab)
+        write_prompt(src, "s", np.arange(50), seed=0)  # 4 blocks
+        dst.add_sequence("resident", num_tokens=30)  # 2 of 5 blocks
+        before = cache_state(dst)
+        with pytest.raises(CacheFullError, match="needs 4 blocks but 3 are free"):
+            dst.import_sequence(src.export_sequence("s"), link)
+        assert cache_state(dst) == before
+
+
+def test_a_read_that_fails_leaves_the_cache_exactly_as_before(backend):
+    with KvCache(config(), backend=backend) as dst, PeerTransport() as link:
+        with KvCache(config(), backend=backend) as src:
+            link.publish(src.slab)
+            write_prompt(src, "s", np.arange(50), seed=0)
+            desc = src.export_sequence("s")
+        write_prompt(dst, "resident", np.arange(20), seed=3)
+        before = cache_state(dst)
+        with pytest.raises(rf.BufferClosedError, match="slab was closed"):
+            dst.import_sequence(desc, link)
+        assert cache_state(dst) == before
+
+
+def test_a_read_that_fails_forgets_the_prefix_blocks_it_may_have_written(backend):
+    with KvCache(config(), backend=backend) as dst, PeerTransport() as link:
+        with KvCache(config(), backend=backend) as src:
+            link.publish(src.slab)
+            write_prompt(src, "s", np.arange(20), seed=0)
+            desc = src.export_sequence("s")
+        write_prompt(dst, "old", np.arange(100, 100 + 16 * 30), seed=3)  # 30 blocks
+        dst.finish("old")  # cached-free prefix blocks; the free stack holds one block
+        before = cache_state(dst)
+        with pytest.raises(rf.BufferClosedError):
+            dst.import_sequence(desc, link)  # 2 blocks: one of them a cached prefix block
+        after = cache_state(dst)
+        assert len(after["cached"]) == len(before["cached"]) - 1
+        gone = set(before["cached"]) - set(after["cached"])
+        assert gone and gone <= set(after["free"])
+        assert not gone & {block for block, _ in after["index"]}
+        dst.check_invariants()
+
+
+def test_a_peer_endpoint_stays_in_its_process():
+    with KvCache(config()) as dst, PeerTransport() as link:
+        spans = np.zeros((0, 3), np.int64)
+        with pytest.raises(ValueError, match="stay in one process"):
+            link.read(PeerEndpoint(pid=1, number=1), dst.slab.buffer, spans)
+
+
+@pytest.mark.parametrize("transport", ["ipc", "mooncake"])
+def test_a_prefill_process_hands_a_sequence_to_a_decode_process(backend, transport):
+    """Prefill in a spawned process, decode here: the transferred blocks attend like the
+    reference, and the prefill side frees them once told the import is done."""
+    if transport == "mooncake":
+        link = _mooncake_or_skip(backend)
+    else:
+        from rocmforge_raw.transport import IpcTransport
+
+        link = IpcTransport()
+    cfg = config(dtype="bfloat16")
+    with link, KvCache(cfg, backend=backend) as cache, \
+            spawned(prefill, backend.name, transport, cfg, 90, 11) as worker:
+        desc = worker.receive()
+        assert desc.block_ids[0] == 4  # after the prefill side's 3 warm-up blocks
+        done = cache.import_sequence(desc, link)
+        assert done.blocks_moved == 6 and done.nbytes == 6 * cfg.block_bytes
+        worker.send("done")
+        assert worker.receive() == 3  # the sender's blocks went back
+        decode_and_check(cache, "prompt", 90, seed=11)
+        cache.check_invariants()
+
+
+def _mooncake_or_skip(backend):
+    """A Mooncake transport on loopback, or a skip naming why (the engine's wheel absent, or
+    a build that cannot reach this backend's memory)."""
+    try:
+        link = MooncakeTransport("127.0.0.1")
+    except rf.BackendUnavailableError as exc:
+        pytest.skip(str(exc))
+    with rf.HipBuffer(64, backend=backend) as probe:
+        try:
+            link.publish(probe)
+        except TransferError as exc:
+            link.close()
+            pytest.skip(str(exc))
+    return link
+
+
+def test_a_mooncake_read_that_fails_half_way_leaves_the_receiver_as_before(backend):
+    """A real engine failure: the description asks for a block past what the sender
+    registered, so the engine refuses that span after the others may have arrived."""
+    sender = _mooncake_or_skip(backend)
+    with sender, MooncakeTransport("127.0.0.1") as receiver, \
+            KvCache(config(num_blocks=8), backend=backend) as src, \
+            KvCache(config(), backend=backend) as dst:
+        endpoint = sender.publish(src.slab)
+        write_prompt(src, "s", np.arange(40), seed=0)
+        desc = src.export_sequence("s")
+        grown = dataclasses.replace(endpoint, nbytes=endpoint.nbytes * 2)
+        bad = dataclasses.replace(desc, block_ids=(1, 2, 12), num_blocks=16,
+                                  endpoints={"mooncake": grown})
+        write_prompt(dst, "resident", np.arange(100, 120), seed=3)
+        before = cache_state(dst)
+        with pytest.raises(TransferError, match="failed"):
+            dst.import_sequence(bad, receiver)
+        assert {k: v for k, v in cache_state(dst).items() if k != "slab"} == \
+            {k: v for k, v in before.items() if k != "slab"}
+        dst.check_invariants()
+
+
+def test_a_slab_registered_with_the_engine_outlives_its_cache_until_the_engine_closes(backend):
+    live = rf.memory_stats()["live_buffers"]
+    link = _mooncake_or_skip(backend)  # its probe buffer stays registered too
+    cache = KvCache(config(), backend=backend)
+    link.publish(cache.slab)
+    cache.close()
+    assert cache.closed
+    assert rf.memory_stats()["live_buffers"] == live + 2  # the engine may still read them
+    link.close()
+    assert rf.memory_stats()["live_buffers"] == live
+    assert rf.transport.published(cache.slab.buffer) == {}

@@ -1,0 +1,163 @@
+"""Processes that the IPC and transfer tests start: each a fresh interpreter (spawned), bounded
+in time, stopped at the end, reporting through a pipe (an exception as its traceback)."""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing as mp
+import os
+import traceback
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+
+#: Seconds any exchange with a worker may take before the test fails (never hangs).
+TIMEOUT = 120.0
+
+
+class Worker:
+    """A spawned process and the parent's end of its pipe."""
+
+    def __init__(self, process: Any, conn: Any) -> None:
+        self.process, self.conn = process, conn
+
+    def send(self, message: Any) -> None:
+        self.conn.send(message)
+
+    def receive(self) -> Any:
+        """The worker's next message; the test fails if it raised or sent nothing in time."""
+        if not self.conn.poll(TIMEOUT):
+            raise TimeoutError(f"the worker sent nothing in {TIMEOUT} s")
+        message = self.conn.recv()
+        if isinstance(message, tuple) and message[:1] == ("error",):
+            raise AssertionError(f"the worker failed:\n{message[1]}")
+        return message
+
+    def kill(self) -> None:
+        """SIGKILL the worker (it cannot clean up anything) and wait for its end."""
+        self.process.kill()
+        self.process.join()
+
+
+@contextlib.contextmanager
+def spawned(target: Any, *args: Any) -> Iterator[Worker]:
+    """Run ``target(*args, conn)`` in a spawned process. On leaving, the process gets
+    ``TIMEOUT`` seconds to end, then is killed."""
+    ctx = mp.get_context("spawn")
+    conn, child_conn = ctx.Pipe()
+    process = ctx.Process(target=_guarded, args=(target, args, child_conn), daemon=True)
+    process.start()
+    try:
+        yield Worker(process, conn)
+    finally:
+        process.join(TIMEOUT)
+        if process.is_alive():
+            process.kill()
+            process.join()
+        conn.close()
+
+
+def _guarded(target: Any, args: tuple, conn: Any) -> None:
+    try:
+        target(*args, conn)
+    except BaseException:
+        conn.send(("error", traceback.format_exc()))
+        raise
+
+
+# --- IPC ---------------------------------------------------------------------------------------
+def map_and_write(handle: Any, hold: bool, conn: Any) -> None:
+    """Map ``handle``, send its first 8 int32, write 7, 7 at its start; unless ``hold``, close
+    it; send "closed" or "holding", then wait for "exit"."""
+    from rocmforge_raw import HipBuffer
+
+    buf = HipBuffer.from_ipc(handle)
+    conn.send(buf.to_numpy(np.int32, 8).tolist())
+    buf.copy_from_host(np.array([7, 7], np.int32))
+    buf.backend.synchronize(buf.device)
+    if not hold:
+        buf.close()
+    conn.send("holding" if hold else "closed")
+    if conn.poll(TIMEOUT):
+        conn.recv()
+    buf.close()
+
+
+def map_twice(handle: Any, conn: Any) -> None:
+    """Import ``handle`` twice: send both addresses, then the data seen through the second
+    after the first closed, and the count of mappings."""
+    from rocmforge_raw import HipBuffer, ipc
+
+    first, second = HipBuffer.from_ipc(handle), HipBuffer.from_ipc(handle)
+    addresses = (first.ptr, second.ptr)
+    first.close()
+    conn.send((addresses, second.to_numpy(np.int32, 4).tolist(), ipc.pending()["imported"]))
+    second.close()
+    conn.send(ipc.pending()["imported"])
+
+
+def try_map(handle: Any, conn: Any) -> None:
+    """Try to import ``handle``; send the error's type name and message (or "mapped")."""
+    from rocmforge_raw import HipBuffer
+
+    try:
+        HipBuffer.from_ipc(handle).close()
+        conn.send(("mapped", ""))
+    except Exception as exc:
+        conn.send((type(exc).__name__, str(exc)))
+
+
+def export_and_wait(backend: str, conn: Any) -> None:
+    """Export a shareable buffer holding 0..1023 (int32), send its handle, wait to be killed."""
+    from rocmforge_raw import HipBuffer
+
+    buf = HipBuffer(4096, backend=backend, shareable=True)
+    buf.copy_from_host(np.arange(1024, dtype=np.int32))
+    conn.send(buf.ipc_handle())
+    conn.poll(TIMEOUT)
+
+
+def share_once(backend: str, conn: Any) -> None:
+    """Allocate a shareable buffer (which sweeps what dead processes left) and send the
+    names of this package's files in /dev/shm."""
+    from rocmforge_raw import HipBuffer, procs
+
+    with HipBuffer(64, backend=backend, shareable=True):
+        conn.send(sorted(n for n in os.listdir(procs.SHM_DIR) if n.startswith(procs.PREFIX)))
+
+
+# --- sequence transfer -------------------------------------------------------------------------
+def kv(seed: int, num_tokens: int, config: Any) -> tuple[np.ndarray, np.ndarray]:
+    """K and V of ``num_tokens`` tokens (``[tokens, kv heads, head dim]``, the activation
+    dtype), the same for the same seed in any process."""
+    rng = np.random.default_rng(seed)
+    shape = (num_tokens, config.num_kv_heads, config.head_dim)
+    return tuple(rng.standard_normal(shape, np.float32).astype(config.activation_dtype)
+                 for _ in range(2))
+
+
+def prefill(backend: str, transport: str, config: Any, num_tokens: int, seed: int,
+            conn: Any) -> None:
+    """The prefill side: a cache whose slab is published through ``transport``, a prompt
+    written layer by layer (K/V from ``kv(seed + layer)``), its description sent; then it
+    waits for "done" to finish the sequence, close the cache and stop the transport."""
+    from rocmforge_raw import DeviceArray
+    from rocmforge_raw.cache import KvCache
+    from rocmforge_raw.transport import IpcTransport, MooncakeTransport
+
+    link = IpcTransport() if transport == "ipc" else MooncakeTransport("127.0.0.1")
+    with link, KvCache(config, backend=backend, shareable=transport == "ipc") as cache:
+        link.publish(cache.slab)
+        cache.add_sequence("warm-up", num_tokens=3 * config.block_size)  # blocks differ
+        slots = cache.add_sequence("prompt", tokens=np.arange(num_tokens)).slot_mapping
+        for layer in range(config.num_layers):
+            k, v = (DeviceArray.from_numpy(x, backend=backend)
+                    for x in kv(seed + layer, num_tokens, config))
+            cache.write(layer, k, v, slots)
+            k.buffer.close()
+            v.buffer.close()
+        conn.send(cache.export_sequence("prompt"))
+        if conn.poll(TIMEOUT) and conn.recv() == "done":
+            cache.finish("prompt")
+            conn.send(cache.stats()["used_blocks"])
