@@ -175,7 +175,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     backend, device = _target(args)
     args.attention = args.attention or args.sweep
-    everything = not (args.alloc or args.attention or args.cache or args.step)
+    everything = not (args.alloc or args.attention or args.cache or args.step or args.transfer)
     result: dict[str, Any] = {"backend": backend.name,
                               "device": backend.properties(device).name}
     lines = [f"device: {backend.name}:{device} {result['device']}"]
@@ -221,6 +221,18 @@ def cmd_bench(args: argparse.Namespace) -> int:
         lines.append(f"cache decode step ({row['num_seqs']} seqs x ~{row['context']} tokens, "
                      f"block {row['block_size']}): median {row['median_us']:.1f} us, "
                      f"p90 {row['p90_us']:.1f} us (target {row['target_us']:.0f} us)")
+    if args.transfer:
+        from .bench_transfer import bench_transfer
+
+        rows = result["transfer"] = bench_transfer(backend, device, args.transport,
+                                                   min(args.iters, 20))
+        lines.append(f"a sequence's KV between two processes over {args.transport} "
+                     "(median; copy: the same bytes through the same copy engine)")
+        lines.append(f"{'blocks':>11} {'MiB':>7} {'spans':>6} {'transfer GB/s':>14} "
+                     f"{'import GB/s':>12} {'copy GB/s':>10} {'% copy':>7}")
+        lines += [f"{r['layout']:>11} {r['bytes'] / 2**20:7.0f} {r['spans']:6} "
+                  f"{r['transfer_gb_per_s']:14.2f} {r['import_gb_per_s']:12.2f} "
+                  f"{r['copy_gb_per_s']:10.2f} {r['pct_of_copy']:6.1f}%" for r in rows]
     _emit(args, result, "\n".join(lines))
     return 0
 
@@ -262,6 +274,10 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--cache", action="store_true", help="KV cache decode step (CPU)")
     bench.add_argument("--step", action="store_true",
                        help="a whole decode step through the cache's API (GPU)")
+    bench.add_argument("--transfer", action="store_true",
+                       help="a sequence's KV between two processes vs the copy bandwidth")
+    bench.add_argument("--transport", choices=["ipc", "mooncake"], default="ipc",
+                       help="with --transfer: IPC handles or Mooncake's engine (TCP loopback)")
     bench.add_argument("--iters", type=flags.count(1), default=50,
                        help="timed runs per measurement (>= 1)")
     bench.set_defaults(run=cmd_bench)

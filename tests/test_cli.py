@@ -169,3 +169,17 @@ def test_installed_hip_python_is_in_the_stated_range():
     hip_python, = [r for r in stated if r.name == "hip-python"]
     assert hip_python.specifier.contains(installed), (installed, str(hip_python.specifier))
     assert all(hip_python.specifier.contains(v) for v in ("6.4.4.555.40", "10.0.0.0.1.2"))
+
+
+def test_bench_transfer_reports_both_layouts_against_the_copy(capsys):
+    code, result = run_json(capsys, "bench", "--transfer", "--backend", "host", "--iters", "2")
+    assert code == 0 and "cache" not in result  # asked for alone
+    consecutive, scattered = result["transfer"]
+    for row in (consecutive, scattered):
+        assert row["transport"] == "ipc" and row["blocks"] == 128
+        assert row["bytes"] == 128 * 16 * 8 * 2 * 8 * 128 * 2  # blocks x tokens x layers x KV...
+        assert 0 < row["transfer_gb_per_s"] and 0 < row["copy_gb_per_s"]
+        assert row["import_gb_per_s"] <= row["transfer_gb_per_s"]
+        assert row["pct_of_copy"] == pytest.approx(
+            100 * row["transfer_gb_per_s"] / row["copy_gb_per_s"])
+    assert (consecutive["spans"], scattered["spans"]) == (2 * 8, 128 * 2 * 8)

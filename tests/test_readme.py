@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 
@@ -11,3 +13,16 @@ def test_readme_example_runs(capsys):
     code = re.search(r"```python\n(.*?)```", text, re.S).group(1)
     exec(compile(code, "README.md", "exec"), {})
     assert capsys.readouterr().out.strip().endswith("7")  # 100 tokens in blocks of 16
+
+
+def test_readme_serving_example_runs_as_a_script(tmp_path):
+    """The prefill and decode processes of "Serving across processes", run as a person runs
+    the example: saved as a script (its worker is spawned), on the default backend."""
+    text = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    section = text[text.index("## Serving across processes"):]
+    script = tmp_path / "serve.py"
+    script.write_text(re.search(r"```python\n(.*?)```", section, re.S).group(1))
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          timeout=300, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split("\n")[-2] == "7 [1 1]"  # 100 tokens: 7 blocks; V is all ones

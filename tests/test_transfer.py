@@ -258,12 +258,9 @@ def _mooncake_or_skip(backend):
         link = MooncakeTransport("127.0.0.1")
     except rf.BackendUnavailableError as exc:
         pytest.skip(str(exc))
-    with rf.HipBuffer(64, backend=backend) as probe:
-        try:
-            link.publish(probe)
-        except TransferError as exc:
-            link.close()
-            pytest.skip(str(exc))
+    if not link.reaches(backend.name):
+        link.close()
+        pytest.skip(f"the installed Mooncake build cannot reach {backend.name} memory")
     return link
 
 
@@ -290,13 +287,13 @@ def test_a_mooncake_read_that_fails_half_way_leaves_the_receiver_as_before(backe
 
 
 def test_a_slab_registered_with_the_engine_outlives_its_cache_until_the_engine_closes(backend):
+    link = _mooncake_or_skip(backend)
     live = rf.memory_stats()["live_buffers"]
-    link = _mooncake_or_skip(backend)  # its probe buffer stays registered too
     cache = KvCache(config(), backend=backend)
     link.publish(cache.slab)
     cache.close()
     assert cache.closed
-    assert rf.memory_stats()["live_buffers"] == live + 2  # the engine may still read them
+    assert rf.memory_stats()["live_buffers"] == live + 1  # the engine may still read it
     link.close()
     assert rf.memory_stats()["live_buffers"] == live
     assert rf.transport.published(cache.slab.buffer) == {}

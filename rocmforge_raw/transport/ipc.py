@@ -36,15 +36,16 @@ class IpcTransport(Transport):
              stream: Stream | None = None) -> None:
         if not isinstance(endpoint, IpcHandle):
             raise TypeError(f"an ipc endpoint is an IpcHandle, got {checks.show(endpoint)}")
-        src = self._map(endpoint)
+        src = self.mapping(endpoint)
         if src.backend is not dst.backend:
             raise ValueError(f"the sender's slab is {src.backend.name} memory, the receiver's "
                              f"{dst.backend.name}: IPC copies within one backend")
         spans = check_spans(spans, src.nbytes, dst)
         copy_spans(dst, src.ptr, src.device, spans, stream)
 
-    def _map(self, handle: IpcHandle) -> HipBuffer:
-        """The sender's slab, mapped once; a mapping whose exporter exited is dropped."""
+    def mapping(self, handle: IpcHandle) -> HipBuffer:
+        """The buffer ``handle`` names, mapped here once (until ``close()``); a mapping whose
+        exporter exited is dropped."""
         src = self._mapped.get(handle.key)
         if src is not None and not handle.exporter_alive():
             self._mapped.pop(handle.key).close()

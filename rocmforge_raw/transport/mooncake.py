@@ -84,6 +84,11 @@ class MooncakeTransport(Transport):
         self.session = f"{hostname}:{self._engine.get_rpc_port()}"
         self._registered: dict[int, tuple[HipBuffer, Any]] = {}  # ptr -> (buffer, end)
 
+    @staticmethod
+    def reaches(backend: str) -> bool:
+        """Whether the installed build of the engine can reach ``backend``'s memory."""
+        return _REACHES.get(backend, lambda dist: False)(_distribution())
+
     def _publish(self, buffer: HipBuffer) -> MooncakeEndpoint:
         self._register(buffer)
         return MooncakeEndpoint(self.session, buffer.ptr, buffer.nbytes)
@@ -94,10 +99,10 @@ class MooncakeTransport(Transport):
             raise TransferError("this MooncakeTransport was closed")
         if buffer.ptr in self._registered:
             return
-        dist = _distribution()
-        if not _REACHES.get(buffer.backend.name, lambda d: False)(dist):
-            raise TransferError(f"the installed {dist} cannot reach {buffer.backend.name} "
-                                "memory: install mooncake-transfer-engine-cuda13 (NVIDIA) or "
+        if not self.reaches(buffer.backend.name):
+            raise TransferError(f"the installed {_distribution()} cannot reach "
+                                f"{buffer.backend.name} memory: install "
+                                "mooncake-transfer-engine-cuda13 (NVIDIA) or "
                                 "mooncake-transfer-engine-rocm (AMD)")
         end = buffer._export()  # the memory outlives a close() while the engine may use it
         status = self._engine.register_memory(buffer.ptr, buffer.nbytes)
