@@ -126,10 +126,8 @@ def _copy_seconds(link: Any, desc: Any, cache: KvCache, nbytes: int, iters: int)
     """Median seconds of one copy of ``nbytes`` into the receiving slab, from the sender's
     slab mapped here (IPC) or from the receiving slab itself, waited for."""
     dst = cache.slab.buffer
-    if desc.endpoints.get("ipc") is not None:
-        src = link.mapping(desc.endpoints["ipc"])
-    else:
-        src = dst
+    ipc = desc.endpoints.get("ipc")
+    src = dst if ipc is None else link.mapping(ipc)
     backend, device = dst.backend, dst.device
     times = []
     for _ in range(iters + 1):

@@ -19,7 +19,8 @@ importer is refused, never handed freed memory. An exporter that exits while oth
 memory frees it with the process (GPU memory: the importers' mappings are then undefined;
 ``IpcHandle.exporter_alive()`` and every import detect the exit; host segments stay valid
 until the last mapping goes). A process never imports its own handle (the runtimes refuse),
-and one imported twice in a process is mapped once, counted.
+and one imported twice in a process is mapped once, counted. Imported buffers count in
+``memory_stats()`` like any root buffer (their bytes are mapped here, not allocated).
 """
 
 from __future__ import annotations
@@ -108,7 +109,7 @@ class _Mapping:
 
 
 _lock = threading.RLock()
-_allocators: dict[str, HookAllocator] = {}
+_allocators: dict[Backend, HookAllocator] = {}
 _shareable: set[tuple[str, int, int]] = set()  # (backend, device, ptr) of live allocations
 _exports: dict[tuple[str, int, int], _Export] = {}
 _deferred: dict[tuple[str, int, int], tuple[Backend, int, _Export, int]] = {}
@@ -118,11 +119,11 @@ _imports: dict[tuple[str, bytes], _Mapping] = {}
 def shareable_allocator(backend: Backend) -> HookAllocator:
     """The allocator of ``HipBuffer(n, shareable=True)`` on ``backend`` (one per backend)."""
     with _lock:
-        if backend.name not in _allocators:
-            _allocators[backend.name] = HookAllocator(
+        if backend not in _allocators:
+            _allocators[backend] = HookAllocator(
                 backend, lambda n, d: _allocate(backend, n, d),
                 lambda p, n, d: _free(backend, p, n, d))
-        return _allocators[backend.name]
+        return _allocators[backend]
 
 
 def _allocate(backend: Backend, nbytes: int, device: int) -> int:
@@ -205,7 +206,7 @@ def import_handle(handle: Any) -> tuple[Backend, int, HookAllocator]:
     if (handle.pid, handle.pid_start) == procs.identity():
         raise IpcError("the handle was exported by this process: use the buffer itself")
     backend = get_backend(handle.backend)
-    device = backend.resolve_device(handle.device)
+    backend.resolve_device(handle.device)  # a device of this host
     with _lock:
         mapping = _imports.get((handle.backend, handle.key))
         if mapping is None:

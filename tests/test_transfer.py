@@ -297,3 +297,31 @@ def test_a_slab_registered_with_the_engine_outlives_its_cache_until_the_engine_c
     link.close()
     assert rf.memory_stats()["live_buffers"] == live
     assert rf.transport.published(cache.slab.buffer) == {}
+
+
+def test_peer_copies_work_within_one_device(backend, rng):
+    """memcpy_peer with the same device on both ends (what one GPU can test of a copy
+    between two), on the default stream and on a stream."""
+    data = rng.integers(0, 255, 1 << 16, np.uint8)
+    with rf.HipBuffer.from_numpy(data, backend=backend) as src, \
+            rf.HipBuffer(1 << 16, backend=backend) as dst, rf.Stream(backend=backend) as stream:
+        backend.memcpy_peer(dst.ptr, dst.device, src.ptr, src.device, 1 << 15)
+        backend.memcpy_peer(dst.ptr + (1 << 15), dst.device, src.ptr + (1 << 15), src.device,
+                            1 << 15, stream.handle)
+        stream.synchronize()
+        assert np.array_equal(dst.to_numpy(), data)
+
+
+def test_the_installed_mooncake_build_says_which_memory_it_reaches():
+    pytest.importorskip("mooncake.engine", reason="the transfer extra is not installed")
+    import importlib.metadata
+
+    reaches = {"mooncake-transfer-engine-non-cuda": (True, False, False),
+               "mooncake-transfer-engine": (True, True, False),
+               "mooncake-transfer-engine-cuda13": (True, True, False),
+               "mooncake-transfer-engine-rocm": (True, False, True)}
+    dist = importlib.metadata.packages_distributions()["mooncake"][0]
+    if dist not in reaches:
+        pytest.skip(f"{dist} is a build this test does not know")
+    got = tuple(MooncakeTransport.reaches(name) for name in ("host", "cuda", "hip"))
+    assert got == reaches[dist]

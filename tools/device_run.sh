@@ -5,6 +5,18 @@ set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
   --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+# Mooncake's engine (a carried mooncake-transfer-engine-cuda13 wheel) loads libibverbs, libmlx5
+# and libnuma (carried as Debian packages in .debs, unpacked aside) and libcudart.so.13 (the
+# nvidia-cuda-runtime wheel's, where the system has none).
+if compgen -G ".debs/*.deb" >/dev/null; then
+  for f in .debs/*.deb; do dpkg -x "$f" /tmp/debs; done
+  export LD_LIBRARY_PATH=/tmp/debs/usr/lib/x86_64-linux-gnu:/tmp/debs/lib/x86_64-linux-gnu${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+fi
+if ! ldconfig -p | grep -q 'libcudart.so.13 '; then
+  cudart=$(python3 -c 'import site, glob; print(next(iter(glob.glob(site.getsitepackages()[0]
+    + "/nvidia/**/libcudart.so.13", recursive=True)), ""))')
+  [ -n "$cudart" ] && export LD_LIBRARY_PATH=$(dirname "$cudart")${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+fi
 python3 setup.py -q build_ext --inplace >/dev/null || exit 1  # the compiled core, for this Python
 OUT=${OUT:-/tmp/rf-out}
 mkdir -p "$OUT"

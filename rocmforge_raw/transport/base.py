@@ -60,6 +60,7 @@ class Transport(ABC):
 
     def close(self) -> None:
         """Let go of what this transport registered or mapped."""
+        return None
 
     def _forget(self, buffer: HipBuffer) -> None:
         """``buffer`` is published through this transport no more."""
