@@ -50,6 +50,9 @@ from rocmforge_raw.cache import BlockPool, CacheConfig, KvCache
 from rocmforge_raw.module import pack_args
 from rocmforge_raw.runtime import get_backend
 from rocmforge_raw.soak import SoakConfig
+from rocmforge_raw import procs
+from rocmforge_raw.ipc import IpcHandle
+from rocmforge_raw.transport import MooncakeTransport, PeerTransport
 
 HOST = get_backend("host")
 CFG = CacheConfig(2, 1, 64, 8, 16, "float32", num_q_heads=2)
@@ -547,8 +550,49 @@ CLI = [
     C("cli-unknown-command", "frobnicate", "'frobnicate'"),
 ]
 
+IPC = [  # handles built by hand where a real one is not needed: no segment outlives a fork
+    P("ipc-shareable-str", "HipBuffer(64, backend='host', shareable='yes')", "TypeError",
+      "'yes'"),
+    P("ipc-shareable-pool", "HipBuffer(64, pool=MemoryPool(backend='host'), shareable=True)",
+      "ValueError", "pooled"),
+    P("ipc-handle-plain", "buf().ipc_handle()", "ValueError", "not shareable", "64 bytes"),
+    P("ipc-from_ipc-bytes", "HipBuffer.from_ipc(b'abc')", "TypeError", "b'abc'"),
+    P("ipc-from_ipc-other-host",
+      "HipBuffer.from_ipc(IpcHandle('host', 0, 64, b'/x', 'y', 1, 1, 'other-host'))",
+      "IpcError", "other-host"),
+    P("ipc-from_ipc-backend-unknown",
+      "HipBuffer.from_ipc(IpcHandle('rocm', 0, 64, b'/x', 'y', 1, 1, procs.boot_id()))",
+      "BackendUnavailableError", "'rocm'"),
+    P("ipc-from_ipc-lease-missing",
+      "HipBuffer.from_ipc(IpcHandle('host', 0, 64, b'/x', 'no-lease', 1, 1, procs.boot_id()))",
+      "IpcError", "no-lease"),
+]
+
+TRANSFER = [
+    P("transfer-export-unknown", "cache().export_sequence('zz')", "KeyError", "'zz'"),
+    P("transfer-import-dict", "cache().import_sequence({'a': 1}, PeerTransport())",
+      "TypeError", "{'a': 1}"),
+    P("transfer-import-transport-str",
+      "c = cache(); c.import_sequence(c.export_sequence('a'), 'ipc')", "TypeError", "'ipc'"),
+    P("transfer-import-existing-id",
+      "c = cache(); c.import_sequence(c.export_sequence('a'), PeerTransport())", "ValueError",
+      "'a'"),
+    P("transfer-import-unpublished",
+      "c = cache(); c.import_sequence(c.export_sequence('a'), PeerTransport(), 'new')",
+      "ValueError", "'peer'"),
+    P("transfer-import-other-layout",
+      "c = cache(); d = KvCache(CacheConfig(2, 1, 64, 16, 16, 'float32'), backend='host');"
+      "d.import_sequence(c.export_sequence('a'), PeerTransport())", "ValueError",
+      "block_size 8"),
+    P("transfer-mooncake-hostname-int", "MooncakeTransport(5)", "TypeError", "5"),
+    P("transfer-mooncake-protocol-none", "MooncakeTransport('127.0.0.1', None)", "TypeError",
+      "None"),
+    P("transfer-publish-str", "PeerTransport().publish('slab')", "TypeError", "'slab'"),
+    C("cli-bench-transport-unknown", "bench --transfer --transport tcp", "'tcp'"),
+]
+
 PROBES = (RUNTIME + BUFFER + ARRAY + DLPACK + STREAM + POOL + MODULE + OPS + CONFIG + CACHE
-          + BLOCKS + SOAK + CLI)
+          + BLOCKS + SOAK + CLI + IPC + TRANSFER)
 
 # --- running them, crash-isolated ------------------------------------------------------------
 # One child interpreter imports the package once, then forks for every probe: a probe that
