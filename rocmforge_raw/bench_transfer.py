@@ -7,7 +7,8 @@ median bytes per second of the transport's read alone and of the whole ``import_
 (layout checks and bookkeeping included). Against them, measured in the same run: the memory
 copy bandwidth of the same path, one copy of the same bytes through the same copy engine
 into the receiving slab (from the sender's slab mapped here where the transport is IPC,
-within the receiving slab otherwise): what a transport on this host approaches. Two rows:
+within the receiving slab otherwise): what a transport on this host approaches. GB/s count
+the bytes moved (not read plus written, as ``bench --attention``'s copy does). Two rows:
 the sequence's blocks consecutive on both sides (one span per layer and K/V plane) and
 scattered (every block its own span). The slab is random data, never zeros.
 """
@@ -50,7 +51,7 @@ def _sender(backend: str, device: int, transport: str, scattered: bool, conn: An
     tokens = (config.num_blocks - 2) // 2 * config.block_size
     with _link(transport) as link, KvCache(config, device, backend, strict=True,
                                            shareable=transport == "ipc") as cache:
-        fill_random(cache.slab.buffer, np.random.default_rng(0), np.uint16)
+        fill_random(cache.slab.buffer, np.random.default_rng(0), config.dtype)
         link.publish(cache.slab)
         if scattered:  # one-block fillers, every other one removed: the free blocks alternate
             for i in range(config.num_blocks - 1):

@@ -102,10 +102,10 @@ class _Mapping:
             if self.refs:
                 return
             del _imports[(self.handle.backend, self.handle.key)]
-        try:
-            self.backend.ipc_close(self.ptr, self.handle.nbytes, self.handle.device)
-        finally:
-            os.close(self.fd)  # releases the shared lock: the exporter may free
+            try:
+                self.backend.ipc_close(self.ptr, self.handle.nbytes, self.handle.device)
+            finally:
+                os.close(self.fd)  # releases the shared lock: the exporter may free
 
 
 _lock = threading.RLock()
@@ -200,6 +200,10 @@ def import_handle(handle: Any) -> tuple[Backend, int, HookAllocator]:
     if not isinstance(handle, IpcHandle):
         raise TypeError(f"handle must be an IpcHandle (from HipBuffer.ipc_handle()), got "
                         f"{checks.show(handle)}")
+    checks.integer(handle.nbytes, "handle.nbytes", 1, checks.MAX_SIZE)
+    if not isinstance(handle.key, bytes) or not isinstance(handle.lease, str):
+        raise TypeError(f"handle.key must be bytes and handle.lease a str, got "
+                        f"{checks.show(handle.key)} and {checks.show(handle.lease)}")
     if handle.boot_id != procs.boot_id():
         raise IpcError(f"the handle comes from another host (boot id {handle.boot_id}): IPC "
                        "maps memory of this host only; move bytes with a transfer engine")

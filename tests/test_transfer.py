@@ -33,9 +33,9 @@ def config(num_blocks=32, **changes):
 def write_prompt(cache, seq_id, tokens, seed):
     """Prefill: the K/V of ``kv(seed + layer)`` written at the prompt's slots, each layer."""
     slots = cache.add_sequence(seq_id, tokens=tokens).slot_mapping
-    backend = cache.slab.backend
+    backend, device = cache.slab.backend, cache.slab.device
     for layer in range(cache.config.num_layers):
-        k, v = (DeviceArray.from_numpy(x, backend=backend)
+        k, v = (DeviceArray.from_numpy(x, device, backend)
                 for x in kv(seed + layer, len(tokens), cache.config))
         cache.write(layer, k, v, slots)
         k.buffer.close()
@@ -46,13 +46,14 @@ def decode_and_check(cache, seq_id, num_tokens, seed):
     """One decode step of ``seq_id`` on ``cache`` (a new token, then attention in every
     layer), each layer's output checked against the reference over the prompt's K/V (from
     ``kv``) and the new token's."""
-    c, backend, rng = cache.config, cache.slab.backend, np.random.default_rng(seed + 99)
+    c, rng = cache.config, np.random.default_rng(seed + 99)
+    backend, device = cache.slab.backend, cache.slab.device
     new = rng.standard_normal((1, c.num_kv_heads, c.head_dim), np.float32)
     new = new.astype(c.activation_dtype)
     q = rng.standard_normal((1, c.num_q_heads, c.head_dim), np.float32).astype(
         c.activation_dtype)
-    dq, dnew = (DeviceArray.from_numpy(x, backend=backend) for x in (q, new))
-    out = DeviceArray.empty(q.shape, c.activation_dtype, backend=backend)
+    dq, dnew = (DeviceArray.from_numpy(x, device, backend) for x in (q, new))
+    out = DeviceArray.empty(q.shape, c.activation_dtype, device, backend)
     cache.append([seq_id])
     plan = cache.batch([seq_id])
     for layer in range(c.num_layers):
@@ -325,3 +326,16 @@ def test_the_installed_mooncake_build_says_which_memory_it_reaches():
         pytest.skip(f"{dist} is a build this test does not know")
     got = tuple(MooncakeTransport.reaches(name) for name in ("host", "cuda", "hip"))
     assert got == reaches[dist]
+
+
+def test_a_sequence_moves_between_caches_on_two_devices(gpu):
+    """Peer copies between two GPUs (staged through host memory by the runtime where the two
+    have no peer access)."""
+    if gpu.num_devices < 2:
+        pytest.skip(f"the {gpu.name} backend has one device")
+    with KvCache(config(), 0, gpu) as src, KvCache(config(), 1, gpu) as dst, \
+            PeerTransport() as link:
+        link.publish(src.slab)
+        write_prompt(src, "prompt", np.arange(70), seed=2)
+        assert dst.import_sequence(src.export_sequence("prompt"), link).blocks_moved == 5
+        decode_and_check(dst, "prompt", 70, seed=2)
