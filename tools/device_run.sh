@@ -1,15 +1,17 @@
 #!/usr/bin/env bash
-# One call on the GPU machine: install the carried wheels (.whl), build the compiled core, run
-# the test suite on the GPU, then the benchmarks. Logs go to $OUT. Usage: bash tools/device_run.sh [pytest args]
+# One call on the GPU machine: install the carried wheels (.whl, and .transfer: Mooncake's
+# engine with the Debian packages it loads), build the compiled core, run the test suite on
+# the GPU, then the benchmarks. Logs go to $OUT. Usage: bash tools/device_run.sh [pytest args]
 set -uo pipefail
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-  --target /tmp/site .whl/*.whl || exit 1
+wheels=$(ls .whl/*.whl .transfer/*.whl 2>/dev/null)
+[ -z "$wheels" ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+  --upgrade --target /tmp/site $wheels || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
-# Mooncake's engine (a carried mooncake-transfer-engine-cuda13 wheel) loads libibverbs, libmlx5
-# and libnuma (carried as Debian packages in .debs, unpacked aside) and libcudart.so.13 (the
+# Mooncake's engine (mooncake-transfer-engine-cuda13) loads libibverbs, libmlx5 and libnuma
+# (carried as Debian packages in .transfer, unpacked aside) and libcudart.so.13 (the
 # nvidia-cuda-runtime wheel's, where the system has none).
-if compgen -G ".debs/*.deb" >/dev/null; then
-  for f in .debs/*.deb; do dpkg -x "$f" /tmp/debs; done
+if compgen -G ".transfer/*.deb" >/dev/null; then
+  for f in .transfer/*.deb; do dpkg -x "$f" /tmp/debs; done
   export LD_LIBRARY_PATH=/tmp/debs/usr/lib/x86_64-linux-gnu:/tmp/debs/lib/x86_64-linux-gnu${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 fi
 if ! ldconfig -p | grep -q 'libcudart.so.13 '; then
