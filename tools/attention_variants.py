@@ -48,7 +48,7 @@ def main() -> None:
         planning.ATTENTION_STAGES["cuda"] = ((int(stages[1]), int(stages[2]), 16) if stages
                                              else default_stages)
         ctas = re.search(r"_c(\d+)(?:_|$)", path.stem)  # NAME_cN: N CTAs per SM at most
-        planning.attention_shared_bytes = (
+        planning.attention.attention_shared_bytes = (  # attention_kernel's lookup
             _at_most(shared_bytes, int(ctas[1])) if ctas else shared_bytes)
         for parts in [None, *args.partitions]:
             rows = bench.bench_attention(backend, 0, copy, args.iters, shapes,

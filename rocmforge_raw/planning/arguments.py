@@ -1,0 +1,193 @@
+"""The kernels' shapes and dtypes, and the checks of a launch's arrays and metadata.
+
+Every check runs on the host before anything changes and names the first bad argument.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+
+from .. import checks
+from ..array import DeviceArray
+from ..staging import Workspace
+from ..stream import stream_handle
+
+DTYPES = {np.dtype(np.float16): "f16", np.dtype(ml_dtypes.bfloat16): "bf16",
+          np.dtype(np.float32): "f32"}
+#: fp8 cache formats -> the activation dtypes (queries, outputs, K/V written) they serve.
+FP8_DTYPES = {np.dtype(t): (np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16))
+              for t in (ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e4m3fnuz)}
+HEAD_DIMS = (64, 128, 256)
+BLOCK_SIZES = (8, 16, 32, 64, 128)
+#: Rows ([num_blocks * num_kv_heads * block_size]) of a K or V cache the attention kernel
+#: indexes (int32).
+MAX_CACHE_ROWS = (1 << 31) - 1
+GROUP_SIZES = (1, 2, 4, 8)  # query heads one CTA serves (template G)
+
+
+def expect(array: Any, name: str, ndim: int, dtype: Any | None = None) -> None:
+    if not isinstance(array, DeviceArray):
+        raise TypeError(f"{name} must be a DeviceArray, got {checks.show(array)}")
+    if len(array.shape) != ndim:
+        raise ValueError(f"{name} must have {ndim} dimensions, got shape {array.shape}")
+    if dtype is not None and array.dtype != np.dtype(dtype):
+        raise ValueError(f"{name} must be {np.dtype(dtype)}, got {array.dtype}")
+
+
+def host_ints(values: Any, name: str, dtype: Any, shape: tuple[int, ...] | None = None
+              ) -> np.ndarray:
+    """Integer metadata given on the host, as a C-contiguous array of exactly ``dtype``."""
+    array = np.asarray(values)
+    if array.dtype != np.dtype(dtype):
+        raise ValueError(f"{name} must be {np.dtype(dtype)}, got {array.dtype}")
+    if shape is not None and array.shape != shape:
+        raise ValueError(f"{name} must have shape {shape}, got {array.shape}")
+    return np.ascontiguousarray(array)
+
+
+def device_ints(values: DeviceArray, name: str, dtype: Any, ndim: int,
+                shape: tuple[int, ...] | None = None) -> None:
+    """Device-resident metadata: shape and dtype only (it is never read back to check)."""
+    expect(values, name, ndim, dtype)
+    if shape is not None and values.shape != shape:
+        raise ValueError(f"{name} must have shape {shape}, got {values.shape}")
+
+
+def default_scale(head_dim: int, scale: float | None) -> float:
+    """``scale``, or ``1/sqrt(head_dim)``; it must be a finite number."""
+    if scale is None:
+        return 1.0 / math.sqrt(head_dim)
+    return checks.real(scale, "scale")
+
+
+def check_options(like: Any, stream: Any, check: Any, num_partitions: Any = None,
+                  workspace: Any = None) -> None:
+    """The keyword arguments of an op on ``like``'s device: an open ``Stream`` of that
+    device or None, a bool ``check``, a split-K factor >= 1 or None, a ``Workspace`` or
+    None."""
+    if isinstance(like, DeviceArray):
+        stream_handle(stream, "stream", like.backend, like.device)
+    else:
+        stream_handle(stream)
+    checks.flag(check, "check")
+    if num_partitions is not None:
+        checks.integer(num_partitions, "num_partitions", 1)
+    if workspace is not None and not isinstance(workspace, Workspace):
+        raise TypeError(f"workspace must be a Workspace or None, got {checks.show(workspace)}")
+
+
+def check_attention_arrays(out: Any, query: Any, k_cache: Any, v_cache: Any
+                           ) -> tuple[int, int, int, int, int, int]:
+    """(num_seqs, num_q_heads, head_dim, num_blocks, num_kv_heads, block_size) of a valid
+    attention call; raises naming the first bad argument."""
+    expect(query, "query", 3)
+    num_seqs, num_q_heads, head_dim = query.shape
+    expect(out, "out", 3, query.dtype)
+    expect(k_cache, "k_cache", 4)
+    check_cache_dtype("k_cache", k_cache.dtype, query.dtype, "query")
+    expect(v_cache, "v_cache", 4, k_cache.dtype)
+    num_blocks, num_kv_heads, block_size, cache_dim = k_cache.shape
+    if query.dtype not in DTYPES:
+        raise ValueError(f"dtype {query.dtype} is not supported: use one of "
+                         f"{', '.join(str(d) for d in DTYPES)}")
+    if head_dim not in HEAD_DIMS:
+        raise ValueError(f"head_dim {head_dim} is not supported: use one of {HEAD_DIMS}")
+    if block_size not in BLOCK_SIZES:
+        raise ValueError(f"block_size {block_size} is not supported: use one of {BLOCK_SIZES}")
+    if out.shape != query.shape:
+        raise ValueError(f"out shape {out.shape} differs from query shape {query.shape}")
+    if cache_dim != head_dim or v_cache.shape != k_cache.shape:
+        raise ValueError(f"k_cache {k_cache.shape} and v_cache {v_cache.shape} must both be "
+                         f"[num_blocks, num_kv_heads, block_size, {head_dim}]")
+    if num_blocks * num_kv_heads * block_size > MAX_CACHE_ROWS:
+        raise ValueError(f"k_cache {k_cache.shape} has {num_blocks * num_kv_heads * block_size} "
+                         f"rows of head_dim; the kernel indexes at most {MAX_CACHE_ROWS}")
+    if num_kv_heads == 0 or num_q_heads % num_kv_heads:
+        raise ValueError(f"num_q_heads {num_q_heads} is not a multiple of num_kv_heads "
+                         f"{num_kv_heads}")
+    if not (out.backend is query.backend is k_cache.backend is v_cache.backend):
+        raise ValueError("out, query, k_cache and v_cache must be on one backend")
+    return num_seqs, num_q_heads, head_dim, num_blocks, num_kv_heads, block_size
+
+
+def check_cache_dtype(cache_name: str, cache: np.dtype, act: np.dtype, act_name: str
+                      ) -> None:
+    """A cache of ``cache`` serves activations of ``act``: the same dtype, or an fp8 cache
+    with float16/bfloat16 activations."""
+    if cache == act or act in FP8_DTYPES.get(cache, ()):
+        return
+    if cache in FP8_DTYPES:
+        raise ValueError(f"{act_name} must be float16 or bfloat16 with a {cache} {cache_name}, "
+                         f"got {act}")
+    raise ValueError(f"{cache_name} must be {act}, got {cache}")
+
+
+def check_kv_scales(cache: np.dtype, k_scale: Any, v_scale: Any) -> tuple[float, float]:
+    """The K and V scales of a call on a cache of ``cache``: positive finite numbers, and
+    exactly 1.0 unless the cache is fp8 (a scale elsewhere would be silently ignored)."""
+    k, v = checks.real(k_scale, "k_scale"), checks.real(v_scale, "v_scale")
+    for name, x in (("k_scale", k), ("v_scale", v)):
+        if not 0.0 < x < math.inf:
+            raise ValueError(f"{name} must be positive and finite, got {x}")
+        if cache not in FP8_DTYPES and x != 1.0:
+            raise ValueError(f"{name} {x} applies to fp8 caches only, not {cache}")
+    return k, v
+
+
+def check_tables(tables: np.ndarray, lens: np.ndarray, num_seqs: int, num_blocks: int,
+                 block_size: int) -> None:
+    """Block tables and lengths agree and every block a length reaches is in range."""
+    if tables.ndim != 2 or tables.shape[0] != num_seqs:
+        raise ValueError(f"block_tables must be [num_seqs={num_seqs}, max_blocks], got "
+                         f"{tables.shape}")
+    if lens.size and lens.min() < 0:
+        raise ValueError(f"seq_lens must be >= 0, got {int(lens.min())}")
+    capacity = tables.shape[1] * block_size
+    if lens.size and lens.max() > capacity:
+        s = int(lens.argmax())
+        raise ValueError(f"seq_lens[{s}] = {int(lens[s])} tokens exceeds the block table's "
+                         f"{tables.shape[1]} blocks x {block_size} = {capacity} tokens")
+    used = np.arange(tables.shape[1])[None, :] * block_size < lens[:, None]
+    ids = tables[used]
+    if ids.size and (ids.min() < 0 or ids.max() >= num_blocks):
+        bad = int(ids[(ids < 0) | (ids >= num_blocks)][0])
+        raise ValueError(f"block id {bad} in block_tables is outside [0, {num_blocks})")
+
+
+def check_slots(slots: np.ndarray, num_blocks: int, block_size: int) -> None:
+    """Every slot is -1 or inside the cache, and no slot is written twice."""
+    capacity = num_blocks * block_size
+    bad = (slots < -1) | (slots >= capacity)
+    if bad.any():
+        raise ValueError(f"slot {int(slots[bad][0])} is outside [-1, {capacity}) for "
+                         f"{num_blocks} blocks of {block_size}")
+    live = np.sort(slots[slots >= 0])
+    twice = live[1:][live[1:] == live[:-1]]
+    if twice.size:
+        raise ValueError(f"slot_mapping writes slot {int(twice[0])} twice")
+
+
+def check_write_arrays(key: Any, value: Any, k_cache: Any, v_cache: Any
+                       ) -> tuple[int, int, int]:
+    """(num_tokens, num_blocks, block_size) of a valid K/V write."""
+    expect(key, "key", 3)
+    expect(value, "value", 3, key.dtype)
+    expect(k_cache, "k_cache", 4)
+    check_cache_dtype("k_cache", k_cache.dtype, key.dtype, "key")
+    expect(v_cache, "v_cache", 4, k_cache.dtype)
+    num_tokens, num_kv_heads, head_dim = key.shape
+    num_blocks, cache_heads, block_size, cache_dim = k_cache.shape
+    if value.shape != key.shape or v_cache.shape != k_cache.shape:
+        raise ValueError(f"key {key.shape}/value {value.shape} and k_cache {k_cache.shape}/"
+                         f"v_cache {v_cache.shape} must match in pairs")
+    if (cache_heads, cache_dim) != (num_kv_heads, head_dim):
+        raise ValueError(f"key rows [{num_kv_heads}, {head_dim}] do not fit cache rows "
+                         f"[{cache_heads}, {cache_dim}]")
+    if (head_dim * k_cache.dtype.itemsize) % 16 or (head_dim * key.dtype.itemsize) % 16:
+        raise ValueError(f"head_dim {head_dim} of {k_cache.dtype} is not a multiple of 16 "
+                         "bytes")
+    return num_tokens, num_blocks, block_size

@@ -1,0 +1,114 @@
+"""The work split of one attention launch: units of (sequence, group of query heads) laid
+end to end, one wave of CTAs with equal shares (native/pa_work.h walks it on the device)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .._worksplit import first_sequences, prefix_sums
+
+#: Work is counted in tokens rounded up to this (and every unit owns at least this many, so an
+#: empty sequence still has a position): pieces start at multiples of it.
+WORK_GRANULE = 16
+#: The least work one CTA gets (tokens): less costs more in per-piece fixed work than it
+#: gains in parallel streams.
+MIN_TOKENS_PER_CTA = 64
+#: A short launch (a balanced share under this many tokens) of units of one length takes the
+#: least share, up to ALIGNED_STRETCH times the balanced one, that divides that length or
+#: that the length divides: each CTA then holds one piece of one unit or whole units, with
+#: no piece end inside a unit's share and fewer pieces for each unit's combine (H200,
+#: native/NOTES.md v21: 1 x 32768 57 -> 52 us on 256 CTAs instead of 391, 1 x 8192 27 ->
+#: 22; measured up to 1.52 times the balanced share, so at least 5/8 of the slots stay busy).
+ALIGNED_SHARE_TOKENS = 1024
+ALIGNED_STRETCH = 1.6
+
+
+@dataclass(frozen=True)
+class WorkSplit:
+    """How one attention launch divides its work (``native/paged_attention.cu``, top): units
+    (sequence, group of query heads of one kv head), ``groups`` per sequence, laid end to end,
+    each ``len16`` work tokens long; CTA ``c`` of ``num_ctas`` takes work tokens
+    ``[c * per_cta, min((c + 1) * per_cta, total))``.
+
+    With the lengths known on the host, ``cum16`` (int64 ``[num_seqs + 1]``, exclusive prefix
+    sums of each sequence's ``len16``) and ``first_seq`` (int32 ``[num_ctas]``, the sequence
+    holding each CTA's first work token) go to the device; without them (None) every
+    sequence counts ``uniform16`` work tokens and the kernel skips what its length lacks.
+    """
+
+    num_ctas: int
+    per_cta: int
+    total: int
+    groups: int
+    uniform16: int
+    cum16: np.ndarray | None = None
+    first_seq: np.ndarray | None = None
+
+    @property
+    def arrays(self) -> list[np.ndarray]:
+        """The arrays the kernel reads from device memory (none in uniform mode)."""
+        return [] if self.cum16 is None else [self.cum16, self.first_seq]
+
+
+def _round16(tokens: int) -> int:
+    """Work tokens of a sequence of ``tokens``: rounded up to WORK_GRANULE, at least that."""
+    return max(WORK_GRANULE, -(-tokens // WORK_GRANULE) * WORK_GRANULE)
+
+
+def _aligned_share(share: int, unit: int) -> int:
+    """The least multiple of WORK_GRANULE from ``share`` to ``ALIGNED_STRETCH * share`` that
+    divides ``unit`` or that ``unit`` divides (both multiples of WORK_GRANULE); ``share``
+    when there is none."""
+    whole = unit // WORK_GRANULE
+    for granules in range(share // WORK_GRANULE,
+                          int(ALIGNED_STRETCH * share) // WORK_GRANULE + 1):
+        if whole % granules == 0 or granules % whole == 0:
+            return granules * WORK_GRANULE
+    return share
+
+
+def plan_work(groups: int, slots: int, num_seqs: int, lens: np.ndarray | None = None,
+              max_len: int = 0, num_partitions: int | None = None) -> WorkSplit:
+    """The split of ``num_seqs`` sequences x ``groups`` units over a device that runs
+    ``slots`` CTAs at once: one wave of CTAs with equal shares (at least
+    ``MIN_TOKENS_PER_CTA`` tokens each; aligned to the units where they are short and the
+    units of one length: ``ALIGNED_SHARE_TOKENS``). ``lens`` (host, int32) gives each
+    sequence's length; without it every sequence counts ``max_len``. ``num_partitions``
+    instead cuts the longest sequence into that many pieces (a test and tuning knob)."""
+    if lens is not None:
+        cum16 = np.empty(num_seqs + 1, np.int64)
+        total = prefix_sums(np.ascontiguousarray(lens, np.int32), WORK_GRANULE, cum16) * groups
+        longest = int(_round16(int(lens.max(initial=0)))) if num_partitions else 0
+        uniform16 = 0
+    else:
+        cum16, uniform16 = None, int(_round16(max_len))
+        total, longest = num_seqs * groups * uniform16, uniform16
+    if num_partitions is not None:
+        share = -(-longest // max(1, int(num_partitions)))
+    else:
+        share = max(MIN_TOKENS_PER_CTA, -(-total // max(slots, 1)))
+        if MIN_TOKENS_PER_CTA < share < ALIGNED_SHARE_TOKENS and num_seqs:
+            work16 = np.diff(cum16) if cum16 is not None else None
+            if work16 is None or (work16 == work16[0]).all():  # units of one length
+                unit = uniform16 or int(work16[0])
+                share = _aligned_share(_round16(share), unit)
+    per_cta = -(-share // WORK_GRANULE) * WORK_GRANULE
+    num_ctas = -(-total // per_cta)
+    first_seq = None
+    if cum16 is not None:
+        first_seq = np.empty(num_ctas, np.int32)
+        first_sequences(cum16, groups, per_cta, first_seq)
+    return WorkSplit(num_ctas, per_cta, total, groups, uniform16, cum16, first_seq)
+
+
+def split_workspace(num_ctas: int, group: int, head_dim: int, num_units: int
+                    ) -> tuple[int, int]:
+    """(bytes of partials, int32 counters) of a launch of ``num_ctas`` CTAs of ``group``
+    query heads over ``num_units`` units: two partial slots per CTA (its first and last piece
+    may be parts of units split with its neighbours), each a record per query head of
+    ``head_dim`` floats, the (max, sum) pair and two unused floats (so records are 16-byte
+    aligned); one counter per unit. Records sit at fixed places whatever the CTA count, so
+    a prepared launch keeps its workspace address."""
+    return 2 * num_ctas * group * (head_dim + 4) * 4, num_units
