@@ -196,7 +196,7 @@ def export_handle(buffer: Any) -> IpcHandle:
 def import_handle(handle: Any) -> tuple[Backend, int, HookAllocator]:
     """Map ``handle`` for ``HipBuffer.from_ipc``: (backend, address, allocator whose free
     unmaps). Raises ``TypeError`` for anything but an ``IpcHandle``, ``IpcError`` for a
-    handle of another host, of this process, of memory freed or of an exporter gone."""
+    handle of another host, of this process, of memory freed, of an exporter gone, or altered."""
     if not isinstance(handle, IpcHandle):
         raise TypeError(f"handle must be an IpcHandle (from HipBuffer.ipc_handle()), got "
                         f"{checks.show(handle)}")
@@ -216,6 +216,10 @@ def import_handle(handle: Any) -> tuple[Backend, int, HookAllocator]:
         if mapping is None:
             mapping = _map(backend, handle)
             _imports[(handle.backend, handle.key)] = mapping
+        elif mapping.handle != handle:  # a buffer of other bytes would overrun the mapping
+            raise IpcError(f"the handle does not match the one its memory is mapped with here "
+                           f"(size {handle.nbytes} vs {mapping.handle.nbytes}, device "
+                           f"{handle.device} vs {mapping.handle.device}): it was altered")
         mapping.refs += 1
     collect()
     return backend, mapping.ptr, HookAllocator(backend, None, mapping.release)

@@ -10,7 +10,15 @@ import pickle
 
 import numpy as np
 import pytest
-from workers import export_and_wait, map_and_write, map_twice, share_once, spawned, try_map
+from workers import (
+    export_and_wait,
+    map_and_write,
+    map_twice,
+    share_once,
+    spawned,
+    try_map,
+    try_map_while_mapping,
+)
 
 import rocmforge_raw as rf
 from rocmforge_raw import ipc, procs
@@ -116,6 +124,17 @@ def test_foreign_garbled_and_own_handles_get_clear_errors(backend):
         with spawned(try_map, garbled) as worker:
             kind, message = worker.receive()
         assert kind == "IpcError" and f"lease {garbled.lease} not found" in message
+
+
+def test_a_mapped_handle_imported_again_altered_is_refused(backend):
+    """A process that maps a handle already serves a second import from that mapping only
+    for the very same handle: one that claims more bytes would overrun the mapping."""
+    with _shared(backend) as buf:
+        handle = buf.ipc_handle()
+        grown = dataclasses.replace(handle, nbytes=handle.nbytes * 1024)
+        with spawned(try_map_while_mapping, handle, grown) as worker:
+            kind, message = worker.receive()
+    assert kind == "IpcError" and "does not match" in message, message
 
 
 def test_only_shareable_root_buffers_export(backend):

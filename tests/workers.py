@@ -108,6 +108,14 @@ def try_map(handle: Any, conn: Any) -> None:
         conn.send((type(exc).__name__, str(exc)))
 
 
+def try_map_while_mapping(held: Any, handle: Any, conn: Any) -> None:
+    """Map ``held``, then try to import ``handle`` too; send as ``try_map`` does."""
+    from rocmforge_raw import HipBuffer
+
+    with HipBuffer.from_ipc(held):
+        try_map(handle, conn)
+
+
 def export_and_wait(backend: str, conn: Any) -> None:
     """Export a shareable buffer holding 0..1023 (int32), send its handle, wait to be killed."""
     from rocmforge_raw import HipBuffer
