@@ -8,25 +8,28 @@ only unmaps. Pooled and plain (``malloc``) buffers are not shareable: a pool han
 the next buffer after ``close()``, and a plain host allocation has no name another process
 can open; ``ipc_handle()`` refuses both, saying so.
 
-Lifetimes (DESIGN.md, IPC): whoever allocated memory frees it, and never while another
-process maps it. Each exported allocation has a *lease*, a one-byte file in ``/dev/shm``:
-every importer holds a shared ``flock`` on it for as long as it maps the memory, and the
-exporter frees only once it gets the exclusive lock (non-blocking): until then the free is
-deferred, and retried by every later shareable free, export or import of the process, and by
-``collect()``. The kernel drops the locks of a process that dies, so a dead importer never
-keeps the exporter's memory. Freeing marks the lease retired and unlinks it first, so a late
-importer is refused, never handed freed memory. An exporter that exits while others map its
-memory frees it with the process (GPU memory: the importers' mappings are then undefined;
-``IpcHandle.exporter_alive()`` and every import detect the exit; host segments stay valid
-until the last mapping goes). A process never imports its own handle (the runtimes refuse),
-and one imported twice in a process is mapped once, counted. Imported buffers count in
-``memory_stats()`` like any root buffer (their bytes are mapped here, not allocated).
+Lifetimes (DESIGN.md, IPC): whoever allocated memory frees it, and never while another process
+maps it. Each exported allocation has a *lease*, a small file in ``/dev/shm`` (a state byte and
+the handle's seal, a digest of its backend, device, size and key, so that an altered handle is
+refused before anything is mapped): every importer holds a shared ``flock`` on it for as long
+as it maps the memory, and the exporter frees only once it gets the exclusive lock
+(non-blocking): until then the free is deferred, and retried by every later shareable free,
+export or import of the process, and by ``collect()``. The kernel drops the locks of a process
+that dies, so a dead importer never keeps the exporter's memory. Freeing marks the lease
+retired and unlinks it first, so a late importer is refused, never handed freed memory. An
+exporter that exits while others map its memory frees it with the process (GPU memory: the
+importers' mappings are then undefined; ``IpcHandle.exporter_alive()`` and every import detect
+the exit; host segments stay valid until the last mapping goes). A process never imports its
+own handle (the runtimes refuse), and one imported twice in a process is mapped once, counted.
+Imported buffers count in ``memory_stats()`` like any root buffer (their bytes are mapped here,
+not allocated).
 """
 
 from __future__ import annotations
 
 import atexit
 import fcntl
+import hashlib
 import os
 import threading
 from dataclasses import dataclass
@@ -38,6 +41,7 @@ from .runtime import Backend, get_backend
 from .runtime._alloc import HookAllocator
 
 _LIVE, _RETIRED = b"\x01", b"\x00"
+_SEAL_BYTES = 16
 
 
 @dataclass(frozen=True)
@@ -60,6 +64,12 @@ class IpcHandle:
         """Whether the exporting process still runs (on this host)."""
         return self.boot_id == procs.boot_id() and procs.alive(self.pid, self.pid_start)
 
+    def seal(self) -> bytes:
+        """A digest of what the importer maps by (backend, device, size, key): the lease
+        holds the exporter's, so an altered handle is refused before anything is mapped."""
+        text = repr((self.backend, self.device, self.nbytes, self.key))
+        return hashlib.blake2b(text.encode(), digest_size=_SEAL_BYTES).digest()
+
 
 class _Export:
     """The exporter's side of one exported allocation: its handle and lease."""
@@ -69,10 +79,10 @@ class _Export:
         key = backend.ipc_handle(ptr, device)
         self.path = procs.shm_path(procs.unique_name("lease"))
         self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-        os.write(self.fd, _LIVE)
         pid, start = procs.identity()
         self.handle = IpcHandle(backend.name, device, nbytes, key,
                                 os.path.basename(self.path), pid, start, procs.boot_id())
+        os.write(self.fd, _LIVE + self.handle.seal())
 
     def retire(self) -> bool:
         """Take the lease back if no other process holds it: mark it retired, unlink it and
@@ -238,8 +248,12 @@ def _map(backend: Backend, handle: IpcHandle) -> _Mapping:
             fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
         except BlockingIOError:
             raise IpcError(f"{owner} is freeing the memory of this handle") from None
-        if os.pread(fd, 1, 0) != _LIVE:
+        lease = os.pread(fd, 1 + _SEAL_BYTES, 0)
+        if lease[:1] != _LIVE:
             raise IpcError(f"{owner} has freed the memory of this handle")
+        if lease[1:] != handle.seal():
+            raise IpcError(f"the handle does not match the memory {owner} exported under lease "
+                           f"{handle.lease}: its backend, device, size or key was altered")
         if not procs.alive(handle.pid, handle.pid_start):
             raise IpcError(f"{owner}, which exported this handle, has exited")
         return _Mapping(backend, handle, fd)

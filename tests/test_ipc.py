@@ -17,6 +17,7 @@ from workers import (
     share_once,
     spawned,
     try_map,
+    try_map_each,
     try_map_while_mapping,
 )
 
@@ -124,6 +125,21 @@ def test_foreign_garbled_and_own_handles_get_clear_errors(backend):
         with spawned(try_map, garbled) as worker:
             kind, message = worker.receive()
         assert kind == "IpcError" and f"lease {garbled.lease} not found" in message
+
+
+def test_a_handle_altered_to_name_other_memory_is_refused_before_mapping(backend):
+    """The lease seals its handle's backend, device, size and key: a handle whose key names
+    another export's memory, or that claims another size (which no GPU runtime checks), is
+    refused before anything is mapped."""
+    with _shared(backend) as first, _shared(backend) as second:
+        handle = first.ipc_handle()
+        altered = [dataclasses.replace(handle, key=second.ipc_handle().key),
+                   dataclasses.replace(handle, nbytes=handle.nbytes // 2),
+                   dataclasses.replace(handle, nbytes=handle.nbytes * 2)]
+        with spawned(try_map_each, altered) as worker:
+            answers = [worker.receive() for _ in altered]
+    for kind, message in answers:
+        assert kind == "IpcError" and "altered" in message, message
 
 
 def test_a_mapped_handle_imported_again_altered_is_refused(backend):

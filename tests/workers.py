@@ -108,6 +108,12 @@ def try_map(handle: Any, conn: Any) -> None:
         conn.send((type(exc).__name__, str(exc)))
 
 
+def try_map_each(handles: list, conn: Any) -> None:
+    """``try_map`` each of ``handles`` in turn (one message each)."""
+    for handle in handles:
+        try_map(handle, conn)
+
+
 def try_map_while_mapping(held: Any, handle: Any, conn: Any) -> None:
     """Map ``held``, then try to import ``handle`` too; send as ``try_map`` does."""
     from rocmforge_raw import HipBuffer
