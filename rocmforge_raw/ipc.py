@@ -15,14 +15,14 @@ refused before anything is mapped): every importer holds a shared ``flock`` on i
 as it maps the memory, and the exporter frees only once it gets the exclusive lock
 (non-blocking): until then the free is deferred, and retried by every later shareable free,
 export or import of the process, and by ``collect()``. The kernel drops the locks of a process
-that dies, so a dead importer never keeps the exporter's memory. Freeing marks the lease
-retired and unlinks it first, so a late importer is refused, never handed freed memory. An
-exporter that exits while others map its memory frees it with the process (GPU memory: the
-importers' mappings are then undefined; ``IpcHandle.exporter_alive()`` and every import detect
-the exit; host segments stay valid until the last mapping goes). A process never imports its
-own handle (the runtimes refuse), and one imported twice in a process is mapped once, counted.
-Imported buffers count in ``memory_stats()`` like any root buffer (their bytes are mapped here,
-not allocated).
+that dies, so a dead importer never keeps the exporter's memory. Closing marks the lease
+closed, so no process maps the memory anew, and freeing marks it retired and unlinks it first:
+a late importer is refused, never handed freed memory. An exporter that exits while others map
+its memory frees it with the process (GPU memory: the importers' mappings are then undefined;
+``IpcHandle.exporter_alive()`` and every import detect the exit; host segments stay valid until
+the last mapping goes). A process never imports its own handle (the runtimes refuse), and one
+imported twice in a process is mapped once, counted. Imported buffers count in
+``memory_stats()`` like any root buffer (their bytes are mapped here, not allocated).
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ from .errors import IpcError
 from .runtime import Backend, get_backend
 from .runtime._alloc import HookAllocator
 
-_LIVE, _RETIRED = b"\x01", b"\x00"
+_LIVE, _CLOSED, _RETIRED = b"\x01", b"\x02", b"\x00"  # the lease's state byte
 _SEAL_BYTES = 16
 
 
@@ -83,6 +83,11 @@ class _Export:
         self.handle = IpcHandle(backend.name, device, nbytes, key,
                                 os.path.basename(self.path), pid, start, procs.boot_id())
         os.write(self.fd, _LIVE + self.handle.seal())
+
+    def close(self) -> None:
+        """The exporter closed its buffer: no process maps the memory anew (the free waits
+        for those that map it now)."""
+        os.pwrite(self.fd, _CLOSED, 0)
 
     def retire(self) -> bool:
         """Take the lease back if no other process holds it: mark it retired, unlink it and
@@ -151,6 +156,7 @@ def _free(backend: Backend, ptr: int, nbytes: int, device: int) -> None:
         _shareable.discard(key)
         export = _exports.pop(key, None)
         if export is not None and not export.retire():
+            export.close()
             _deferred[key] = (backend, nbytes, export, os.getpid())
             return
     backend.free_shareable(ptr, nbytes, device)
@@ -230,6 +236,8 @@ def import_handle(handle: Any) -> tuple[Backend, int, HookAllocator]:
             raise IpcError(f"the handle does not match the one its memory is mapped with here "
                            f"(size {handle.nbytes} vs {mapping.handle.nbytes}, device "
                            f"{handle.device} vs {mapping.handle.device}): it was altered")
+        else:
+            _check_state(os.pread(mapping.fd, 1, 0), handle)
         mapping.refs += 1
     collect()
     return backend, mapping.ptr, HookAllocator(backend, None, mapping.release)
@@ -249,8 +257,7 @@ def _map(backend: Backend, handle: IpcHandle) -> _Mapping:
         except BlockingIOError:
             raise IpcError(f"{owner} is freeing the memory of this handle") from None
         lease = os.pread(fd, 1 + _SEAL_BYTES, 0)
-        if lease[:1] != _LIVE:
-            raise IpcError(f"{owner} has freed the memory of this handle")
+        _check_state(lease[:1], handle)
         if lease[1:] != handle.seal():
             raise IpcError(f"the handle does not match the memory {owner} exported under lease "
                            f"{handle.lease}: its backend, device, size or key was altered")
@@ -260,6 +267,15 @@ def _map(backend: Backend, handle: IpcHandle) -> _Mapping:
     except BaseException:
         os.close(fd)
         raise
+
+
+def _check_state(state: bytes, handle: IpcHandle) -> None:
+    """Refuse to map memory anew once its exporter closed or freed it."""
+    if state == _CLOSED:
+        raise IpcError(f"process {handle.pid} closed the memory of this handle (it frees it "
+                       "once the processes that map it now let go)")
+    if state != _LIVE:
+        raise IpcError(f"process {handle.pid} has freed the memory of this handle")
 
 
 def _at_exit() -> None:

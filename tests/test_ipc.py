@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from workers import (
     export_and_wait,
+    map_and_map_again,
     map_and_write,
     map_twice,
     share_once,
@@ -77,6 +78,24 @@ def test_close_while_another_process_maps_it_defers_the_free(backend):
     assert ipc.collect() == 4096  # the importer unmapped: now it is freed
     assert ipc.pending()["deferred"] == 0
     assert not _files()
+
+
+def test_memory_its_exporter_closed_is_not_mapped_anew(backend):
+    """After close() (the free deferred while a process maps the memory) neither another
+    process nor the one mapping it may map it again: importers one after another never keep
+    closed memory alive."""
+    buf = _shared(backend)
+    handle = buf.ipc_handle()
+    with spawned(map_and_map_again, handle) as holder:
+        assert holder.receive() == "holding"
+        buf.close()
+        with spawned(try_map, handle) as late:
+            answers = [late.receive()]
+        holder.send("again")
+        answers.append(holder.receive())
+    for kind, message in answers:
+        assert kind == "IpcError" and "closed" in message, message
+    assert ipc.collect() == 4096 and not _files()
 
 
 def test_a_killed_importer_does_not_keep_the_memory(backend):

@@ -122,6 +122,17 @@ def try_map_while_mapping(held: Any, handle: Any, conn: Any) -> None:
         try_map(handle, conn)
 
 
+def map_and_map_again(handle: Any, conn: Any) -> None:
+    """Map ``handle`` and send "holding"; once told, ``try_map`` it again (still mapping it)."""
+    from rocmforge_raw import HipBuffer
+
+    with HipBuffer.from_ipc(handle):
+        conn.send("holding")
+        if conn.poll(TIMEOUT):
+            conn.recv()
+            try_map(handle, conn)
+
+
 def export_and_wait(backend: str, conn: Any) -> None:
     """Export a shareable buffer holding 0..1023 (int32), send its handle, wait to be killed."""
     from rocmforge_raw import HipBuffer
