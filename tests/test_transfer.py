@@ -178,6 +178,25 @@ def test_altered_or_inconsistent_descriptions_are_refused():
         assert cache_state(dst) == before
 
 
+def test_a_description_repeating_a_prefix_hash_is_refused_and_changes_nothing():
+    """Two hashes alike would take one block of the receiver twice: refused, whether that
+    block is held or cached-free there, with the receiver as it was."""
+    with KvCache(config()) as src, KvCache(config()) as dst, PeerTransport() as link:
+        link.publish(src.slab)
+        write_prompt(src, "s", np.arange(40), seed=0)
+        desc = src.export_sequence("s")
+        twice = dataclasses.replace(desc, prefix_hashes=desc.prefix_hashes[:1] * 2)
+        dst.import_sequence(desc, link, "held")
+        for state in ("held", "cached-free"):
+            if state == "cached-free":
+                dst.finish("held")
+            before = cache_state(dst)
+            with pytest.raises(ValueError, match="repeat"):
+                dst.import_sequence(twice, link)
+            assert cache_state(dst) == before, state
+            dst.check_invariants()
+
+
 def test_an_import_never_preempts(backend):
     with KvCache(config(), backend=backend) as src, \
             KvCache(config(num_blocks=6), backend=backend) as dst, PeerTransport() as link:

@@ -136,11 +136,12 @@ def import_sequence(cache: KvCache, desc: Any, transport: Any,
     if needed > pool.num_free:
         raise CacheFullError(needed, pool.num_free, "an import never preempts")
     saved, cached = cache._save(), set(pool.cached_ids().tolist())
-    pool.take(hits)
-    new = pool.allocate(fresh)
-    spans = block_spans(src_ids[len(hits) :], new, desc.num_blocks, config)
-    start = time.perf_counter()
+    new = np.zeros(0, np.int32)
     try:
+        pool.take(hits)
+        new = pool.allocate(fresh)
+        spans = block_spans(src_ids[len(hits) :], new, desc.num_blocks, config)
+        start = time.perf_counter()
         transport.read(desc.endpoints[transport.name], cache.slab.buffer, spans, cache.stream)
     except BaseException:
         cache._restore(saved)
@@ -181,6 +182,8 @@ def _check(desc: SequenceDescription, config: CacheConfig) -> np.ndarray:
                                      for h in hashes):
         raise ValueError(f"prefix_hashes must be at most {ids.size} hashes of {HASH_BYTES} "
                          f"bytes, got {checks.show(hashes)}")
+    if len(set(hashes)) != len(hashes):  # chained hashes never repeat: one block each
+        raise ValueError(f"prefix_hashes repeat a hash: {checks.show(hashes)}")
     return ids
 
 
