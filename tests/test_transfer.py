@@ -161,7 +161,9 @@ def test_altered_or_inconsistent_descriptions_are_refused():
         bad = [(dataclasses.replace(desc, fingerprint="0" * 32), "was altered"),
                (dataclasses.replace(desc, num_tokens=70), "3 blocks cannot hold 70 tokens"),
                (dataclasses.replace(desc, block_ids=(1, 2, 40)), r"leave 1\.\.31"),
-               (dataclasses.replace(desc, prefix_hashes=(b"x",)), "hashes of 16 bytes"),
+               (dataclasses.replace(desc, prefix_hashes=(b"x",)), r"full block\) of 16 bytes"),
+               (dataclasses.replace(desc, prefix_hashes=(*desc.prefix_hashes, b"p" * 16)),
+                "at most 2 hashes"),  # 40 tokens: the third block is partial
                (dataclasses.replace(desc, endpoints={}), "published through no transport")]
         for wrong, message in bad:
             with pytest.raises(ValueError, match=message):

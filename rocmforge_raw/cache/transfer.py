@@ -177,11 +177,10 @@ def _check(desc: SequenceDescription, config: CacheConfig) -> np.ndarray:
     if ids.min() < 1 or ids.max() >= src_blocks:
         raise ValueError(f"block ids {checks.show(list(desc.block_ids))} leave 1.."
                          f"{src_blocks - 1}")
-    hashes = desc.prefix_hashes
-    if len(hashes) > ids.size or any(type(h) is not bytes or len(h) != HASH_BYTES
-                                     for h in hashes):
-        raise ValueError(f"prefix_hashes must be at most {ids.size} hashes of {HASH_BYTES} "
-                         f"bytes, got {checks.show(hashes)}")
+    hashes, full = desc.prefix_hashes, num_tokens // config.block_size  # a partial block: none
+    if len(hashes) > full or any(type(h) is not bytes or len(h) != HASH_BYTES for h in hashes):
+        raise ValueError(f"prefix_hashes must be at most {full} hashes (one per full block) of "
+                         f"{HASH_BYTES} bytes, got {checks.show(hashes)}")
     if len(set(hashes)) != len(hashes):  # chained hashes never repeat: one block each
         raise ValueError(f"prefix_hashes repeat a hash: {checks.show(hashes)}")
     return ids
