@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import pickle
+import re
 
 import numpy as np
 import pytest
@@ -170,6 +171,11 @@ def test_altered_or_inconsistent_descriptions_are_refused():
                 dst.import_sequence(wrong, link)
         with pytest.raises(TypeError, match="SequenceDescription"):
             dst.import_sequence(dict(desc.__dict__), link)
+        for field, value in (("block_ids", (1.9, 2.2, 3.7)), ("block_ids", ("a", "b", "c")),
+                             ("prefix_hashes", None), ("endpoints", None)):
+            shown = re.escape(repr(value)[:5])
+            with pytest.raises(TypeError, match=rf"desc\.{field} must be .*{shown}"):
+                dst.import_sequence(dataclasses.replace(desc, **{field: value}), link)
         with pytest.raises(TypeError, match="Transport"):
             dst.import_sequence(desc, "peer")
         assert cache_state(dst) == before

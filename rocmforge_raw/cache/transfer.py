@@ -170,6 +170,7 @@ def _check(desc: SequenceDescription, config: CacheConfig) -> np.ndarray:
                          f"{fingerprint(ours)!r}: the description was altered")
     num_tokens = checks.integer(desc.num_tokens, "desc.num_tokens", 1)
     src_blocks = checks.integer(desc.num_blocks, "desc.num_blocks", 2)
+    _check_types(desc)
     ids = np.asarray(desc.block_ids, np.int64)
     if ids.size != -(-num_tokens // config.block_size):
         raise ValueError(f"{ids.size} blocks cannot hold {num_tokens} tokens of "
@@ -184,6 +185,20 @@ def _check(desc: SequenceDescription, config: CacheConfig) -> np.ndarray:
     if len(set(hashes)) != len(hashes):  # chained hashes never repeat: one block each
         raise ValueError(f"prefix_hashes repeat a hash: {checks.show(hashes)}")
     return ids
+
+
+def _check_types(desc: SequenceDescription) -> None:
+    """The containers of ``desc`` as ``export_sequence`` makes them (never cast: a float
+    block id is no block)."""
+    ids, hashes, endpoints = desc.block_ids, desc.prefix_hashes, desc.endpoints
+    if not isinstance(ids, (tuple, list)) or not all(
+            isinstance(i, (int, np.integer)) and not isinstance(i, bool) for i in ids):
+        raise TypeError(f"desc.block_ids must be a tuple of ints, got {checks.show(ids)}")
+    if not isinstance(hashes, (tuple, list)):
+        raise TypeError(f"desc.prefix_hashes must be a tuple of bytes, got {checks.show(hashes)}")
+    if not isinstance(endpoints, dict):
+        raise TypeError(f"desc.endpoints must be a dict (transport name: endpoint), got "
+                        f"{checks.show(endpoints)}")
 
 
 def block_spans(src: np.ndarray, dst: np.ndarray, src_blocks: int,
