@@ -24,7 +24,8 @@ from workers import (
 
 import rocmforge_raw as rf
 from rocmforge_raw import ipc, procs
-from rocmforge_raw.errors import IpcError
+from rocmforge_raw.errors import DeviceError, IpcError
+from rocmforge_raw.runtime import get_backend
 
 
 def _shared(backend, values=1024):
@@ -190,6 +191,21 @@ def test_only_shareable_root_buffers_export(backend):
     with pytest.raises(rf.BufferClosedError):
         buf.ipc_handle()
     assert ipc.pending() == {"exported": 0, "deferred": 0, "deferred_bytes": 0, "imported": 0}
+
+
+def test_a_host_segment_that_cannot_be_mapped_leaves_no_file(monkeypatch):
+    """A failure after the segment was made (mmap refused: address space or map count
+    exhausted) removes it, and with it the /dev/shm space it reserved."""
+    host = get_backend("host")
+    files = _files()
+
+    def refuse(fd, nbytes, name):
+        raise DeviceError("mmap", 12, "Cannot allocate memory", f"mapping {name.decode()}")
+
+    monkeypatch.setattr(type(host), "_map", staticmethod(refuse))
+    with pytest.raises(DeviceError, match="mmap"):
+        rf.HipBuffer(1 << 20, backend=host, shareable=True)
+    assert _files() == files
 
 
 def test_shareable_memory_is_counted_and_freed_like_any_buffer(backend):

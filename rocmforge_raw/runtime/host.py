@@ -131,12 +131,14 @@ class HostBackend(Backend):
             try:
                 os.posix_fallocate(fd, 0, nbytes)
             except OSError as exc:
-                _librt.shm_unlink(name)
                 shm = os.statvfs(procs.SHM_DIR)
                 raise OutOfMemoryError("posix_fallocate", nbytes, shm.f_bavail * shm.f_frsize,
                                        shm.f_blocks * shm.f_frsize, exc.errno,
                                        f"/dev/shm: {exc.strerror}") from None
             ptr = self._map(fd, nbytes, name)
+        except BaseException:
+            _librt.shm_unlink(name)  # the name and the space it reserved go
+            raise
         finally:
             os.close(fd)
         with self._segments_lock:
