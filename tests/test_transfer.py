@@ -136,6 +136,21 @@ def test_prefix_blocks_the_receiver_holds_are_shared_not_moved(backend):
         assert dst.stats()["used_blocks"] == 4 + 2
 
 
+def test_a_sequence_the_receiver_holds_whole_reads_nothing(backend):
+    """Every block a prefix hit: nothing moves, so the transport is not asked (no mapping,
+    no wait for the stream), and the sender's slab may be gone already."""
+    with KvCache(config(), backend=backend) as dst, PeerTransport() as link:
+        with KvCache(config(), backend=backend) as src:
+            link.publish(src.slab)
+            write_prompt(src, "s", np.arange(32), seed=0)  # two full blocks
+            desc = src.export_sequence("s")
+            dst.import_sequence(desc, link)
+        done = dst.import_sequence(desc, link, "again")  # the sender's slab is closed
+        assert (done.blocks_shared, done.blocks_moved, done.nbytes) == (2, 0, 0)
+        assert list(dst.block_ids("again")) == list(dst.block_ids("s"))
+        dst.check_invariants()
+
+
 @pytest.mark.parametrize("change", [dict(block_size=32), dict(num_kv_heads=4),
                                     dict(dtype="bfloat16"), dict(num_layers=3),
                                     dict(FP8, kv_scales=[(0.02, 0.5)] * 2)],

@@ -142,7 +142,9 @@ def import_sequence(cache: KvCache, desc: Any, transport: Any,
         new = pool.allocate(fresh)
         spans = block_spans(src_ids[len(hits) :], new, desc.num_blocks, config)
         start = time.perf_counter()
-        transport.read(desc.endpoints[transport.name], cache.slab.buffer, spans, cache.stream)
+        if len(spans):  # every block a prefix hit: nothing to map, move or wait for
+            transport.read(desc.endpoints[transport.name], cache.slab.buffer, spans,
+                           cache.stream)
     except BaseException:
         cache._restore(saved)
         pool.forget(sorted(cached.intersection(new.tolist())))
