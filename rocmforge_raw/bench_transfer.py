@@ -15,9 +15,11 @@ scattered (every block its own span). The slab is random data, never zeros.
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import statistics
 import time
+import traceback
 from typing import Any
 
 import numpy as np
@@ -46,7 +48,16 @@ def _link(transport: str) -> Any:
 
 def _sender(backend: str, device: int, transport: str, scattered: bool, conn: Any) -> None:
     """The prefill side: a sequence filling half the cache (its blocks every other one when
-    ``scattered``), its description sent; waits for a word to end."""
+    ``scattered``), its description sent; waits for a word to end. An error is sent as
+    ``("error", traceback)``."""
+    try:
+        _serve(backend, device, transport, scattered, conn)
+    except BaseException:
+        conn.send(("error", traceback.format_exc()))
+        raise
+
+
+def _serve(backend: str, device: int, transport: str, scattered: bool, conn: Any) -> None:
     config = transfer_config(_backend(backend))
     tokens = (config.num_blocks - 2) // 2 * config.block_size
     with _link(transport) as link, KvCache(config, device, backend, strict=True,
@@ -82,10 +93,9 @@ def _row(backend: Backend, device: int, transport: str, scattered: bool,
     sender = ctx.Process(target=_sender, args=(backend.name, device, transport, scattered, child),
                          daemon=True)
     sender.start()
+    child.close()  # the sender's end is the sender's alone: its exit reads as end of file
     try:
-        if not conn.poll(TIMEOUT):
-            raise TimeoutError(f"the sender process sent nothing in {TIMEOUT} s")
-        desc = conn.recv()
+        desc = _receive(conn, sender)
         config = transfer_config(backend)
         with _link(transport) as link, KvCache(config, device, backend, strict=True) as cache:
             if scattered:  # the receiving side scattered too
@@ -110,11 +120,27 @@ def _row(backend: Backend, device: int, transport: str, scattered: bool,
                 "import_gb_per_s": nbytes / whole / 1e9, "copy_gb_per_s": copy_gbs,
                 "pct_of_copy": 100.0 * copy_s / transfer}
     finally:
-        conn.send("end")
+        with contextlib.suppress(OSError):  # a sender that failed has gone
+            conn.send("end")
         sender.join(TIMEOUT)
         if sender.is_alive():
             sender.kill()
             sender.join()
+
+
+def _receive(conn: Any, sender: Any) -> Any:
+    """The sender's description; its error raised here as a ``RuntimeError``."""
+    if not conn.poll(TIMEOUT):
+        raise TimeoutError(f"the sender process sent nothing in {TIMEOUT} s")
+    try:
+        message = conn.recv()
+    except EOFError:
+        sender.join(TIMEOUT)
+        raise RuntimeError(f"the sender process ended (exit code {sender.exitcode}) before "
+                           "it sent its description") from None
+    if isinstance(message, tuple) and message[:1] == ("error",):
+        raise RuntimeError(f"the sender process failed:\n{message[1]}")
+    return message
 
 
 def _spans(desc: Any, config: CacheConfig) -> int:

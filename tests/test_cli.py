@@ -183,3 +183,13 @@ def test_bench_transfer_reports_both_layouts_against_the_copy(capsys):
         assert row["pct_of_copy"] == pytest.approx(
             100 * row["transfer_gb_per_s"] / row["copy_gb_per_s"])
     assert (consecutive["spans"], scattered["spans"]) == (2 * 8, 128 * 2 * 8)
+
+
+def test_bench_transfer_ends_with_the_error_its_sender_process_raised():
+    """A sender that fails (here: a device the host backend lacks) ends the run at once,
+    naming its error, instead of leaving the receiver waiting for the benchmark's timeout."""
+    from rocmforge_raw.bench_transfer import bench_transfer
+    from rocmforge_raw.runtime import get_backend
+
+    with pytest.raises(RuntimeError, match=r"(?s)the sender process failed.*device 1 does"):
+        bench_transfer(get_backend("host"), 1, "ipc", 1)
