@@ -6,9 +6,11 @@ must equal the reference computed from the K/V the prefill side wrote."""
 from __future__ import annotations
 
 import dataclasses
+import gc
 import math
 import pickle
 import re
+import weakref
 
 import numpy as np
 import pytest
@@ -340,6 +342,21 @@ def test_a_slab_registered_with_the_engine_outlives_its_cache_until_the_engine_c
     link.close()
     assert rf.memory_stats()["live_buffers"] == live
     assert rf.transport.published(cache.slab.buffer) == {}
+
+
+def test_a_mooncake_transport_dropped_unclosed_lets_go_of_its_engine_and_slabs(backend):
+    """Garbage collection closes a transport nobody closed: the slab it registered (of a
+    closed cache still referenced) is freed, and the engine with its port goes."""
+    link = _mooncake_or_skip(backend)
+    live = rf.memory_stats()["live_buffers"]
+    cache = KvCache(config(), backend=backend)
+    link.publish(cache.slab)
+    cache.close()
+    dropped = weakref.ref(link)
+    del link
+    gc.collect()
+    assert dropped() is None
+    assert rf.memory_stats()["live_buffers"] == live and cache.slab.buffer.closed
 
 
 def test_peer_copies_work_within_one_device(backend, rng):

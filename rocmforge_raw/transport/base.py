@@ -2,13 +2,14 @@
 
 A sender *publishes* a buffer (a cache's slab) through a transport once: ``publish(buffer)``
 returns an *endpoint*, a picklable value that tells a receiver where the bytes are, and
-remembers it for the buffer (``published(buffer)``: ``KvCache.export_sequence`` puts every
-endpoint of its slab into the sequence's description). A receiver *reads*:
-``read(endpoint, dst, spans, stream)`` copies each span ``(src_offset, dst_offset, nbytes)``
-of the published buffer into ``dst`` and returns once the bytes have arrived (what the sender
-waits for before it may reuse them), or raises ``TransferError``/``IpcError`` naming why.
-Writes into ``dst`` are ordered after the work already queued on ``stream``: a copy engine of
-the runtime queues on it, an outside engine waits for it first. Offsets and sizes are bytes.
+remembers it for the buffer while the transport lives (``published(buffer)``:
+``KvCache.export_sequence`` puts every endpoint of its slab into the sequence's description). A
+receiver *reads*: ``read(endpoint, dst, spans, stream)`` copies each span ``(src_offset,
+dst_offset, nbytes)`` of the published buffer into ``dst`` and returns once the bytes have
+arrived (what the sender waits for before it may reuse them), or raises
+``TransferError``/``IpcError`` naming why. Writes into ``dst`` are ordered after the work
+already queued on ``stream``: a copy engine of the runtime queues on it, an outside engine
+waits for it first. Offsets and sizes are bytes.
 """
 
 from __future__ import annotations
@@ -23,14 +24,17 @@ from .. import checks
 from ..buffer import HipBuffer
 from ..stream import Event, Stream, stream_handle
 
-#: buffer -> {transport name: (the transport that published it, its endpoint)}
-_published: weakref.WeakKeyDictionary[HipBuffer, dict[str, tuple[Transport, Any]]] = \
+#: buffer -> {transport name: (the transport that published it, held weakly: a transport
+#: dropped unclosed is collected, its endpoint, which dies with it)}
+_published: weakref.WeakKeyDictionary[HipBuffer, dict[str, tuple[weakref.ref, Any]]] = \
     weakref.WeakKeyDictionary()
 
 
 def published(buffer: HipBuffer) -> dict[str, Any]:
-    """The endpoints ``buffer`` is published with, by transport name (the latest of each)."""
-    return {name: endpoint for name, (_, endpoint) in _published.get(buffer.root, {}).items()}
+    """The endpoints ``buffer`` is published with by live transports, by transport name (the
+    latest of each)."""
+    return {name: endpoint for name, (transport, endpoint) in
+            _published.get(buffer.root, {}).items() if transport() is not None}
 
 
 class Transport(ABC):
@@ -45,9 +49,12 @@ class Transport(ABC):
         readable through this transport; returns its endpoint (the same one again later)."""
         root = root_buffer(buffer)
         endpoints = _published.setdefault(root, {})
-        if endpoints.get(self.name, (None,))[0] is not self:
-            endpoints[self.name] = (self, self._publish(root))
+        if not self._published_by_me(endpoints):
+            endpoints[self.name] = (weakref.ref(self), self._publish(root))
         return endpoints[self.name][1]
+
+    def _published_by_me(self, endpoints: dict[str, tuple[weakref.ref, Any]]) -> bool:
+        return self.name in endpoints and endpoints[self.name][0]() is self
 
     @abstractmethod
     def _publish(self, buffer: HipBuffer) -> Any: ...
@@ -65,7 +72,7 @@ class Transport(ABC):
     def _forget(self, buffer: HipBuffer) -> None:
         """``buffer`` is published through this transport no more."""
         endpoints = _published.get(buffer, {})
-        if endpoints.get(self.name, (None,))[0] is self:
+        if self._published_by_me(endpoints):
             del endpoints[self.name]
 
     def __enter__(self) -> Any:

@@ -14,12 +14,14 @@ registers a buffer (a cache's slab, once, at the cache's start) and returns its 
 for the work queued on the receiving stream, then posts one batch of reads and returns when
 the engine says the bytes arrived. A registered buffer counts as an outside consumer of its
 memory (like a DLPack export): closing it while registered frees the memory only once
-``close()`` unregisters it, so the engine never reads or writes freed memory.
+``close()`` unregisters it, so the engine never reads or writes freed memory. A transport
+dropped without ``close()`` is closed when it is collected.
 """
 
 from __future__ import annotations
 
 import importlib.metadata
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -83,6 +85,8 @@ class MooncakeTransport(Transport):
                                 f"{protocol} (status {status}; its log says why)")
         self.session = f"{hostname}:{self._engine.get_rpc_port()}"
         self._registered: dict[int, tuple[HipBuffer, Any]] = {}  # ptr -> (buffer, end)
+        # holds the engine, not the transport: it stops once every buffer is unregistered
+        self._release = weakref.finalize(self, _unregister_all, self._engine, self._registered)
 
     @staticmethod
     def reaches(backend: str) -> bool:
@@ -132,9 +136,15 @@ class MooncakeTransport(Transport):
 
     def close(self) -> None:
         """Unregister every buffer (closed ones are freed now) and stop the engine."""
-        while self._registered:
-            ptr, (buffer, end) = self._registered.popitem()
-            self._engine.unregister_memory(ptr)
+        for buffer, _ in self._registered.values():
             self._forget(buffer)
-            end()
+        self._release()
         self._engine = None  # the engine stops listening when it is destroyed
+
+
+def _unregister_all(engine: Any, registered: dict[int, tuple[HipBuffer, Any]]) -> None:
+    """Unregister each buffer from ``engine``, then end its export (a closed one is freed)."""
+    while registered:
+        ptr, (_, end) = registered.popitem()
+        engine.unregister_memory(ptr)
+        end()
