@@ -111,13 +111,16 @@ class _Mapping:
         self.ptr = backend.ipc_open(handle.key, handle.nbytes, handle.device)
 
     def release(self, ptr: int, nbytes: int, device: int) -> None:
-        """One importing buffer fewer; the last unmaps and lets go of the lease."""
+        """One importing buffer fewer; the last waits for the device's queued work (which
+        may still use the memory, as cuMemFree/hipFree wait), unmaps and lets go of the
+        lease: only then may the exporter free."""
         with _lock:
             self.refs -= 1
             if self.refs:
                 return
             del _imports[(self.handle.backend, self.handle.key)]
             try:
+                self.backend.synchronize(self.handle.device)
                 self.backend.ipc_close(self.ptr, self.handle.nbytes, self.handle.device)
             finally:
                 os.close(self.fd)  # releases the shared lock: the exporter may free

@@ -219,3 +219,26 @@ def test_shareable_memory_is_counted_and_freed_like_any_buffer(backend):
     assert rf.memory_stats()["live_bytes"] == before["live_bytes"]
     assert ipc.pending()["exported"] == 0
     assert not _files()
+
+
+def test_the_last_importer_waits_for_the_device_before_it_unmaps_and_lets_go():
+    # The importer's queued work may still use the memory: only after the device has passed
+    # it may the exporter (which frees once the lease is free) free it.
+    calls = []
+
+    class Recording:  # stands for a GPU backend (none answers here): records the order
+        def synchronize(self, device):
+            calls.append(("synchronize", device))
+
+        def ipc_close(self, ptr, nbytes, device):
+            calls.append(("ipc_close", device))
+
+    handle = dataclasses.make_dataclass("Handle", ["backend", "key", "nbytes", "device"])(
+        "cuda", b"k", 256, 1)
+    mapping = object.__new__(ipc._Mapping)
+    mapping.backend, mapping.handle, mapping.refs = Recording(), handle, 1
+    mapping.fd, mapping.ptr = os.open(os.devnull, os.O_RDONLY), 4096
+    ipc._imports[("cuda", b"k")] = mapping
+    mapping.release(4096, 256, 1)
+    assert calls == [("synchronize", 1), ("ipc_close", 1)]
+    assert ("cuda", b"k") not in ipc._imports
