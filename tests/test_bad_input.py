@@ -593,6 +593,8 @@ TRANSFER = [
     P("transfer-mooncake-hostname-int", "MooncakeTransport(5)", "TypeError", "5"),
     P("transfer-mooncake-protocol-none", "MooncakeTransport('127.0.0.1', None)", "TypeError",
       "None"),
+    P("transfer-mooncake-protocol-unknown", "MooncakeTransport('127.0.0.1', 'carrier-pigeon')",
+      "ValueError", "'carrier-pigeon'"),
     P("transfer-publish-str", "PeerTransport().publish('slab')", "TypeError", "'slab'"),
     C("cli-bench-transport-unknown", "bench --transfer --transport tcp", "'tcp'"),
 ]

@@ -65,6 +65,10 @@ def _distribution() -> str:
     return names[0] if names else "mooncake"
 
 
+#: The engine's transports this class drives (the engine takes any name and reports nothing).
+PROTOCOLS = ("tcp", "rdma")
+
+
 class MooncakeTransport(Transport):
     """One Transfer Engine listening on ``hostname`` (peer-to-peer handshake, no metadata
     server); ``protocol`` ``tcp`` or ``rdma`` (then ``device_name``: the NICs, such as
@@ -78,6 +82,8 @@ class MooncakeTransport(Transport):
                            ("device_name", device_name)):
             if not isinstance(value, str):
                 raise TypeError(f"{arg} must be a str, got {checks.show(value)}")
+        if protocol not in PROTOCOLS:
+            raise ValueError(f"protocol must be one of {', '.join(PROTOCOLS)}, got {protocol!r}")
         self._engine = _engine_class()()
         status = self._engine.initialize(hostname, "P2PHANDSHAKE", protocol, device_name)
         if status != 0:
