@@ -4,29 +4,28 @@ and judge whether anything grows.
 Workload per cycle: (a) raw and pooled HipBuffers of random sizes, (b) a KV cache under a
 scheduler (add/append/fork/finish/preempt) with reshape_and_cache and paged_attention
 launches, (c) on GPUs, loading, launching and unloading a code object. Samples: library live
-bytes and buffers, device used bytes (mem_info, GPU only) and process RSS. PASS when live
-buffers return to their baseline after teardown and, after warm-up, the fitted drift (slope x
-post-warm-up duration) of device-used bytes and of RSS stays under the thresholds. The slope
-is Theil-Sen's (the median of the slopes between all pairs of samples): the driver's used
-bytes dip for single samples (module unloads, the pool between cycles) and a least-squares
-line tilts by a megabyte with where those dips happen to fall, while a leak lifts the whole
-series.
-``inject_leak`` keeps one small buffer per cycle, which must FAIL.
+bytes and buffers, device used bytes (mem_info, GPU only) and process RSS.
+
+Verdict (``drift``): PASS when live buffers return to their baseline after teardown and,
+after the warm-up, the fitted drift (Theil-Sen slope x judged span) of RSS and of device-used
+bytes stays under its limit; FAIL when either does not. The warm-up ends where every judged
+series has become steady (detected, not a fixed share of the run); a run in which one never
+does is UNSETTLED: too short to judge, never a PASS (a leak gate that tests nothing must not
+pass) and never a FAIL (the machine did not leak). ``inject_leak`` keeps one small buffer per
+cycle and ``leak_bytes_per_s`` keeps host memory at a steady rate: both must FAIL.
 """
 
 from __future__ import annotations
 
-import csv
 import gc
-import json
 import os
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
-from . import checks, ops
+from . import checks, drift, ops, progress, soak_report
 from .array import DeviceArray
 from .buffer import HipBuffer, memory_stats
 from .cache import CacheConfig, KvCache, Request, Scheduler
@@ -36,38 +35,35 @@ from .runtime import Backend
 
 MiB = 1 << 20
 WORKLOADS = ("buffers", "cache", "modules")
-#: Samples are taken once a second; the drift fit needs three after the warm-up, so a run
-#: must leave at least this many seconds to judge.
-MIN_JUDGED_S = 3.0
-MIN_SAMPLES = 3
+#: Samples are taken once a second; the steadiness test and the fit need this many seconds
+#: after the warm-up, so no shorter run can be judged.
+MIN_SECONDS = 2 * drift.MIN_HALF
+PASS, FAIL, UNSETTLED = "PASS", "FAIL", "UNSETTLED"
 
 
 @dataclass
 class SoakConfig:
-    """A soak run: ``seconds`` of churn, the first ``warmup_fraction`` of it left out of the
-    drift fit, drift thresholds in bytes. Checked at construction: a run too short to judge
-    (fewer than ``MIN_JUDGED_S`` seconds after the warm-up) is refused."""
+    """A soak run: ``seconds`` of churn, drift limits in bytes. Checked at construction: a run
+    shorter than ``MIN_SECONDS`` is refused (it could never be judged)."""
 
     seconds: float = 60.0
-    warmup_fraction: float = 0.25
     max_device_drift_bytes: int = 1 * MiB
     max_rss_drift_bytes: int = 8 * MiB
     inject_leak: bool = False
+    leak_bytes_per_s: int = 0
     out_dir: str = "soak-out"
     workloads: tuple[str, ...] = WORKLOADS
 
     def __post_init__(self) -> None:
         seconds = checks.real(self.seconds, "seconds", 0.0)
-        warmup = checks.real(self.warmup_fraction, "warmup_fraction", 0.0)
-        if warmup >= 1.0:
-            raise ValueError(f"warmup_fraction must be below 1, got {warmup}")
-        judged = seconds * (1.0 - warmup)
-        if judged < MIN_JUDGED_S:
-            raise ValueError(f"a {seconds:g}-second soak with warm-up {warmup:g} leaves "
-                             f"{judged:g} s to judge drift; at least {MIN_JUDGED_S:g} s are "
-                             "needed (a leak gate that tests nothing must not pass)")
+        if seconds < MIN_SECONDS:
+            raise ValueError(f"a {seconds:g}-second soak cannot be judged: the drift fit needs "
+                             f"at least {MIN_SECONDS} s (one sample a second) after memory "
+                             "settles; run 60 s or more (a leak gate that tests nothing must "
+                             "not pass)")
         checks.integer(self.max_device_drift_bytes, "max_device_drift_bytes", 0)
         checks.integer(self.max_rss_drift_bytes, "max_rss_drift_bytes", 0)
+        checks.integer(self.leak_bytes_per_s, "leak_bytes_per_s", 0)
         checks.flag(self.inject_leak, "inject_leak")
         if not isinstance(self.out_dir, (str, os.PathLike)):
             raise TypeError(f"out_dir must be a path, got {checks.show(self.out_dir)}")
@@ -79,41 +75,28 @@ class SoakConfig:
 
 @dataclass
 class SoakResult:
+    """``verdict`` is PASS, FAIL or UNSETTLED (``passed``: PASS); ``reasons`` say why it is not
+    PASS. ``warmup_s`` is where the judged span starts (None when unsettled); the drifts are
+    in bytes over the judged span (None: not judged). ``notes`` say what was left out (a
+    plot without matplotlib)."""
+
+    verdict: str
     passed: bool
     reasons: list[str]
     cycles: int
     samples: int
     baseline_live_buffers: int
     final_live_buffers: int
+    warmup_s: float | None
     device_drift_bytes: float | None
-    rss_drift_bytes: float
+    rss_drift_bytes: float | None
     files: dict[str, str] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
 
 
 def _rss() -> int:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-_MAX_FIT = 1000  # samples in the drift fit: 500 000 pairs at most
-
-
-def _drift(times: np.ndarray, values: np.ndarray, start: float) -> float:
-    """Theil-Sen slope of ``values`` after ``start`` (bytes per second), times the span it
-    covers: robust to single-sample dips and spikes (up to ~29% of the samples). Pairs grow
-    as the square of the samples, so a soak of hours is thinned to ``_MAX_FIT`` evenly
-    spaced samples (one per second up to ~16 minutes)."""
-    keep = times >= start
-    if keep.sum() < 3:
-        return 0.0
-    t, v = times[keep], values[keep].astype(np.float64)
-    if len(t) > _MAX_FIT:
-        pick = np.linspace(0, len(t) - 1, _MAX_FIT).round().astype(np.int64)
-        t, v = t[pick], v[pick]
-    first, second = np.triu_indices(len(t), k=1)
-    dt = t[second] - t[first]
-    slopes = (v[second] - v[first])[dt > 0] / dt[dt > 0]
-    return float(np.median(slopes) * (t[-1] - t[0]))
 
 
 class _Workload:
@@ -192,18 +175,39 @@ class _Workload:
         self.backend.synchronize(self.device)
 
 
+class _PlantedLeak:
+    """Host memory kept at ``rate`` bytes per second of the run, written so that it counts in
+    RSS, and unknown to the registry: only the drift can find it (the calibration's leak)."""
+
+    def __init__(self, rate: int) -> None:
+        self.rate, self.held = rate, 0
+        self.kept: list[bytes] = []
+
+    def feed(self, elapsed: float) -> None:
+        owed = int(elapsed * self.rate) - self.held
+        if owed >= 4096:
+            self.kept.append(b"\xa5" * owed)
+            self.held += owed
+
+
+#: One sample: seconds, live bytes, live buffers, device used bytes (GPU), RSS bytes
+Row = tuple[float, int, int, int | None, int]
+
+
 def run_soak(backend: Backend, device: int, config: SoakConfig,
              seed: int | None = None) -> SoakResult:
-    """Run the soak and write ``soak.csv``, ``soak.json`` and ``soak.png`` (if matplotlib is
-    installed) into ``config.out_dir``."""
+    """Run the soak (a progress bar on a terminal, ``progress``), judge it and write
+    ``soak.csv``, ``soak.json`` and ``soak.png`` (if matplotlib is installed; else a note says
+    why not) into ``config.out_dir``."""
     out = Path(config.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     gc.collect()
     baseline = memory_stats()["live_buffers"]
     gpu = backend.name != "host"
-    rows: list[tuple[float, int, int, int | None, int]] = []
+    rows: list[Row] = []
     workload = _Workload(backend, device, np.random.default_rng(seed), config.workloads)
     leaked: list[HipBuffer] = []
+    planted = _PlantedLeak(config.leak_bytes_per_s)
     start = time.monotonic()
     next_sample, cycles = start, 0
 
@@ -216,14 +220,21 @@ def run_soak(backend: Backend, device: int, config: SoakConfig,
         rows.append((time.monotonic() - start, stats["live_bytes"], stats["live_buffers"],
                      used, _rss()))
 
+    shown = progress.bar(config.seconds, f"soak {backend.name}:{device}", unit="s",
+                         bar_format="{desc}: {bar} {n:.0f}/{total:.0f} s {postfix}")
     try:
-        while time.monotonic() - start < config.seconds:
-            workload.cycle(leaked if config.inject_leak else None)
-            cycles += 1
-            if time.monotonic() >= next_sample:
-                gc.collect()
-                sample()
-                next_sample += 1.0
+        with shown:
+            while (elapsed := time.monotonic() - start) < config.seconds:
+                workload.cycle(leaked if config.inject_leak else None)
+                planted.feed(elapsed)
+                cycles += 1
+                if time.monotonic() >= next_sample:
+                    gc.collect()
+                    sample()
+                    next_sample += 1.0
+                    shown.set_postfix_str(f"{cycles} cycles, RSS {rows[-1][4] / MiB:.0f} MiB",
+                                          refresh=False)
+                    shown.update(min(elapsed, config.seconds) - shown.n)
     finally:
         workload.close()
         del workload
@@ -231,70 +242,65 @@ def run_soak(backend: Backend, device: int, config: SoakConfig,
         sample()
     final_live = memory_stats()["live_buffers"]
     leaked_on_purpose = len(leaked)
-    for buf in leaked:  # judged already: give the planted leak back to the process
+    for buf in leaked:  # judged already: give the planted leaks back to the process
         buf.close()
-    running = rows[:-1]  # the last sample is after teardown: it judges live buffers only
-    times = np.array([r[0] for r in running])
-    warm = config.seconds * config.warmup_fraction
-    device_drift = _drift(times, np.array([r[3] for r in running], np.float64), warm) if gpu \
-        else None
-    rss_drift = _drift(times, np.array([r[4] for r in running], np.float64), warm)
-    reasons = []
-    judged = int((times >= warm).sum())
-    if judged < MIN_SAMPLES:
-        reasons.append(f"only {judged} samples after the warm-up ({cycles} cycles in all): "
-                       f"too few to judge drift; run longer")
-    if final_live != baseline:
-        reasons.append(f"live buffers: {final_live} after teardown, baseline {baseline} "
-                       f"({final_live - baseline} leaked)")
-    if device_drift is not None and device_drift > config.max_device_drift_bytes:
-        reasons.append(f"device used bytes: drift {device_drift / MiB:.2f} MiB over the run "
-                       f"(slope {device_drift / max(times[-1] - warm, 1e-9) / 1024:.1f} KiB/s) "
-                       f"> {config.max_device_drift_bytes / MiB:.2f} MiB")
-    if rss_drift > config.max_rss_drift_bytes:
-        reasons.append(f"RSS: drift {rss_drift / MiB:.2f} MiB over the run (slope "
-                       f"{rss_drift / max(times[-1] - warm, 1e-9) / 1024:.1f} KiB/s) > "
-                       f"{config.max_rss_drift_bytes / MiB:.2f} MiB")
-    files = _write_outputs(out, rows, gpu)
-    result = SoakResult(not reasons, reasons, cycles, len(rows), baseline, final_live,
-                        device_drift, rss_drift, files)
-    summary = {**asdict(result), "config": asdict(config), "backend": backend.name,
-               "device": backend.properties(device).name,
-               "leaked_on_purpose": leaked_on_purpose}
-    (out / "soak.json").write_text(json.dumps(summary, indent=2))
-    result.files["json"] = str(out / "soak.json")
+    planted.kept.clear()
+    result, fits = _judge(rows, gpu, config, cycles, baseline, final_live)
+    summary = {"config": config, "backend": backend.name,
+               "device": backend.properties(device).name, "leaked_on_purpose": leaked_on_purpose,
+               "planted_bytes": planted.held, "fits": fits}
+    soak_report.write(out, rows, gpu, result, fits, summary)
     return result
 
 
-def _write_outputs(out: Path, rows: list[tuple], gpu: bool) -> dict[str, str]:
-    files = {"csv": str(out / "soak.csv")}
-    with open(out / "soak.csv", "w", newline="") as f:
-        writer = csv.writer(f)
-        writer.writerow(["seconds", "live_bytes", "live_buffers", "device_used_bytes",
-                         "rss_bytes"])
-        writer.writerows(rows)
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return files
-    t = [r[0] for r in rows]
-    series = [("library live bytes", [r[1] for r in rows]), ("process RSS", [r[4] for r in rows])]
+def _judge(rows: list[Row], gpu: bool, config: SoakConfig, cycles: int, baseline: int,
+           final_live: int) -> tuple[SoakResult, dict[str, drift.Fit]]:
+    """The verdict on the samples (the last one, after teardown, judges live buffers only),
+    and the fit of each judged series (none when a series never settled)."""
+    running = rows[:-1]
+    times = np.array([r[0] for r in running], np.float64)
+    series = {"RSS": (np.array([r[4] for r in running], np.float64),
+                      config.max_rss_drift_bytes)}
     if gpu:
-        series.insert(1, ("device used bytes", [r[3] for r in rows]))
-    fig, axes = plt.subplots(len(series), 1, figsize=(8, 2.4 * len(series)), sharex=True)
-    for ax, (name, values) in zip(axes, series):
-        ax.plot(t, np.asarray(values, np.float64) / MiB)
-        ax.set_ylabel("MiB")
-        ax.set_title(name, fontsize=10)
-    axes[-1].set_xlabel("seconds")
-    fig.tight_layout()
-    fig.savefig(out / "soak.png", dpi=100)
-    plt.close(fig)
-    files["png"] = str(out / "soak.png")
-    return files
+        series["device used bytes"] = (np.array([r[3] for r in running], np.float64),
+                                       config.max_device_drift_bytes)
+    reasons = []
+    if final_live != baseline:
+        reasons.append(f"live buffers: {final_live} after teardown, baseline {baseline} "
+                       f"({final_live - baseline} leaked)")
+    starts = {name: drift.settle_index(times, values, limit)
+              for name, (values, limit) in series.items()}
+    unsettled = [name for name, index in starts.items() if index is None]
+    fits: dict[str, drift.Fit] = {}
+    if unsettled:
+        reasons += [_unsettled(name, times, series[name][0], config.seconds)
+                    for name in unsettled]
+        verdict = FAIL if final_live != baseline else UNSETTLED
+    else:
+        first = max(index for index in starts.values() if index is not None)
+        for name, (values, limit) in series.items():
+            fit = fits[name] = drift.fit_from(times, values, first)
+            if fit.drift > limit:
+                reasons.append(f"{name}: drift {fit.drift / MiB:.2f} MiB over the "
+                               f"{fit.span:.0f} s after warm-up (slope "
+                               f"{fit.slope / 1024:.1f} KiB/s) > {limit / MiB:.2f} MiB")
+        verdict = FAIL if reasons else PASS
+    warmup = next(iter(fits.values())).start if fits else None
+    drifts = {name: fit.drift for name, fit in fits.items()}
+    result = SoakResult(verdict, verdict == PASS, reasons, cycles, len(rows), baseline,
+                        final_live, warmup, drifts.get("device used bytes"), drifts.get("RSS"))
+    return result, fits
 
 
-__all__ = ["SoakConfig", "SoakResult", "run_soak"]
+def _unsettled(name: str, times: np.ndarray, values: np.ndarray, seconds: float) -> str:
+    """Why ``name`` was not judged: how it still bent over the second half of the run."""
+    half = values[len(values) // 2 :], times[len(times) // 2 :]
+    middle = len(half[0]) // 2
+    early, _ = drift.theil_sen(half[1][:middle], half[0][:middle])
+    late, _ = drift.theil_sen(half[1][middle:], half[0][middle:])
+    return (f"{name} did not settle within the {seconds:g}-second run (over its second half "
+            f"it rose {early / 1024:.1f} KiB/s, then {late / 1024:.1f} KiB/s): not judged; "
+            f"run longer (the default is 60 s)")
+
+
+__all__ = ["FAIL", "MIN_SECONDS", "PASS", "UNSETTLED", "SoakConfig", "SoakResult", "run_soak"]

@@ -14,10 +14,19 @@ AVAILABLE = [name for name, status in rf.available_backends().items() if status 
 GPU_BACKENDS = [name for name in AVAILABLE if name != "host"]
 
 
-def pytest_collection_modifyitems(items):
+def pytest_addoption(parser):
+    parser.addoption("--slow", action="store_true",
+                     help="also run the tests marked slow (minutes each: calibrations)")
+
+
+def pytest_collection_modifyitems(config, items):
     """Mark each test that runs on a GPU backend (through ``gpu`` or ``backend``) ``gpu``, so
-    ``pytest -m gpu`` selects the GPU suite (tools/sanitize.sh does)."""
+    ``pytest -m gpu`` selects the GPU suite (tools/sanitize.sh does); skip the tests marked
+    ``slow`` unless ``--slow`` is given (each has a faster variant that always runs)."""
+    skip_slow = pytest.mark.skip(reason="slow (minutes): run with `pytest --slow`")
     for item in items:
+        if "slow" in item.keywords and not config.getoption("--slow"):
+            item.add_marker(skip_slow)
         params = getattr(item, "callspec", None)
         if params and any(params.params.get(f) in GPU_BACKENDS for f in ("gpu", "backend")):
             item.add_marker(pytest.mark.gpu)
