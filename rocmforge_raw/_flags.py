@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import operator
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -38,11 +39,11 @@ def real(*, above: float | None = None, at_least: float | None = None,
             raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
         if not math.isfinite(value):
             raise argparse.ArgumentTypeError(f"{text!r} is not a finite number")
-        for bound, ok, words in ((above, lambda b: value > b, "above"),
-                                 (at_least, lambda b: value >= b, "at least"),
-                                 (below, lambda b: value < b, "below"),
-                                 (at_most, lambda b: value <= b, "at most")):
-            if bound is not None and not ok(bound):
+        for bound, ok, words in ((above, operator.gt, "above"),
+                                 (at_least, operator.ge, "at least"),
+                                 (below, operator.lt, "below"),
+                                 (at_most, operator.le, "at most")):
+            if bound is not None and not ok(value, bound):
                 raise argparse.ArgumentTypeError(f"{text} is not {words} {bound}")
         return value
 

@@ -24,6 +24,9 @@ class DeviceArray:
     ``buffer`` (the view), ``dtype`` and ``shape`` are read-only."""
 
     __slots__ = ("buffer", "dtype", "shape")
+    buffer: HipBuffer  # the view of exactly this array's bytes
+    dtype: np.dtype[Any]
+    shape: tuple[int, ...]
 
     def __init__(self, buffer: HipBuffer, dtype: Any,
                  shape: int | tuple[int, ...] | None = None, offset: int = 0) -> None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 import operator
 from collections.abc import Hashable
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -26,6 +26,9 @@ def show(value: Any, limit: int = 60) -> str:
     """``repr(value)``, shortened to ``limit`` characters for a message."""
     text = repr(value)
     return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+_N = TypeVar("_N", int, float)
 
 
 def _kind(value: Any) -> str:
@@ -63,7 +66,7 @@ def real(value: Any, name: str, minimum: float | None = None,
     return _within(number, name, minimum, maximum, show(value))
 
 
-def _within(number: Any, name: str, minimum: Any, maximum: Any, shown: str) -> Any:
+def _within(number: _N, name: str, minimum: _N | None, maximum: _N | None, shown: str) -> _N:
     """``number`` if it lies in [``minimum``, ``maximum``] (either may be None)."""
     if minimum is not None and number < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {shown}")
@@ -85,7 +88,7 @@ def plain_dtype(dtype: Any, name: str = "dtype") -> np.dtype:
     device: an object, string, void or structured dtype would copy raw pointers or
     padding into device memory, or read device bytes back as Python objects."""
     try:
-        found = np.dtype(dtype)
+        found: np.dtype[Any] = np.dtype(dtype)
     except TypeError:
         raise TypeError(f"{name} must be a NumPy dtype, got {_kind(dtype)}") from None
     ml = found.kind == "V" and found.type.__module__.split(".")[0] == "ml_dtypes"
@@ -124,7 +127,8 @@ def hashable(value: Any, name: str) -> Hashable:
         hash(value)
     except TypeError:
         raise TypeError(f"{name} must be hashable, got {_kind(value)}") from None
-    return value
+    key: Hashable = value
+    return key
 
 
 def id_list(values: Any, name: str) -> list[Hashable]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import struct
 from dataclasses import dataclass
 from functools import cached_property
+from typing import Any
 
 EM_CUDA, EM_AMDGPU = 190, 224
 STT_OBJECT, STT_FUNC = 1, 2
@@ -63,7 +64,7 @@ class ElfImage:
         self.machine: int = struct.unpack_from("<H", image, 0x12)[0]
         self.flags: int = struct.unpack_from("<I", image, 0x30)[0]
 
-    def _unpack(self, fmt: str, at: int, what: str) -> tuple:
+    def _unpack(self, fmt: str, at: int, what: str) -> tuple[Any, ...]:
         try:
             return struct.unpack_from(fmt, self.image, at)
         except struct.error:

@@ -82,21 +82,21 @@ def _forget(address: int) -> None:
         entry[2]()
 
 
-@_Deleter
-def _delete(managed: Any) -> None:
+def _consumed(managed: Any) -> None:
+    """The deleter: the consumer let go of the managed tensor ``managed`` points to."""
     _forget(ctypes.addressof(managed.contents))
 
 
-@_DeleterVersioned
-def _delete_versioned(managed: Any) -> None:
-    _forget(ctypes.addressof(managed.contents))
-
-
-@_CapsuleDestructor
-def _destroy_capsule(capsule: int) -> None:
+def _unconsumed(capsule: int) -> None:
+    """The capsule's destructor: if no consumer took the tensor, we still own it."""
     for name in (_NAME, _NAME_VERSIONED):
-        if _api.PyCapsule_IsValid(capsule, name):  # never consumed: we still own it
+        if _api.PyCapsule_IsValid(capsule, name):
             _forget(_api.PyCapsule_GetPointer(capsule, name))
+
+
+# C callbacks, kept alive here as long as the module: (un)versioned deleters, destructor
+_delete, _delete_versioned = _Deleter(_consumed), _DeleterVersioned(_consumed)
+_destroy_capsule = _CapsuleDestructor(_unconsumed)
 
 
 def check_request(stream: Any, max_version: Any, dl_device: Any, copy: Any,
@@ -121,7 +121,8 @@ def check_request(stream: Any, max_version: Any, dl_device: Any, copy: Any,
             isinstance(v, int) and not isinstance(v, bool) for v in max_version):
         raise TypeError(f"max_version must be a (major, minor) tuple of integers, got "
                         f"{checks.show(max_version)}")
-    return max_version[0] >= 1
+    major: int = max_version[0]
+    return major >= 1
 
 
 def dtype_code(dtype: np.dtype) -> tuple[int, int]:

@@ -65,7 +65,7 @@ def host_view(array: DeviceArray) -> np.ndarray:
         raise TypeError(f"array must be a DeviceArray, got {checks.show(array)}")
     if array.backend.name != "host":
         raise ValueError(f"host_view needs host memory, not {array.backend.name}")
-    raw = (ctypes.c_char * array.nbytes).from_address(array.ptr) if array.nbytes else b""
+    raw: Any = (ctypes.c_char * array.nbytes).from_address(array.ptr) if array.nbytes else b""
     return np.frombuffer(raw, array.dtype).reshape(array.shape)
 
 
@@ -141,6 +141,7 @@ def paged_attention(out: DeviceArray, query: DeviceArray, k_cache: DeviceArray,
     if num_seqs == 0:
         return
     if on_host:
+        assert tables is not None and lens is not None  # host metadata is always NumPy
         result = reference.paged_attention(host_view(query), host_view(k_cache),
                                            host_view(v_cache), tables, lens, scale,
                                            k_scale=k_scale, v_scale=v_scale)
@@ -181,6 +182,7 @@ def reshape_and_cache(key: DeviceArray, value: DeviceArray, k_cache: DeviceArray
     if (check or on_host) and slots is not None:
         check_slots(slots, num_blocks, block_size)
     if on_host:
+        assert slots is not None  # host metadata is always NumPy
         reference.reshape_and_cache(host_view(key), host_view(value), host_view(k_cache),
                                     host_view(v_cache), slots, k_scale, v_scale)
         return

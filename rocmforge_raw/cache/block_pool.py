@@ -75,7 +75,7 @@ class BlockPool:
         if count > self.num_free:
             return None
         take = min(count, self._top)
-        ids = self._free[self._top - take : self._top][::-1].copy()
+        ids: np.ndarray = self._free[self._top - take : self._top][::-1].copy()
         self._top -= take
         self._evicted = []
         if take < count:
@@ -194,12 +194,12 @@ class BlockPool:
         """The cached-free blocks, least recently freed (next reused) first."""
         return np.fromiter(self._cached, np.int32, len(self._cached))
 
-    def snapshot(self) -> tuple:
+    def snapshot(self) -> tuple[Any, ...]:
         """Everything ``restore`` needs to put the pool back exactly as it is now."""
         return (self.ref_cnt.copy(), self._free.copy(), self._top, dict(self.hashes),
                 dict(self.index), OrderedDict(self._cached), list(self._evicted))
 
-    def restore(self, state: tuple) -> None:
+    def restore(self, state: tuple[Any, ...]) -> None:
         """Put the pool back as ``snapshot`` saw it."""
         (self.ref_cnt, self._free, self._top, self.hashes, self.index, self._cached,
          self._evicted) = state

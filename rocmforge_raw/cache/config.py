@@ -39,9 +39,10 @@ def _dtype(value: Any) -> np.dtype | None:
     if isinstance(value, str):
         return DTYPES.get(value)
     try:
-        return np.dtype(value)
+        found: np.dtype[Any] = np.dtype(value)
     except TypeError:
         return None
+    return found
 
 
 @dataclass(frozen=True)
@@ -137,7 +138,8 @@ class CacheConfig:
     @property
     def bytes_per_token(self) -> int:
         """Bytes one token occupies across all layers, K and V."""
-        return self.num_layers * 2 * self.num_kv_heads * self.head_dim * self.dtype.itemsize
+        itemsize: int = self.dtype.itemsize
+        return self.num_layers * 2 * self.num_kv_heads * self.head_dim * itemsize
 
     @property
     def block_bytes(self) -> int:

@@ -99,6 +99,7 @@ class CacheCore:
         cow_rows = rows[cow]
         new = self.pool.allocate(total) if total else None
         if cow_rows.size:  # the only step that can fail (the copy): before any change
+            assert new is not None  # total counts the copies
             src = self._rows.last_block[cow_rows]
             dst = new[total - cow_rows.size :].astype(np.int64)
             try:
@@ -135,12 +136,12 @@ class CacheCore:
         self.num_preemptions += len(victims)
         return victims
 
-    def _save(self) -> tuple:
+    def _save(self) -> tuple[Any, ...]:
         """The bookkeeping as it is now, for ``_restore`` (rare paths only: it copies)."""
         return (self._rows.snapshot(), self.pool.snapshot(), self._epoch,
                 self.num_preemptions, self.peak_used_blocks, self.num_cow_copies)
 
-    def _restore(self, saved: tuple) -> None:
+    def _restore(self, saved: tuple[Any, ...]) -> None:
         rows, pool, self._epoch, self.num_preemptions, self.peak_used_blocks, \
             self.num_cow_copies = saved
         self._rows.restore(rows)

@@ -139,7 +139,8 @@ class KvCache(CacheCore):
     def block_ids(self, seq_id: Hashable) -> np.ndarray:
         """The blocks of ``seq_id`` in order (a copy)."""
         rows, row = self._rows, self._rows.row(seq_id)
-        return rows.tables[row, : rows.nblocks[row]].copy()
+        blocks: np.ndarray = rows.tables[row, : rows.nblocks[row]].copy()
+        return blocks
 
     @operation
     def times(self, seq_id: Hashable) -> tuple[float, float]:
@@ -206,6 +207,7 @@ class KvCache(CacheCore):
         preempted = self._make_room(blocks_needed, [])
         self.pool.take(hits)  # before allocating: the allocation may evict cached-free blocks
         ids = self.pool.allocate(fresh)
+        assert ids is not None  # _make_room made room
         self.pool.register(ids[: len(hashes) - len(hits)], hashes[len(hits) :])
         ids = np.concatenate([np.array(hits, np.int32), ids])
         self._add_row(seq_id, ids, num_tokens, len(hits) == need, now)
@@ -417,4 +419,5 @@ class KvCache(CacheCore):
         if stream is not None and stream is not meta.stream:
             raise ValueError("stream differs from the one the batch was planned on: plan the "
                              "batch on the stream that runs it")
-        return meta
+        checked: BatchMetadata = meta
+        return checked

@@ -42,7 +42,7 @@ def block_hashes(tokens: np.ndarray, block_size: int) -> list[bytes]:
     step, parent, hashes = block_size * 8, b"", []
     for i in range(full):
         digest = hashlib.blake2b(parent, digest_size=HASH_BYTES)
-        digest.update(data[i * step : (i + 1) * step])
+        digest.update(data[i * step : (i + 1) * step])  # type: ignore[arg-type]  # a buffer
         parent = digest.digest()
         hashes.append(parent)
     return hashes

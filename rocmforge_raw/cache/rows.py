@@ -88,7 +88,7 @@ class SequenceRows:
         """Drop ``seq_id``'s row; returns the blocks it held (a copy), in order."""
         row = self.index.pop(seq_id)
         self.version += 1
-        blocks = self.tables[row, : self.nblocks[row]].copy()
+        blocks: np.ndarray = self.tables[row, : self.nblocks[row]].copy()
         self.tables[row] = NULL_BLOCK
         self.lens[row] = self.nblocks[row] = self.last_block[row] = 0
         self.last_slot[row] = -1
@@ -119,7 +119,8 @@ class SequenceRows:
         members = set(batch)
         recency = self.recency
         order = sorted(self.index, key=lambda s: (s in members, recency[self.index[s]]))
-        ref, live, victims = ref_cnt.copy(), list(batch), []
+        ref, live = ref_cnt.copy(), list(batch)
+        victims: list[Hashable] = []
         for victim in order:
             if need(live, ref) <= num_free:
                 return victims
@@ -151,6 +152,7 @@ class SequenceRows:
         lens = self.lens[rows]
         n_grow = int(np.count_nonzero(grow))
         if n_grow:
+            assert new is not None  # a new block for each growing row
             grow_rows = rows[grow]
             count = self.nblocks[grow_rows]
             self.widen(int(count.max()) + 1)
@@ -159,6 +161,7 @@ class SequenceRows:
             self.last_block[grow_rows] = new[:n_grow]
         cow_rows = rows[cow]
         if cow_rows.size:
+            assert new is not None  # a private copy for each shared last block
             self.tables[cow_rows, self.nblocks[cow_rows] - 1] = new[n_grow:]
             self.last_block[cow_rows] = new[n_grow:]
         self.last_slot[rows] = self.last_block[rows] * block_size + (lens & (block_size - 1))

@@ -16,7 +16,7 @@ passed them all. The slot's workspace is covered by the same fence.
 from __future__ import annotations
 
 import operator
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -115,14 +115,17 @@ class StepPlanner:
         meta = BatchMetadata(seq_ids, tables, lens, slots, stream, owner, epoch)
         meta._kv_shape = (len(seq_ids), *self.row_shape)
         try:
-            work, work_addresses = None, []
+            work: WorkSplit | None = None
+            work_addresses: list[int] = []
             if not self.on_host and seq_ids:
                 if c.num_q_heads is not None:  # planned now: its arrays go in the same upload
                     work = self._work(meta, c.num_q_heads)
+                assert self.ring is not None  # a device cache stages its uploads
                 meta._staging = self.ring.acquire()
                 addresses = meta._staging.put([tables, lens, slots, *work.arrays] if work
                                               else [tables, lens, slots], stream)
-                meta._addresses, work_addresses = tuple(addresses[:3]), addresses[3:]
+                meta._addresses = (addresses[0], addresses[1], addresses[2])
+                work_addresses = addresses[3:]
                 meta._write = self._write_launch(meta)
             if c.num_q_heads is not None:
                 self._plan_attention(meta, c.num_q_heads, work, work_addresses)
@@ -138,9 +141,11 @@ class StepPlanner:
         """The K/V write of ``meta``'s step, reused from its staging slot when it can be."""
         c, (n, width) = self.config, meta.block_tables.shape
         key = ("write", n, width, meta.stream)
-        launch = meta._staging.launches.get(key)
+        staging = meta._staging
+        assert staging is not None  # planned on the device
+        launch = staging.launches.get(key)
         if launch is None:
-            launch = meta._staging.launches[key] = write_kernel(
+            launch = staging.launches[key] = write_kernel(
                 self.backend, self.device, self.act, c.dtype).prepare(
                 n, WRITE_THREADS, *write_arguments(
                     0, 0, 0, 0, meta._addresses[2], c.num_kv_heads, c.block_size,
@@ -230,8 +235,8 @@ class StepPlanner:
                          meta.seq_lens)
 
     def _plan_attention(self, meta: BatchMetadata, num_q_heads: int,
-                        work: WorkSplit | None = None, work_addresses: list[int] = ()
-                        ) -> None:
+                        work: WorkSplit | None = None,
+                        work_addresses: Sequence[int] = ()) -> None:
         """The attention launch of ``meta``'s step: its work split over the step's lengths
         (with the device addresses of its arrays; planned and uploaded here when not given),
         the launch itself reused from the staging slot when an earlier step prepared one
@@ -246,6 +251,7 @@ class StepPlanner:
         found = attention_kernel(self.backend, self.device, self.act, c.head_dim,
                                  num_q_heads // c.num_kv_heads, c.dtype)
         slot, width = meta._staging, meta.block_tables.shape[1]
+        assert slot is not None  # planned on the device
         if work is None:  # num_q_heads came with the first attention call
             work = self._work(meta, num_q_heads)
             work_addresses = slot.put(work.arrays, meta.stream, append=True)

@@ -187,7 +187,7 @@ class Backend(ABC):
 
     def cached_properties(self, device: int) -> DeviceProperties:
         """``properties(device)``, asked once per device (they do not change)."""
-        cache = self.__dict__.setdefault("_properties", {})
+        cache: dict[int, DeviceProperties] = self.__dict__.setdefault("_properties", {})
         if device not in cache:
             cache[device] = self.properties(device)
         return cache[device]
