@@ -4,6 +4,7 @@ Backends: ``hip`` (AMD, hip-python), ``cuda`` (NVIDIA, cuda-python) and ``host``
 the default is chosen at first use (hip, then cuda, then host) or forced by ``RF_BACKEND``.
 """
 
+from ._version import version as _version
 from .array import DeviceArray
 from .buffer import (
     HipBuffer,
@@ -26,7 +27,7 @@ from .pool import MemoryPool
 from .runtime import available_backends, default_backend, devices, get_backend
 from .stream import Event, Stream
 
-__version__ = "0.1.0"
+__version__ = _version()  # pyproject.toml's, through the installed metadata
 
 __all__ = [
     "BackendUnavailableError", "BufferClosedError", "DeviceArray", "DeviceError", "Event",

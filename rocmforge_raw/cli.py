@@ -1,23 +1,54 @@
-"""``rocmforge-raw``: info, demo, bench, soak. Every command takes --json, --backend and
---device.
+"""``rocmforge-raw``: info, demo, bench, soak. Every command takes --json, --backend, --device
+and -v.
 
-Every flag is checked when it is parsed (``_flags``); a bad value, a backend that does not
-answer or a device it does not have ends the command with one line on stderr and exit status
-2, never a traceback.
+Every flag is checked when it is parsed (``_flags``), and ``RF_KERNELS`` before any command
+runs; a bad value, a backend that does not answer or a device it does not have ends the
+command with one line on stderr and exit status 2, never a traceback. A reader that stops
+early (``soak --json | head -5``) ends the command quietly with status 141 (128 + SIGPIPE).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import logging
+import os
 import sys
 from importlib import metadata
 from typing import Any, NoReturn
 
 from . import _flags as flags
-from . import module
+from . import module, progress
+from ._version import version
 from .errors import BackendUnavailableError
 from .runtime import BACKEND_NAMES, Backend, available_backends, get_backend
+
+DESCRIPTION = """\
+Torch-free GPU memory and a paged KV cache on the hip (AMD), cuda (NVIDIA) or host (CPU)
+backend. Run `rocmforge-raw COMMAND --help` for a command's flags and examples."""
+
+EXAMPLES = {
+    "info": "examples:\n  rocmforge-raw info\n  rocmforge-raw info --backend cuda --json",
+    "demo": "examples:\n  rocmforge-raw demo\n  rocmforge-raw demo --scale 0.3 --seed 3",
+    "bench": "examples:\n  rocmforge-raw bench --cache\n  rocmforge-raw bench --attention "
+             "--sweep --json > sweep.json\n  rocmforge-raw bench --step --iters 20",
+    "soak": "examples:\n  rocmforge-raw soak                      # 60 s, files in soak-out/\n"
+            "  rocmforge-raw soak --minutes 10 --out /tmp/soak\n"
+            "  rocmforge-raw soak --seconds 30 --inject-leak   # must FAIL\n\n"
+            "exit status: 0 PASS, 1 FAIL, 2 not judged (memory never settled: run longer)",
+}
+
+
+class _Formatter(argparse.RawDescriptionHelpFormatter):
+    """Help that keeps the description's and examples' lines and shows each flag's default
+    (unless its help already speaks of it, or it has none)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "default" in text or action.default in (None, False, argparse.SUPPRESS) or \
+                action.option_strings == [] or isinstance(action.default, bool):
+            return text
+        return f"{text} (default: %(default)s)"
 
 
 class _Parser(argparse.ArgumentParser):
@@ -28,10 +59,16 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _common(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--json", action="store_true", help="print one JSON document")
-    parser.add_argument("--backend", choices=BACKEND_NAMES, help="force a backend")
-    parser.add_argument("--device", type=flags.count(0), default=None,
+    parser.add_argument("--json", action="store_true",
+                        help="print one JSON document (and no progress bars)")
+    parser.add_argument("--backend", choices=BACKEND_NAMES,
+                        help="force a backend (default: hip, else cuda, else host: the first "
+                             "that answers; RF_BACKEND sets it too)")
+    parser.add_argument("--device", type=flags.count(0), default=None, metavar="N",
                         help="device ordinal (default: the backend's current device, 0)")
+    parser.add_argument("-v", "--verbose", action="count", default=0,
+                        help="log what happens on stderr (-v: info, -vv: debug; default: "
+                             "warnings only)")
 
 
 def _target(args: argparse.Namespace) -> tuple[Backend, int]:
@@ -40,13 +77,26 @@ def _target(args: argparse.Namespace) -> tuple[Backend, int]:
     return backend, backend.resolve_device(args.device)
 
 
+def where(backend: Backend, device: int, forced: str | None) -> str:
+    """The target as output names it: ``cuda:0``, or the host backend and why it runs (no GPU
+    answered, or what forced it), so that host figures are never read as a GPU's."""
+    if backend.name != "host":
+        return f"{backend.name}:{device}"
+    if forced == "host":
+        return "host backend (--backend host)"
+    chosen = os.environ.get("RF_BACKEND", "").strip()
+    return f"host backend (RF_BACKEND={chosen})" if chosen else "host backend (no GPU answered)"
+
+
 def _emit(args: argparse.Namespace, result: dict[str, Any], text: str) -> None:
     print(json.dumps(result, indent=2, default=str) if args.json else text)
+    sys.stdout.flush()  # a reader that went away is found here, inside main's handler
 
 
 def _versions() -> dict[str, str]:
     found = {}
-    for name in ("rocmforge_raw", "numpy", "ml_dtypes", "cffi", "hip-python", "cuda-bindings"):
+    for name in ("rocmforge_raw", "numpy", "ml_dtypes", "cffi", "tqdm", "hip-python",
+                 "cuda-bindings"):
         try:
             found[name] = metadata.version(name)
         except metadata.PackageNotFoundError:
@@ -54,28 +104,19 @@ def _versions() -> dict[str, str]:
     return found
 
 
-def _hip_runtime(hip_python: str) -> tuple[dict[str, Any], list[str]]:
-    """The HIP runtime's version and the one hip-python's bindings were generated for (no
-    device needed), and a warning when their major.minor differ: the bindings' C layer (the
-    allocation and launch fast paths use it) then follows another HIP's headers."""
-    try:
-        from .runtime.hip import versions
-    except BackendUnavailableError as exc:  # hip-python is not installed
-        return {"runtime": None, "driver": None, "bindings": None, "error": str(exc)}, []
-    found = versions()
-    runtime, bindings = found["runtime"], found["bindings"]
-    if runtime is None or bindings is None or \
-            runtime.split(".")[:2] == bindings.split(".")[:2]:
-        return found, []
-    return found, [f"hip-python {hip_python} was generated for HIP {bindings} but the HIP "
-                   f"runtime is {runtime}: install the hip-python release of the installed "
-                   f"ROCm, or the ROCm these bindings were made for"]
+def _code_objects(pattern: str = "*") -> list[str]:
+    """Names of the packaged code objects matching ``pattern`` (none in a source install
+    that was not built with `make kernels`)."""
+    return sorted(p.name for p in module.KERNEL_DIR.glob(pattern)
+                  if p.suffix in (".hsaco", ".cubin", ".ptx"))
 
 
 def cmd_info(args: argparse.Namespace) -> int:
+    from .hipinfo import hip_runtime
+
     backends = available_backends()
     chosen = _target(args) if args.device is not None else None  # checks --device
-    devices = []
+    devices: list[dict[str, Any]] = []
     for name, status in backends.items():
         if status != "ok" or (args.backend and name != args.backend):
             continue
@@ -84,28 +125,30 @@ def cmd_info(args: argparse.Namespace) -> int:
             if chosen is not None and (backend, i) != chosen:
                 continue
             props = backend.properties(i)
-            objects = sorted(p.name for p in module.KERNEL_DIR.glob(f"*.{props.arch}.*"))
             devices.append({"backend": name, "index": i, "name": props.name,
                             "arch": props.arch, "total_bytes": props.total_bytes,
-                            "multiprocessors": props.multiprocessors, "code_objects": objects})
-    all_objects = sorted(p.name for p in module.KERNEL_DIR.iterdir()
-                         if p.suffix in (".hsaco", ".cubin", ".ptx"))
+                            "multiprocessors": props.multiprocessors,
+                            "code_objects": _code_objects(f"*.{props.arch}.*")})
+    all_objects = _code_objects()
     versions = _versions()
-    hip_runtime, warnings = _hip_runtime(versions["hip-python"])
-    result = {"backends": backends, "default": get_backend(args.backend).name,
-              "devices": devices, "code_objects": all_objects, "versions": versions,
-              "hip_runtime": hip_runtime, "warnings": warnings}
+    hip, warnings = hip_runtime(versions["hip-python"])
+    default = get_backend(args.backend)
+    result = {"backends": backends, "default": default.name,
+              "default_where": where(default, 0, args.backend), "devices": devices,
+              "code_objects": all_objects, "code_objects_note": module.missing_objects_note(),
+              "versions": versions, "hip_runtime": hip, "warnings": warnings}
     lines = ["backends:"] + [f"  {n:5} {s}" for n, s in backends.items()]
-    lines += [f"default backend: {result['default']}", "devices:"]
+    lines += [f"default backend: {result['default_where']}", "devices:"]
     lines += [f"  {d['backend']}:{d['index']} {d['name']} ({d['arch']}, "
               f"{d['total_bytes'] / 2**30:.1f} GiB, {d['multiprocessors']} units), "
               f"{len(d['code_objects'])} code objects" for d in devices]
-    lines += [f"code objects built: {len(all_objects)} in {module.KERNEL_DIR}", "versions:"]
-    lines += [f"  {k} {v}" for k, v in result["versions"].items()]
-    lines.append(f"HIP runtime {hip_runtime['runtime'] or 'not loaded'} (driver "
-                 f"{hip_runtime['driver'] or '-'}), hip-python bindings for HIP "
-                 f"{hip_runtime['bindings'] or '-'}"
-                 + (f": {hip_runtime['error']}" if hip_runtime["error"] else ""))
+    lines.append(f"code objects built: {len(all_objects)} in {module.KERNEL_DIR}")
+    if result["code_objects_note"]:
+        lines.append(f"  {result['code_objects_note']}")
+    lines += ["versions:"] + [f"  {k} {v}" for k, v in versions.items()]
+    lines.append(f"HIP runtime {hip['runtime'] or 'not loaded'} (driver "
+                 f"{hip['driver'] or '-'}), hip-python bindings for HIP {hip['bindings'] or '-'}"
+                 + (f": {hip['error']}" if hip["error"] else ""))
     lines += [f"warning: {w}" for w in warnings]
     _emit(args, result, "\n".join(lines))
     return 0
@@ -116,7 +159,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
     backend, device = _target(args)
     config = DemoConfig.for_backend(backend, args.scale)
-    result = run_demo(backend, device, config, args.seed, progress=not args.json)
+    result = {"where": where(backend, device, args.backend),
+              **run_demo(backend, device, config, args.seed)}
     lines = [f"{k:28} {v:.3f}" if isinstance(v, float) else f"{k:28} {v}"
              for k, v in result.items()]
     _emit(args, result, "\n".join(lines))
@@ -124,151 +168,98 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_soak(args: argparse.Namespace) -> int:
-    from .soak import SoakConfig, run_soak
+    from dataclasses import asdict
+
+    from .soak import UNSETTLED, SoakConfig, run_soak
 
     seconds = args.seconds if args.minutes is None else 60 * args.minutes
     try:
         config = SoakConfig(seconds=seconds, inject_leak=args.inject_leak, out_dir=args.out,
-                            warmup_fraction=args.warmup, workloads=tuple(args.workloads),
+                            leak_bytes_per_s=int((args.inject_rss_leak_mib or 0) * 2**20),
+                            workloads=tuple(args.workloads),
                             max_device_drift_bytes=int(args.max_device_drift_mib * 2**20),
                             max_rss_drift_bytes=int(args.max_rss_drift_mib * 2**20))
     except ValueError as exc:  # a run too short to judge
         args.parser.error(str(exc))
     backend, device = _target(args)
     result = run_soak(backend, device, config, args.seed)
-    verdict = "PASS" if result.passed else "FAIL"
-    lines = [f"soak on {backend.name}:{device} for {seconds:.0f} s: {verdict}",
+    verdict = "not judged" if result.verdict == UNSETTLED else result.verdict
+    judged = (f"warm-up {result.warmup_s:.0f} s (until memory settled), then "
+              if result.warmup_s is not None else "")
+    lines = [f"soak on {where(backend, device, args.backend)} for {seconds:.0f} s: {verdict}",
              f"  cycles {result.cycles}, samples {result.samples}, live buffers "
-             f"{result.baseline_live_buffers} -> {result.final_live_buffers}",
-             f"  RSS drift {result.rss_drift_bytes / 2**20:.2f} MiB" + (
-                 f", device drift {result.device_drift_bytes / 2**20:.2f} MiB"
-                 if result.device_drift_bytes is not None else ""),
-             *[f"  FAIL: {reason}" for reason in result.reasons],
-             *[f"  wrote {path}" for path in result.files.values()]]
-    from dataclasses import asdict
-
-    _emit(args, asdict(result), "\n".join(lines))
-    return 0 if result.passed else 1
-
-
-def _us(value: float | None) -> str:
-    return "-" if value is None else f"{value:.2f}"
-
-
-def _attention_table(rows: list[dict[str, Any]]) -> list[str]:
-    """One line per attention row: time, bandwidth, % of copy and of read (with targets; an
-    fp8 row gives its time over its 16-bit shape's instead)."""
-    width = max(len(r["name"]) for r in rows)
-    lines = [f"{'shape':{width}} {'ms':>8} {'GB/s':>8} {'% copy':>7} {'% read':>7} "
-             f"{'target':>7} {'host us':>8}"]
-    for r in rows:
-        target = (f"{r['read_target_pct']:6}%" if r["read_target_pct"] is not None else
-                  f"x{r['time_vs_16bit']:.2f}t" if r.get("time_vs_16bit") else "      -")
-        lines.append(f"{r['name']:{width}} {r['ms']:8.3f} {r['gb_per_s']:8.0f} "
-                     f"{r['pct_of_copy']:6.1f}% {r['pct_of_read']:6.1f}% {target:>7} "
-                     f"{r['host_us']:8.1f}")
-    return lines
+             f"{result.baseline_live_buffers} -> {result.final_live_buffers}"]
+    if result.rss_drift_bytes is not None:
+        lines.append(f"  {judged}RSS drift {result.rss_drift_bytes / 2**20:.2f} MiB" + (
+            f", device drift {result.device_drift_bytes / 2**20:.2f} MiB"
+            if result.device_drift_bytes is not None else ""))
+    word = "not judged" if result.verdict == UNSETTLED else "FAIL"
+    lines += [*[f"  {word}: {reason}" for reason in result.reasons],
+              *[f"  {note}" for note in result.notes],
+              *[f"  wrote {path}" for path in result.files.values()]]
+    _emit(args, {"where": where(backend, device, args.backend), **asdict(result)},
+          "\n".join(lines))
+    return {"PASS": 0, "FAIL": 1}.get(result.verdict, 2)
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from . import bench
+    from . import cli_bench
 
     backend, device = _target(args)
-    args.attention = args.attention or args.sweep
-    everything = not (args.alloc or args.attention or args.cache or args.step or args.transfer)
-    result: dict[str, Any] = {"backend": backend.name,
-                              "device": backend.properties(device).name}
-    lines = [f"device: {backend.name}:{device} {result['device']}"]
-    if args.alloc or everything:
-        rows = result["alloc"] = bench.bench_alloc(backend, device, args.iters * 40)
-        lines.append(f"{'bytes':>10} {'bare us':>9} {'C us':>9} {'raw us':>9} {'raw/bare':>9} "
-                     f"{'pooled us':>10} {'pool a+f us':>12} {'cupy pool us':>13}")
-        lines += [f"{r['bytes']:>10} {r['bare_us']:9.2f} {r['c_us']:9.2f} {r['raw_us']:9.2f} "
-                  f"{r['raw_over_bare']:9.2f} {r['pooled_us']:10.2f} "
-                  f"{r['pool_allocate_free_us']:12.2f} {_us(r['cupy_pooled_us']):>13}"
-                  for r in rows]
-    if (args.attention or everything) and backend.name != "host":
-        copy = result["copy_gb_per_s"] = bench.copy_bandwidth(backend, device)
-        read = result["read_gb_per_s"] = bench.read_bandwidth(backend, device)
-        rows = result["attention"] = bench.bench_attention(
-            backend, device, copy, args.iters, bench.SHAPES + bench.FP8_SHAPES, read_gbs=read)
-        lines.append(f"copy bandwidth: {copy:.0f} GB/s (read + write, 1 GiB device copy); "
-                     f"read bandwidth: {read:.0f} GB/s (1 GiB read-only)")
-        lines += _attention_table(rows)
-        if args.sweep:
-            rows = result["sweep"] = bench.bench_attention(
-                backend, device, copy, args.iters, bench.sweep_shapes(), read_gbs=read)
-            lines.append("sweep: bf16, 8 kv heads, q heads = 8 x GQA ratio")
-            lines += _attention_table(rows)
-    elif args.attention:
-        lines.append("attention bench needs a GPU backend (host runs the NumPy reference)")
-    if (args.step or everything) and backend.name != "host":
-        from .bench_step import STEP_SHAPES, bench_step
-
-        rows = result["step"] = [bench_step(backend, device, shape) for shape in STEP_SHAPES]
-        lines.append(f"decode step, {STEP_SHAPES[0].layers} layers, bf16, 32/8 heads, head_dim "
-                     f"128, block 16 (targets: step <= 1.05 x kernels, <= 10 us host per call)")
-        lines.append(f"{'batch x ctx':>12} {'step ms':>8} {'kernels ms':>10} {'ratio':>6} "
-                     f"{'append us':>9} {'batch us':>8} {'write us':>8} {'attn us':>8}")
-        lines += [f"{r['batch']:>5} x {r['context']:<5} {r['step_ms']:8.3f} "
-                  f"{r['kernels_ms']:10.3f} {r['step_over_kernels']:6.3f} "
-                  f"{r['append_host_us']:9.1f} {r['batch_host_us']:8.1f} "
-                  f"{r['write_host_us']:8.2f} {r['attention_host_us']:8.2f}" for r in rows]
-    elif args.step:
-        lines.append("step bench needs a GPU backend (host runs the NumPy reference)")
-    if args.cache or everything:
-        row = result["cache"] = bench.bench_cache()
-        lines.append(f"cache decode step ({row['num_seqs']} seqs x ~{row['context']} tokens, "
-                     f"block {row['block_size']}): median {row['median_us']:.1f} us, "
-                     f"p90 {row['p90_us']:.1f} us (target {row['target_us']:.0f} us)")
-    if args.transfer:
-        from .bench_transfer import bench_transfer
-
-        rows = result["transfer"] = bench_transfer(backend, device, args.transport,
-                                                   min(args.iters, 20))
-        lines.append(f"a sequence's KV between two processes over {args.transport} "
-                     "(median; copy: the same bytes through the same copy engine)")
-        lines.append(f"{'blocks':>11} {'MiB':>7} {'spans':>6} {'transfer GB/s':>14} "
-                     f"{'import GB/s':>12} {'copy GB/s':>10} {'% copy':>7}")
-        lines += [f"{r['layout']:>11} {r['bytes'] / 2**20:7.0f} {r['spans']:6} "
-                  f"{r['transfer_gb_per_s']:14.2f} {r['import_gb_per_s']:12.2f} "
-                  f"{r['copy_gb_per_s']:10.2f} {r['pct_of_copy']:6.1f}%" for r in rows]
+    result, lines = cli_bench.run(args, backend, device, where(backend, device, args.backend))
     _emit(args, result, "\n".join(lines))
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = _Parser(prog="rocmforge-raw", description=__doc__)
-    commands = parser.add_subparsers(dest="command", required=True)
-    info = commands.add_parser("info", help="backends, devices, code objects, versions")
-    _common(info)
+def _subcommand(commands: Any, name: str, help: str) -> argparse.ArgumentParser:
+    parser: argparse.ArgumentParser = commands.add_parser(
+        name, help=help, description=help, epilog=EXAMPLES[name], formatter_class=_Formatter)
+    _common(parser)
+    parser.set_defaults(parser=parser)  # its own errors name the command
+    return parser
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="rocmforge-raw", description=DESCRIPTION, formatter_class=_Formatter)
+    parser.add_argument("--version", action="version", version=f"%(prog)s {version()}")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    info = _subcommand(commands, "info", "backends, devices, code objects, versions")
     info.set_defaults(run=cmd_info)
-    demo = commands.add_parser("demo", help="run the demo on the best backend")
-    _common(demo)
+    demo = _subcommand(commands, "demo", "a serving simulation on the best backend")
     demo.add_argument("--scale", type=flags.real(above=0.0, at_most=1000.0), default=1.0,
                       help="multiply the request count (in (0, 1000])")
-    demo.add_argument("--seed", type=flags.count(0), default=None)
+    demo.add_argument("--seed", type=flags.count(0), default=None,
+                      help="random seed (default: a fresh one each run)")
     demo.set_defaults(run=cmd_demo)
-    soak = commands.add_parser("soak", help="memory-leak soak: churn, sample, judge drift")
-    _common(soak)
-    soak.add_argument("--seconds", type=flags.real(above=0.0), default=60.0)
-    soak.add_argument("--minutes", type=flags.real(above=0.0), default=None)
+    soak = _subcommand(commands, "soak", "memory-leak soak: churn, sample, judge the drift")
+    soak.add_argument("--seconds", type=flags.real(above=0.0), default=60.0,
+                      help="how long to churn (10 at least: the drift fit needs 10 samples "
+                           "after memory settles)")
+    soak.add_argument("--minutes", type=flags.real(above=0.0), default=None,
+                      help="how long to churn, in minutes (replaces --seconds)")
     soak.add_argument("--out", type=flags.out_dir, default="soak-out",
-                      help="folder for soak.csv/json/png")
-    soak.add_argument("--inject-leak", action="store_true", help="leak one buffer per cycle")
+                      help="folder for soak.csv, soak.json and soak.png")
+    soak.add_argument("--inject-leak", action="store_true",
+                      help="keep one 64 KiB buffer per cycle (the run must FAIL)")
+    soak.add_argument("--inject-rss-leak-mib", type=flags.real(at_least=0.0), default=None,
+                      metavar="MIB_PER_S",
+                      help="keep this many MiB of host memory per second, unknown to the "
+                           "library (only the RSS drift can find it: a calibration)")
     soak.add_argument("--workloads", nargs="+", default=["buffers", "cache", "modules"],
                       choices=["buffers", "cache", "modules"],
-                      help="which churn to run (buffers, cache, modules)")
-    soak.add_argument("--warmup", type=flags.real(at_least=0.0, below=1.0), default=0.25,
-                      help="fraction of the run left out of the drift fit, in [0, 1)")
-    soak.add_argument("--max-device-drift-mib", type=flags.real(at_least=0.0), default=1.0)
-    soak.add_argument("--max-rss-drift-mib", type=flags.real(at_least=0.0), default=8.0)
-    soak.add_argument("--seed", type=flags.count(0), default=None)
+                      help="which churn to run (default: all three)")
+    soak.add_argument("--max-device-drift-mib", type=flags.real(at_least=0.0), default=1.0,
+                      help="FAIL above this drift of the device's used memory after warm-up")
+    soak.add_argument("--max-rss-drift-mib", type=flags.real(at_least=0.0), default=8.0,
+                      help="FAIL above this drift of the process's RSS after warm-up")
+    soak.add_argument("--seed", type=flags.count(0), default=None,
+                      help="random seed (default: a fresh one each run)")
     soak.set_defaults(run=cmd_soak)
-    bench = commands.add_parser("bench", help="allocation, attention and cache benchmarks")
-    _common(bench)
+    bench = _subcommand(commands, "bench", "allocation, attention, decode-step and cache "
+                        "benchmarks (all of them without a selection)")
     bench.add_argument("--alloc", action="store_true", help="alloc+free round trips")
-    bench.add_argument("--attention", action="store_true", help="paged attention vs copy BW")
+    bench.add_argument("--attention", action="store_true", help="paged attention vs copy BW "
+                       "(GPU)")
     bench.add_argument("--sweep", action="store_true",
                        help="with --attention: head_dim x GQA x block x batch shapes (GPU)")
     bench.add_argument("--cache", action="store_true", help="KV cache decode step (CPU)")
@@ -281,12 +272,44 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--iters", type=flags.count(1), default=50,
                        help="timed runs per measurement (>= 1)")
     bench.set_defaults(run=cmd_bench)
+    return parser
+
+
+def _setup_logging(verbosity: int) -> None:
+    """Log records of this package on stderr: warnings always, info with -v, debug with -vv."""
+    level = (logging.WARNING, logging.INFO, logging.DEBUG)[min(verbosity, 2)]
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+    logger = logging.getLogger("rocmforge_raw")
+    logger.handlers[:] = [handler]
+    logger.setLevel(level)
+    logger.propagate = False
+
+
+def _reader_gone() -> int:
+    """stdout's reader went away (``| head``): point stdout at /dev/null so the interpreter's
+    last flush has nowhere to fail, and end as a process killed by SIGPIPE would."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    return 128 + 13
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
-    args.parser = commands.choices[args.command]
+    _setup_logging(args.verbose)
+    progress.set_enabled(False if args.json else None)
     try:
-        return args.run(args)
+        module.kernel_mode()  # RF_KERNELS, checked before any work
+    except ValueError as exc:
+        args.parser.error(str(exc))
+    try:
+        return int(args.run(args))
     except BackendUnavailableError as exc:  # --backend or --device names what is not here
         args.parser.error(str(exc))
+    except BrokenPipeError:
+        return _reader_gone()
+    raise AssertionError("unreachable: parser.error exits")
 
 
 if __name__ == "__main__":

@@ -17,7 +17,6 @@ from __future__ import annotations
 import gc
 import math
 import statistics
-import sys
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -25,7 +24,7 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-from . import ops, reference
+from . import ops, progress, reference
 from .array import DeviceArray
 from .buffer import memory_stats
 from .cache import CacheConfig, KvCache, Request, Scheduler
@@ -64,8 +63,10 @@ def _random(rng: np.random.Generator, shape: tuple[int, ...], dtype: Any) -> np.
 
 
 def run_demo(backend: Backend, device: int = 0, config: DemoConfig | None = None,
-             seed: int | None = None, progress: bool = True) -> dict[str, Any]:
-    """Run the simulation and return its summary."""
+             seed: int | None = None) -> dict[str, Any]:
+    """Run the simulation (a progress bar on a terminal, ``progress``) and return its
+    summary. On the host backend there is no device: the summary has no device time and
+    says so (``device_time``)."""
     cfg = config or DemoConfig.for_backend(backend)
     rng = np.random.default_rng(seed)
     dtype = np.dtype(np.float32 if backend.name == "host" else ml_dtypes.bfloat16)
@@ -81,7 +82,8 @@ def run_demo(backend: Backend, device: int = 0, config: DemoConfig | None = None
     stats: dict[str, Any] = {"steps": 0, "prefill_tokens": 0, "decode_tokens": 0,
                              "checks": 0, "device_ms": [], "step_ms": [], "host_share": []}
     started = time.perf_counter()
-    with KvCache(cache_cfg, device, backend) as cache:
+    shown = progress.bar(cfg.requests, "demo", unit="req")
+    with shown, KvCache(cache_cfg, device, backend) as cache:
         sched = Scheduler(cache, max_running=cfg.max_running)
         start_ev, end_ev = Event(device, backend), Event(device, backend)
         submitted = 0
@@ -121,14 +123,11 @@ def run_demo(backend: Backend, device: int = 0, config: DemoConfig | None = None
                         array.buffer.root.close()
             sched.advance(plan)
             stats["steps"] += 1
-            if progress and sys.stderr.isatty():
-                _progress(len(sched.finished()), cfg.requests, cache.stats())
+            _show(shown, len(sched.finished()), cache.stats())
         cache_stats = cache.stats()
         start_ev.close()
         end_ev.close()
     elapsed = time.perf_counter() - started
-    if progress and sys.stderr.isatty():
-        sys.stderr.write("\n")
     shared = _shared_prompts_on_fp8(backend, device, cfg, rng)
     ops.release_staging()  # the one-off writes' staging memory, kept per device until now
     gc.collect()
@@ -141,8 +140,7 @@ def run_demo(backend: Backend, device: int = 0, config: DemoConfig | None = None
         # a decode step as it runs here: plan (batch) + per layer write and attention, then
         # the wait for the device; the host's share is its time to plan and queue the step
         "decode_step_ms_median": statistics.median(steps_ms),
-        "decode_device_ms_median": statistics.median(stats["device_ms"] or [0.0]),
-        "decode_host_share_median": statistics.median(stats["host_share"] or [0.0]),
+        **_device_time(backend, stats),
         "cache_blocks": blocks - 1, "peak_blocks": cache_stats["peak_used_blocks"],
         "preemptions": cache_stats["preemptions"], "cow_copies": cache_stats["cow_copies"],
         "reference_checks_passed": stats["checks"], **shared,
@@ -235,10 +233,19 @@ def _check(cache: KvCache, meta: Any, query: DeviceArray, out: DeviceArray, laye
                              f"reference: relative error {error:.2e} > {tolerance}")
 
 
-def _progress(done: int, total: int, stats: dict[str, Any]) -> None:
-    width = 30
-    filled = int(width * done / max(total, 1))
-    sys.stderr.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {done}/{total} requests  "
-                     f"blocks {stats['used_blocks']:>5}/{stats['num_blocks']}  "
-                     f"preemptions {stats['preemptions']:>4}")
-    sys.stderr.flush()
+def _device_time(backend: Backend, stats: dict[str, Any]) -> dict[str, Any]:
+    """The decode step's device time and the host's share of the step, on a GPU; on the host
+    backend, which runs the step on the CPU as it is queued, a note instead of figures that
+    would read as a device's."""
+    if backend.name == "host":
+        return {"device_time": "none: the host backend runs each step on the CPU as it is "
+                               "queued (decode_step_ms_median is that CPU time)"}
+    return {"decode_device_ms_median": statistics.median(stats["device_ms"] or [0.0]),
+            "decode_host_share_median": statistics.median(stats["host_share"] or [0.0])}
+
+
+def _show(shown: Any, finished: int, stats: dict[str, Any]) -> None:
+    """Advance the demo's bar to ``finished`` requests, with the pool's state beside it."""
+    shown.set_postfix_str(f"blocks {stats['used_blocks']}/{stats['num_blocks']}, "
+                          f"preemptions {stats['preemptions']}", refresh=False)
+    shown.update(finished - shown.n)

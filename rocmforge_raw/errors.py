@@ -23,7 +23,9 @@ class DeviceError(RocmforgeError):
         self.status = int(status)
         self.status_name = status_name
         self.message = message
-        super().__init__(f"{api} failed: {status_name} ({self.status}): {message}")
+        # some runtimes (ROCm 5.2's) describe a status by its name again: said once
+        said = "" if message in ("", status_name) else f": {message}"
+        super().__init__(f"{api} failed: {status_name} ({self.status}){said}")
 
 
 class OutOfMemoryError(DeviceError, MemoryError):

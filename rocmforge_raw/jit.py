@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import logging
 import os
 import re
 import tempfile
@@ -22,7 +23,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from . import progress
 from .errors import KernelNotAvailableError
+
+_log = logging.getLogger(__name__)
 
 #: What every run-time compilation passes, besides the arch and the source's folder (``-I``).
 OPTIONS = ("-std=c++17", "-DRF_RUNTIME_COMPILED=1")
@@ -109,8 +113,13 @@ def compile_cached(compiler: Compiler, source: Path, arch: str, root: Path | Non
     entry = read_entry(path)
     if entry is not None:
         return entry
+    name = "NVRTC" if compiler.backend == "cuda" else "hiprtc"
+    _log.info("compiling %s for %s with %s (%s), to be kept in %s", source.name, arch, name,
+              compiler.version, path)
     start = time.perf_counter()
-    image = compiler.compile(texts[0][1], source.name, arch, [*OPTIONS, f"-I{source.parent}"])
+    with progress.ticking(f"compiling {source.name} for {arch} ({name}, once: then cached)"):
+        image = compiler.compile(texts[0][1], source.name, arch,
+                                 [*OPTIONS, f"-I{source.parent}"])
     seconds = time.perf_counter() - start
     try:
         write_entry(path, image, seconds, compiler.version)

@@ -92,7 +92,7 @@ def pack_args(args: tuple[Any, ...]) -> KernelParams:
         codes.append(code)
         values.append(value)
     signature = "".join(codes)
-    cache = _packers.__dict__.setdefault("by_signature", {})
+    cache: dict[str, KernelParams] = _packers.__dict__.setdefault("by_signature", {})
     params = cache.get(signature)
     if params is None:
         params = cache[signature] = KernelParams(signature)
@@ -149,7 +149,7 @@ class Kernel:
 
     def launch(self, grid: int | tuple[int, ...], block: int | tuple[int, ...], *args: Any,
                shared_bytes: int = 0, stream: Stream | None = None) -> None:
-        config = LaunchConfig(grid, block, shared_bytes, stream)
+        config = LaunchConfig(grid, block, shared_bytes, stream)  # type: ignore[arg-type]
         self.module._check_open()
         self.module.backend.launch(
             self.handle, config.grid, config.block, config.shared_bytes,
@@ -164,7 +164,7 @@ class Kernel:
         """This launch made ready, ``args`` packed once: calling the result with up to four
         pointers replaces the arguments at ``patch`` (in order) and launches from C
         (``runtime._launch``). For launches repeated with a few pointers changed."""
-        config = LaunchConfig(grid, block, shared_bytes, stream)
+        config = LaunchConfig(grid, block, shared_bytes, stream)  # type: ignore[arg-type]
         self.module._check_open()
         packed = pack_args(args).slots.raw[: 8 * len(args)]
         return Launch(self.module, self.handle, config.grid, config.block, config.shared_bytes,
@@ -257,6 +257,17 @@ def kernel_candidates(stem: str, arch: str) -> list[Path]:
         return same_major + [p for p in ptx if int(p.name.split("_")[-1][:-4]) <= major * 10
                              + minor]
     return []
+
+
+def missing_objects_note() -> str | None:
+    """What to do when this install carries no prebuilt code object (a source install of a
+    fresh clone builds none; a wheel carries every target's), or None when it carries some."""
+    if any(p.suffix in (".hsaco", ".cubin", ".ptx") for p in KERNEL_DIR.glob("*.*")):
+        return None
+    return ("no prebuilt code objects in this install: each kernel is compiled at run time "
+            "on first use (NVRTC from the cuda extra, hiprtc from ROCm; minutes for "
+            "paged_attention, then cached), or build them with `make kernels` in a source "
+            "checkout before installing it, or install the wheel, which carries them all")
 
 
 #: RF_KERNELS values: where ``load_kernels`` takes code objects from.

@@ -4,6 +4,7 @@ else ``host``. ``RF_BACKEND=hip|cuda|host`` forces one. Backends are created onc
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 from collections.abc import Callable
@@ -46,6 +47,7 @@ def _host() -> Backend:
     return HostBackend()
 
 
+_log = logging.getLogger(__name__)
 _FACTORIES: dict[str, Callable[[], Backend]] = {"hip": _hip, "cuda": _cuda, "host": _host}
 #: In order of preference.
 BACKEND_NAMES = tuple(_FACTORIES)
@@ -62,7 +64,7 @@ def get_backend(name: str | Backend | None = None) -> Backend:
     if name is None:
         return _default or default_backend()
     if name.__class__ in _classes:  # a backend made here (cheaper than an ABC isinstance)
-        return name
+        return name  # type: ignore[return-value]  # a class in _classes is a Backend
     if not isinstance(name, str):
         if not isinstance(name, Backend):
             raise TypeError(f"backend must be a name ({', '.join(BACKEND_NAMES)}), a Backend "
@@ -105,13 +107,16 @@ def default_backend() -> Backend:
                 _default = get_backend(forced)
             else:
                 _default = next(b for b in map(_try, BACKEND_NAMES) if b is not None)
+            _log.info("default backend: %s%s", _default.name,
+                      f" (RF_BACKEND={forced})" if forced else "")
         return _default
 
 
 def _try(name: str) -> Backend | None:
     try:
         return get_backend(name)
-    except BackendUnavailableError:
+    except BackendUnavailableError as exc:
+        _log.debug("%s backend unavailable: %s", name, exc)
         return None
 
 
@@ -129,7 +134,7 @@ def available_backends() -> dict[str, str]:
 
 def devices() -> list[DeviceProperties]:
     """Properties of every device of every backend that answers, GPUs first."""
-    found = []
+    found: list[DeviceProperties] = []
     for name in BACKEND_NAMES:
         backend = _try(name)
         if backend is not None:

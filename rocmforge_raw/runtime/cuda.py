@@ -24,7 +24,9 @@ try:
     from cuda.bindings import driver as cu
     from cuda.bindings import nvrtc
 except ImportError as exc:  # pragma: no cover - depends on the environment
-    raise BackendUnavailableError(f"cuda-python is not installed: {exc}") from exc
+    raise BackendUnavailableError(
+        f"cuda-python is not installed ({exc}): pip install 'rocmforge_raw[cuda]' brings it "
+        f"(for NVIDIA GPUs, with NVRTC for run-time compilation)") from exc
 
 _SUCCESS = cu.CUresult.CUDA_SUCCESS
 _OOM = cu.CUresult.CUDA_ERROR_OUT_OF_MEMORY

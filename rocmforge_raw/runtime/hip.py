@@ -23,7 +23,9 @@ from .base import Backend, DeviceProperties, as_text, unwrap
 try:
     from hip import hip, hiprtc
 except ImportError as exc:  # pragma: no cover - depends on the environment
-    raise BackendUnavailableError(f"hip-python is not installed: {exc}") from exc
+    raise BackendUnavailableError(
+        f"hip-python is not installed ({exc}): pip install 'rocmforge_raw[hip]' brings it "
+        f"(for AMD GPUs; it must match the installed ROCm)") from exc
 
 _SUCCESS = hip.hipError_t.hipSuccess
 _OOM = hip.hipError_t.hipErrorOutOfMemory
