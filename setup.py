@@ -5,8 +5,11 @@ Python's headers only: the GPU fast paths take the bindings' C functions at run 
 neither cuda.h nor the ROCm headers are needed. Everything else is in pyproject.toml.
 """
 
+import shutil
+
 from Cython.Build import cythonize
 from setuptools import Extension, setup
+from setuptools.command.build import build
 
 MODULES = ("rocmforge_raw.runtime._alloc", "rocmforge_raw.runtime._launch",
            "rocmforge_raw._registry", "rocmforge_raw.buffer", "rocmforge_raw.pool",
@@ -14,4 +17,16 @@ MODULES = ("rocmforge_raw.runtime._alloc", "rocmforge_raw.runtime._launch",
 
 extensions = [Extension(name, [name.replace(".", "/") + ".pyx"],
                         extra_compile_args=["-O2", "-Wno-array-bounds"]) for name in MODULES]
-setup(ext_modules=cythonize(extensions, compiler_directives={"language_level": 3}, quiet=True))
+
+
+class FreshBuild(build):
+    """A build into an emptied ``build/lib.*``: a wheel or a ``pip install .`` holds what the
+    tree holds now, never a module or compiled core an earlier build left there."""
+
+    def run(self) -> None:
+        shutil.rmtree(self.build_lib, ignore_errors=True)
+        super().run()
+
+
+setup(ext_modules=cythonize(extensions, compiler_directives={"language_level": 3}, quiet=True),
+      cmdclass={"build": FreshBuild})

@@ -1,10 +1,13 @@
-"""Smoke test of an installed wheel, run by tools/wheel_check.sh with the fresh environment's
-Python from a folder outside the source tree (RF_BACKEND=host, no GPU needed).
+"""Smoke test of an installed package, run by tools/wheel_check.sh with a fresh environment's
+Python from a folder outside the source tree (RF_BACKEND=host, no GPU needed), for the wheel
+(``--objects all``) and for a fresh clone's `pip install .` (``--objects none``).
 
 Checks: the package comes from site-packages; `rocmforge-raw info --json` lists every prebuilt
-code object; a host buffer round-trips; a small KV cache's write and decode attention match
-``rocmforge_raw.reference``; the packaged sources compile at run time with NVRTC (the ``cuda``
-extra). Exits non-zero, naming the check, on the first failure.
+code object (the wheel) or none and says how to get them (a source install), and names the
+``hip`` extra that brings hip-python (installed without it); a host buffer round-trips; a
+small KV cache's write and decode attention match ``rocmforge_raw.reference``; the packaged
+sources compile at run time with NVRTC (the ``cuda`` extra). Exits non-zero, naming the check,
+on the first failure.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -30,13 +34,29 @@ def check_installed() -> None:
     assert "site-packages" in rf.__file__, f"imported from {rf.__file__}, not the wheel"
 
 
-def check_info_lists_code_objects() -> None:
+def _info() -> dict[str, Any]:
     cli = Path(sys.executable).with_name("rocmforge-raw")
-    info = json.loads(subprocess.run([str(cli), "info", "--json"], check=True,
+    return json.loads(subprocess.run([str(cli), "info", "--json"], check=True,
                                      capture_output=True, text=True).stdout)
+
+
+def check_info_lists_every_code_object() -> None:
+    info = _info()
     want = {f"{stem}.{target}" for stem in STEMS for target in TARGETS}
     missing = want - set(info["code_objects"])
     assert not missing, f"rocmforge-raw info lacks {sorted(missing)}"
+    assert info["code_objects_note"] is None, info["code_objects_note"]
+
+
+def check_info_says_how_to_get_code_objects() -> None:
+    info = _info()
+    assert info["code_objects"] == [], f"a fresh clone built {info['code_objects']}"
+    assert "`make kernels`" in (info["code_objects_note"] or ""), info["code_objects_note"]
+
+
+def check_info_names_the_hip_extra() -> None:
+    hip = _info()["backends"]["hip"]
+    assert "pip install 'rocmforge_raw[hip]'" in hip, hip
 
 
 def check_buffer_round_trip() -> None:
@@ -75,7 +95,9 @@ def check_runtime_compilation() -> None:
 
 
 def main() -> int:
-    checks = [check_installed, check_info_lists_code_objects, check_buffer_round_trip,
+    objects = (check_info_lists_every_code_object if "--objects=all" in sys.argv[1:] else
+               check_info_says_how_to_get_code_objects)
+    checks = [check_installed, objects, check_info_names_the_hip_extra, check_buffer_round_trip,
               check_cache_attention, check_runtime_compilation]
     for check in checks:
         try:
