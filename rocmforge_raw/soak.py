@@ -221,7 +221,7 @@ def run_soak(backend: Backend, device: int, config: SoakConfig,
                      used, _rss()))
 
     shown = progress.bar(config.seconds, f"soak {backend.name}:{device}", unit="s",
-                         bar_format="{desc}: {bar} {n:.0f}/{total:.0f} s {postfix}")
+                         bar_format="{desc}: {bar} {n:.0f}/{total:.0f} s{postfix}")
     try:
         with shown:
             while (elapsed := time.monotonic() - start) < config.seconds:
@@ -299,8 +299,8 @@ def _unsettled(name: str, times: np.ndarray, values: np.ndarray, seconds: float)
     early, _ = drift.theil_sen(half[1][:middle], half[0][:middle])
     late, _ = drift.theil_sen(half[1][middle:], half[0][middle:])
     return (f"{name} did not settle within the {seconds:g}-second run (over its second half "
-            f"it rose {early / 1024:.1f} KiB/s, then {late / 1024:.1f} KiB/s): not judged; "
-            f"run longer (the default is 60 s)")
+            f"it rose {early / 1024:.1f} KiB/s, then {late / 1024:.1f} KiB/s): run longer (the "
+            f"default is 60 s)")
 
 
 __all__ = ["FAIL", "MIN_SECONDS", "PASS", "UNSETTLED", "SoakConfig", "SoakResult", "run_soak"]

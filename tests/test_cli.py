@@ -108,7 +108,7 @@ def _unsettled_result(tmp_path):
     from rocmforge_raw.soak import SoakResult
 
     return SoakResult("UNSETTLED", False, ["RSS did not settle within the 12-second run (...): "
-                                           "not judged; run longer (the default is 60 s)"],
+                                           "run longer (the default is 60 s)"],
                       cycles=900, samples=13, baseline_live_buffers=0, final_live_buffers=0,
                       warmup_s=None, device_drift_bytes=None, rss_drift_bytes=None,
                       files={"csv": str(tmp_path / "soak.csv")},
@@ -123,8 +123,8 @@ def test_a_soak_that_never_settled_is_not_judged_and_exits_2(tmp_path, capsys, m
     out = capsys.readouterr().out.splitlines()
     assert code == 2
     assert out[0] == "soak on host backend (--backend host) for 12 s: not judged"
-    assert "  not judged: RSS did not settle within the 12-second run (...): not judged; run " \
-           "longer (the default is 60 s)" in out
+    assert "  not judged: RSS did not settle within the 12-second run (...): run longer (the " \
+           "default is 60 s)" in out
     assert "  plot skipped: matplotlib is not installed (...)" in out
     assert not any("drift" in line and "MiB" in line for line in out)  # no figure it lacks
 
