@@ -1,6 +1,7 @@
 """Builds the compiled core with Cython: the allocators (``runtime/_alloc``), C kernel
 launches (``runtime/_launch``), the registry (``_registry``), ``HipBuffer`` (``buffer``),
-``MemoryPool`` (``pool``) and the attention's work split (``_worksplit``). Plain C against
+``MemoryPool`` (``pool``), the attention's work split (``_worksplit``) and the DLPack
+capsules' release callbacks (``_dlpack_release``). Plain C against
 Python's headers only: the GPU fast paths take the bindings' C functions at run time, so
 neither cuda.h nor the ROCm headers are needed. Everything else is in pyproject.toml.
 """
@@ -13,7 +14,7 @@ from setuptools.command.build import build
 
 MODULES = ("rocmforge_raw.runtime._alloc", "rocmforge_raw.runtime._launch",
            "rocmforge_raw._registry", "rocmforge_raw.buffer", "rocmforge_raw.pool",
-           "rocmforge_raw._worksplit")
+           "rocmforge_raw._worksplit", "rocmforge_raw._dlpack_release")
 
 extensions = [Extension(name, [name.replace(".", "/") + ".pyx"],
                         extra_compile_args=["-O2", "-Wno-array-bounds"]) for name in MODULES]

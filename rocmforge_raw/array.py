@@ -117,14 +117,14 @@ class DeviceArray:
         (unless the consumer passes ``stream=-1``), so the consumer sees every write. The
         buffer counts the capsule as a consumer: closing it defers the free until the
         consumer lets go."""
-        versioned = dlpack.check_request(stream, max_version, dl_device, copy,
-                                         self.__dlpack_device__())
+        version = dlpack.check_request(stream, max_version, dl_device, copy,
+                                       self.__dlpack_device__(), self.dtype)
         if stream != -1:
             self.backend.synchronize(self.device)
         release = self.buffer._export()
         try:
             return dlpack.to_capsule(self, self.ptr, self.dtype, self.shape,
-                                     self.backend.dlpack_device_type, self.device, versioned,
+                                     self.backend.dlpack_device_type, self.device, version,
                                      release)
         except BaseException:
             release()
