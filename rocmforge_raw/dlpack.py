@@ -24,7 +24,7 @@ from . import _dlpack_release as _release
 from . import checks
 
 KDL_CPU, KDL_CUDA, KDL_ROCM = 1, 2, 10
-_KDL_INT, _KDL_UINT, _KDL_FLOAT, _KDL_BFLOAT, _KDL_BOOL = 0, 1, 2, 4, 6
+_KDL_INT, _KDL_UINT, _KDL_FLOAT, _KDL_BFLOAT, _KDL_COMPLEX, _KDL_BOOL = 0, 1, 2, 4, 5, 6
 #: DLPack 1.1's type codes of the 8-bit floats (dlpack.h, DLDataTypeCode), by ml_dtypes' name
 FLOAT8_CODES = {"float8_e3m4": 7, "float8_e4m3": 8, "float8_e4m3b11fnuz": 9,
                 "float8_e4m3fn": 10, "float8_e4m3fnuz": 11, "float8_e5m2": 12,
@@ -126,10 +126,10 @@ def dtype_code(dtype: np.dtype[Any]) -> tuple[int, int]:
         return _KDL_BFLOAT, 16
     if dtype.name in FLOAT8_CODES:
         return FLOAT8_CODES[dtype.name], 8
-    kinds = {"i": _KDL_INT, "u": _KDL_UINT, "f": _KDL_FLOAT, "b": _KDL_BOOL}
+    kinds = {"i": _KDL_INT, "u": _KDL_UINT, "f": _KDL_FLOAT, "c": _KDL_COMPLEX, "b": _KDL_BOOL}
     if dtype.kind not in kinds:
         raise BufferError(f"dtype {dtype} has no DLPack type code (DLPack 1.1 names bool, "
-                          "integers, floats, bfloat16 and the 8-bit floats)")
+                          "integers, floats, complex, bfloat16 and the 8-bit floats)")
     return kinds[dtype.kind], dtype.itemsize * 8
 
 

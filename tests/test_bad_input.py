@@ -249,7 +249,8 @@ DLPACK = [
     P("dlpack-copy-str", "arr(4).__dlpack__(copy='yes')", "TypeError", "'yes'"),
     P("dlpack-closed", "b = buf(); t = b.typed(np.float32); b.close(); np.from_dlpack(t)",
       "BufferClosedError", "closed"),
-    P("dlpack-complex", "np.from_dlpack(arr(4, np.complex64))", "TypeError", "complex64"),
+    P("dlpack-float4", "import ml_dtypes; np.from_dlpack(arr(4, ml_dtypes.float4_e2m1fn))",
+      "BufferError", "float4_e2m1fn"),
 ]
 
 STREAM = [
@@ -514,7 +515,7 @@ SOAK = [
     P("soak-seconds-negative", "SoakConfig(seconds=-5)", "ValueError", "-5"),
     P("soak-seconds-nan", "SoakConfig(seconds=float('nan'))", "ValueError", "nan"),
     P("soak-seconds-too-short", "SoakConfig(seconds=2)", "ValueError", "2-second"),
-    P("soak-warmup-one", "SoakConfig(warmup_fraction=1.0)", "ValueError", "1.0"),
+    P("soak-leak-rate-negative", "SoakConfig(leak_bytes_per_s=-1)", "ValueError", "-1"),
     P("soak-workloads-unknown", "SoakConfig(workloads=('x',))", "ValueError", "'x'"),
     P("soak-workloads-str", "SoakConfig(workloads='buffers')", "ValueError", "'buffers'"),
     P("soak-leak-flag-str", "SoakConfig(inject_leak='yes')", "TypeError", "'yes'"),
@@ -528,9 +529,9 @@ CLI = [
     C("cli-soak-seconds-inf", "soak --seconds inf", "'inf'"),
     C("cli-soak-seconds-text", "soak --seconds soon", "'soon'"),
     C("cli-soak-too-short", "soak --seconds 2", "2-second"),
-    C("cli-soak-warmup-one", "soak --warmup 1", "1"),
-    C("cli-soak-warmup-negative", "soak --warmup -0.1", "-0.1"),
-    C("cli-soak-warmup-leaves-nothing", "soak --seconds 20 --warmup 0.9", "leaves 2 s"),
+    C("cli-soak-rss-leak-negative", "soak --inject-rss-leak-mib -0.5", "-0.5"),
+    C("cli-soak-rss-leak-nan", "soak --inject-rss-leak-mib nan", "'nan'"),
+    C("cli-soak-too-short-to-judge", "soak --seconds 9.5", "9.5-second"),
     C("cli-soak-minutes-zero", "soak --minutes 0", "0"),
     C("cli-soak-out-under-a-file", "soak --seconds 5 --out /etc/passwd/x", "/etc/passwd"),
     C("cli-soak-drift-negative", "soak --max-rss-drift-mib -1", "-1"),

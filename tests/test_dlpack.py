@@ -77,6 +77,17 @@ def test_a_consumer_that_does_not_know_the_codes_refuses_and_nothing_leaks(rng):
     assert array.buffer.closed and rf.memory_stats()["live_buffers"] == before
 
 
+def test_complex_arrays_go_to_numpy_as_dlpacks_complex(rng):
+    data = (rng.standard_normal(6) + 1j * rng.standard_normal(6)).astype(np.complex64)
+    array = rf.DeviceArray.from_numpy(data, backend="host")
+    try:
+        seen = np.from_dlpack(array)  # kDLComplex, 64 bits
+        np.testing.assert_array_equal(seen, data)
+        del seen
+    finally:
+        array.buffer.root.close()
+
+
 @pytest.mark.parametrize("name", ["float4_e2m1fn", "float6_e2m3fn", "int4"])
 def test_a_dtype_dlpack_cannot_describe_is_refused_before_any_export(name, rng):
     if not hasattr(ml_dtypes, name):
