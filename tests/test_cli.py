@@ -173,6 +173,29 @@ def test_info_warns_when_bindings_and_runtime_differ(capsys, monkeypatch):
         in lines
 
 
+@pytest.mark.parametrize("runtime, advice", [
+    ("6.4.43483", "pip install 'hip-python==6.4.*'"),
+    ("7.2.1", "pip install 'hip-python==7.2.*'"),
+    ("5.2.21153", "No hip-python that this package supports matches HIP 5.2: to use the hip "
+                  "backend install ROCm 6.4 or newer"),
+])
+def test_the_hip_version_warning_says_what_to_install(capsys, monkeypatch, runtime, advice):
+    _fake_versions(monkeypatch, runtime, "7.15.26333")
+    code, info = run_json(capsys, "info", "--backend", "host")
+    assert code == 0 and len(info["warnings"]) == 1 and advice in info["warnings"][0]
+    assert ("cuda and host backends do not use HIP" in info["warnings"][0]) == \
+        runtime.startswith("5.")
+
+
+def test_a_hip_status_described_by_its_own_name_is_said_once():
+    from rocmforge_raw.errors import DeviceError
+
+    said_once = DeviceError("hipGetDeviceCount", 100, "hipErrorNoDevice", "hipErrorNoDevice")
+    assert str(said_once) == "hipGetDeviceCount failed: hipErrorNoDevice (100)"
+    described = DeviceError("cuMemAlloc", 2, "CUDA_ERROR_OUT_OF_MEMORY", "out of memory")
+    assert str(described) == "cuMemAlloc failed: CUDA_ERROR_OUT_OF_MEMORY (2): out of memory"
+
+
 def test_info_does_not_warn_when_major_minor_agree(capsys, monkeypatch):
     _fake_versions(monkeypatch, "6.4.43483", "6.4.43482")
     code, info = run_json(capsys, "info", "--backend", "host")
@@ -198,9 +221,10 @@ def test_installed_hip_python_is_in_the_stated_range():
     try:
         installed = metadata.version("hip-python")
     except metadata.PackageNotFoundError:
-        pytest.skip("hip-python is not installed")
+        pytest.skip("hip-python is not installed (the hip extra brings it)")
     project = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())
-    stated = [requirements.Requirement(r) for r in project["project"]["dependencies"]]
+    stated = [requirements.Requirement(r) for r in project["project"]["optional-dependencies"]
+              ["hip"]]
     hip_python, = [r for r in stated if r.name == "hip-python"]
     assert hip_python.specifier.contains(installed), (installed, str(hip_python.specifier))
     assert all(hip_python.specifier.contains(v) for v in ("6.4.4.555.40", "10.0.0.0.1.2"))
