@@ -18,6 +18,7 @@ cycle and ``leak_bytes_per_s`` keeps host memory at a steady rate: both must FAI
 from __future__ import annotations
 
 import gc
+import mmap
 import os
 import time
 from dataclasses import dataclass, field
@@ -176,18 +177,29 @@ class _Workload:
 
 
 class _PlantedLeak:
-    """Host memory kept at ``rate`` bytes per second of the run, written so that it counts in
-    RSS, and unknown to the registry: only the drift can find it (the calibration's leak)."""
+    """Host memory kept at ``rate`` bytes per second of the run, unknown to the registry: only
+    the drift can find it (the calibration's leak). Mapped pages of its own (``mmap``), every
+    one written: the process's RSS grows by exactly ``rate`` a second (heap memory would
+    first fill the holes the workload's frees leave, and grow RSS by less)."""
+
+    CHUNK = 256 * 1024  # bytes mapped at a time: four maps a second at 1 MiB/s
 
     def __init__(self, rate: int) -> None:
         self.rate, self.held = rate, 0
-        self.kept: list[bytes] = []
+        self.kept: list[mmap.mmap] = []
 
     def feed(self, elapsed: float) -> None:
         owed = int(elapsed * self.rate) - self.held
-        if owed >= 4096:
-            self.kept.append(b"\xa5" * owed)
+        if owed >= self.CHUNK:
+            pages = mmap.mmap(-1, owed)
+            pages.write(b"\xa5" * owed)
+            self.kept.append(pages)
             self.held += owed
+
+    def close(self) -> None:
+        for pages in self.kept:
+            pages.close()
+        self.kept.clear()
 
 
 #: One sample: seconds, live bytes, live buffers, device used bytes (GPU), RSS bytes
@@ -244,7 +256,7 @@ def run_soak(backend: Backend, device: int, config: SoakConfig,
     leaked_on_purpose = len(leaked)
     for buf in leaked:  # judged already: give the planted leaks back to the process
         buf.close()
-    planted.kept.clear()
+    planted.close()
     result, fits = _judge(rows, gpu, config, cycles, baseline, final_live)
     summary = {"config": config, "backend": backend.name,
                "device": backend.properties(device).name, "leaked_on_purpose": leaked_on_purpose,
