@@ -75,7 +75,7 @@ def sweep() -> list[str]:
         if os.getpid() in _swept:
             return []
         _swept.add(os.getpid())
-    removed = []
+    removed: list[str] = []
     try:
         names = os.listdir(SHM_DIR)
     except OSError:

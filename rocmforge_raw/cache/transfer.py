@@ -75,7 +75,8 @@ class SequenceDescription:
     @property
     def kv_scales(self) -> tuple[tuple[float, float], ...]:
         """Per layer (k_scale, v_scale): what an fp8 cache's codes are multiplied by."""
-        return self.layout["kv_scales"]
+        scales: tuple[tuple[float, float], ...] = self.layout["kv_scales"]
+        return scales
 
 
 @dataclass(frozen=True)
@@ -139,7 +140,9 @@ def import_sequence(cache: KvCache, desc: Any, transport: Any,
     new = np.zeros(0, np.int32)
     try:
         pool.take(hits)
-        new = pool.allocate(fresh)
+        allocated = pool.allocate(fresh)
+        assert allocated is not None  # counted free above
+        new = allocated
         spans = block_spans(src_ids[len(hits) :], new, desc.num_blocks, config)
         start = time.perf_counter()
         if len(spans):  # every block a prefix hit: nothing to map, move or wait for

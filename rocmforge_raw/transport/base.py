@@ -26,7 +26,7 @@ from ..stream import Event, Stream, stream_handle
 
 #: buffer -> {transport name: (the transport that published it, held weakly: a transport
 #: dropped unclosed is collected, its endpoint, which dies with it)}
-_published: weakref.WeakKeyDictionary[HipBuffer, dict[str, tuple[weakref.ref, Any]]] = \
+_published: weakref.WeakKeyDictionary[HipBuffer, dict[str, tuple[weakref.ref[Any], Any]]] = \
     weakref.WeakKeyDictionary()
 
 
@@ -53,7 +53,7 @@ class Transport(ABC):
             endpoints[self.name] = (weakref.ref(self), self._publish(root))
         return endpoints[self.name][1]
 
-    def _published_by_me(self, endpoints: dict[str, tuple[weakref.ref, Any]]) -> bool:
+    def _published_by_me(self, endpoints: dict[str, tuple[weakref.ref[Any], Any]]) -> bool:
         return self.name in endpoints and endpoints[self.name][0]() is self
 
     @abstractmethod
@@ -107,7 +107,8 @@ def check_spans(spans: Any, src_nbytes: int, dst: HipBuffer) -> np.ndarray:
                        or (spans[:, 1] + spans[:, 2]).max() > dst.nbytes):
         raise ValueError(f"a span lies outside the {src_nbytes}-byte source or the "
                          f"{dst.nbytes}-byte destination")
-    return spans
+    checked: np.ndarray = spans
+    return checked
 
 
 def wait(dst: HipBuffer, stream: Stream | None) -> None:

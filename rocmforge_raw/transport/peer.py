@@ -8,6 +8,7 @@ device copy), then waits for the copies. An endpoint taken to another process is
 
 from __future__ import annotations
 
+import functools
 import itertools
 import os
 import weakref
@@ -26,6 +27,11 @@ _ids = itertools.count(1)
 _buffers: dict[int, weakref.ref[HipBuffer]] = {}
 
 
+def _forget(number: int, _: object) -> None:
+    """A published buffer died: its number goes with it."""
+    _buffers.pop(number, None)
+
+
 @dataclass(frozen=True)
 class PeerEndpoint:
     """A published buffer of process ``pid``, by its number there."""
@@ -41,7 +47,7 @@ class PeerTransport(Transport):
 
     def _publish(self, buffer: HipBuffer) -> PeerEndpoint:
         number = next(_ids)
-        _buffers[number] = weakref.ref(buffer, lambda _, n=number: _buffers.pop(n, None))
+        _buffers[number] = weakref.ref(buffer, functools.partial(_forget, number))
         return PeerEndpoint(os.getpid(), number)
 
     def read(self, endpoint: Any, dst: HipBuffer, spans: np.ndarray,
