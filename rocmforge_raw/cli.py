@@ -2,8 +2,9 @@
 and -v.
 
 Every flag is checked when it is parsed (``_flags``), and ``RF_KERNELS`` before any command
-runs; a bad value, a backend that does not answer or a device it does not have ends the
-command with one line on stderr and exit status 2, never a traceback. A reader that stops
+runs; a bad value, a backend that does not answer, a device it does not have or a kernel with
+neither a code object nor a run-time compiler ends the command with one line on stderr (which
+says how to get what is missing) and exit status 2, never a traceback. A reader that stops
 early (``soak --json | head -5``) ends the command quietly with status 141 (128 + SIGPIPE).
 """
 
@@ -20,7 +21,7 @@ from typing import Any, NoReturn
 from . import _flags as flags
 from . import module, progress
 from ._version import version
-from .errors import BackendUnavailableError
+from .errors import BackendUnavailableError, KernelNotAvailableError
 from .runtime import BACKEND_NAMES, Backend, available_backends, get_backend
 
 DESCRIPTION = """\
@@ -305,8 +306,8 @@ def main(argv: list[str] | None = None) -> int:
         args.parser.error(str(exc))
     try:
         return int(args.run(args))
-    except BackendUnavailableError as exc:  # --backend or --device names what is not here
-        args.parser.error(str(exc))
+    except (BackendUnavailableError, KernelNotAvailableError) as exc:
+        args.parser.error(str(exc))  # what is not here: a backend, a device, a code object
     except BrokenPipeError:
         return _reader_gone()
     raise AssertionError("unreachable: parser.error exits")

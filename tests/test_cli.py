@@ -363,6 +363,27 @@ def test_every_command_works_with_no_code_objects_and_says_how_to_get_them(
     assert run_json(capsys, "info", "--backend", "host")[1]["code_objects_note"] is None
 
 
+def test_a_kernel_with_no_code_object_and_no_compiler_is_one_line_saying_how(capsys,
+                                                                            monkeypatch):
+    """A GPU without a fitting code object or a run-time compiler: load_kernels' error, which
+    names the arch and `make kernels`, as the command's one line (here raised by the bench)."""
+    from rocmforge_raw import cli_bench
+    from rocmforge_raw.errors import KernelNotAvailableError
+
+    def missing(*args):
+        raise KernelNotAvailableError("no paged_attention code object for cuda arch sm_90 in "
+                                      "/x/kernels and run-time compilation failed; build it "
+                                      "with `make kernels` (...)")
+
+    monkeypatch.setattr(cli_bench, "run", missing)
+    with pytest.raises(SystemExit) as stop:
+        main(["bench", "--attention", "--backend", "host"])
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and err.count("\n") == 1
+    assert err.startswith("rocmforge-raw bench: error: no paged_attention code object for cuda "
+                          "arch sm_90") and "`make kernels`" in err
+
+
 # A binding made unimportable in a fresh process, as on a machine without it.
 _WITHOUT = """
 import sys
