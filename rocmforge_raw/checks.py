@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 import operator
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
 from typing import Any, TypeVar
 
 import numpy as np
@@ -19,6 +19,10 @@ import numpy as np
 #: Largest byte count or dimension the package accepts: a signed 64-bit size (DLPack's and
 #: the kernels' index type).
 MAX_SIZE = (1 << 63) - 1
+#: The float32 range: kernels take their scales as float32, and a value outside this range
+#: becomes 0 or infinity there (every result NaN or 0).
+FLOAT32_MAX = float(np.finfo(np.float32).max)
+FLOAT32_TINY = float(np.finfo(np.float32).tiny)  # the smallest normal float32
 _NUMERIC_KINDS = "biufc"  # bool, signed, unsigned, float, complex
 
 
@@ -60,10 +64,41 @@ def real(value: Any, name: str, minimum: float | None = None,
         raise TypeError(f"{name} must be a number, got {_kind(value)}")
     if isinstance(value, np.complexfloating):
         raise TypeError(f"{name} must be a real number, got {_kind(value)}")
-    number = float(value)
+    try:
+        number = float(value)
+    except OverflowError:  # an int past the float range
+        raise ValueError(f"{name} must be a finite number, got {show(value)}, beyond the "
+                         "float range") from None
     if not math.isfinite(number):
         raise ValueError(f"{name} must be a finite number, got {show(value)}")
     return _within(number, name, minimum, maximum, show(value))
+
+
+def float32(value: Any, name: str, minimum: float | None = None,
+            maximum: float | None = None) -> float:
+    """A ``real`` that a kernel takes as float32: 0, or of a magnitude in [FLOAT32_TINY,
+    FLOAT32_MAX], so that it neither overflows to infinity nor flushes to 0 or a
+    subnormal there."""
+    number = real(value, name, minimum, maximum)
+    if number and not FLOAT32_TINY <= abs(number) <= FLOAT32_MAX:
+        raise ValueError(f"{name} must fit float32 (0, or a magnitude in [{FLOAT32_TINY:.8g}, "
+                         f"{FLOAT32_MAX:.8g}]), got {show(value)}")
+    return number
+
+
+def positive_float32(value: Any, name: str, maximum: float = FLOAT32_MAX) -> float:
+    """A ``float32`` in [FLOAT32_TINY, ``maximum``]: a scale whose inverse fits too."""
+    number = float32(value, name, maximum=maximum)
+    if number <= 0.0:
+        raise ValueError(f"{name} must be positive, got {show(value)}")
+    return number
+
+
+def function(value: Any, name: str, what: str) -> Any:
+    """``value`` if it can be called (a clock, a callback); ``what`` says what it must be."""
+    if not callable(value):
+        raise TypeError(f"{name} must be {what}, got {_kind(value)}")
+    return value
 
 
 def _within(number: _N, name: str, minimum: _N | None, maximum: _N | None, shown: str) -> _N:
@@ -129,6 +164,30 @@ def hashable(value: Any, name: str) -> Hashable:
         raise TypeError(f"{name} must be hashable, got {_kind(value)}") from None
     key: Hashable = value
     return key
+
+
+def ordered(values: Any, name: str, what: str) -> list[Any]:
+    """An ordered collection (a list, tuple, NumPy array or other sequence) as a list; a set,
+    a mapping, a string or an iterator is refused: their order is not the caller's."""
+    if isinstance(values, (str, bytes)) or not (
+            isinstance(values, (Sequence, np.ndarray))):
+        raise TypeError(f"{name} must be {what} (a list, tuple or array), got "
+                        f"{_kind(values)}")
+    return list(values)
+
+
+def colocated(name: str, backend: Any, device: int, other_name: str, other_backend: Any,
+              other_device: int) -> None:
+    """``ValueError`` unless ``name`` and ``other_name`` live on one backend object and one
+    device; the message tells two objects of one backend apart."""
+    if backend is other_backend and device == other_device:
+        return
+    if backend is not other_backend and backend.name == other_backend.name:
+        raise ValueError(f"{name} is on another {backend.name} backend object than "
+                         f"{other_name} ({id(backend):#x} and {id(other_backend):#x}): use "
+                         f"one, as get_backend({backend.name!r}) returns")
+    raise ValueError(f"{name} is on {backend.name}:{device}, {other_name} on "
+                     f"{other_backend.name}:{other_device}")
 
 
 def id_list(values: Any, name: str) -> list[Hashable]:
