@@ -13,7 +13,7 @@ block freed on a stream is reused on that stream at once (the stream orders the 
 after the old), newest first. It goes to another stream only once an event recorded on the
 freeing stream after the free has completed -- queried, never waited for -- oldest first.
 ``HipBuffer(n, pool=p.on(stream))`` and ``p.allocate(n, stream=stream)`` allocate and free
-on ``stream``; plain ``HipBuffer(n, pool=p)`` uses the default stream, the fast path: no
+on ``stream`` (an open ``Stream`` of the pool's backend object and device); plain ``HipBuffer(n, pool=p)`` uses the default stream, the fast path: no
 event at its frees; a fence event is recorded on the default stream only when another stream
 looks for its blocks. Blocks freed on a stream record an event at the free (at most
 ``MAX_FENCES`` per stream are pending; past that the newest is recorded again).
@@ -35,11 +35,12 @@ from rocmforge_raw._registry cimport current_generation, owns_memory_of
 from rocmforge_raw.runtime._alloc cimport Allocator
 
 from . import checks
-from .errors import OutOfMemoryError
+from .errors import BufferClosedError, OutOfMemoryError
 from .runtime import get_backend
 from .stream import Stream
 
 MIN_BLOCK = 512
+cdef object _LARGE = 1 << 30  # blocks above this are checked against the device's size
 #: Events pending per stream; past this many the newest is recorded again (moved forward).
 MAX_FENCES = 8
 
@@ -81,7 +82,11 @@ cdef class MemoryPool(Allocator):
     """Caches freed device blocks of one device for reuse, per stream. Thread-safe.
 
     Invariant: ``reserved`` bytes = bytes of blocks lent out + ``cached`` bytes; a block is
-    either lent or in exactly one lane's free list, never both. Blocks lent to HipBuffers are
+    either lent or in exactly one lane's free list, never both. Every call checks its
+    arguments before it changes anything, and one that fails (a limit, a device out of
+    memory) leaves the pool as it was, except that a device out of memory first gets the
+    cached blocks back. ``close()`` gives everything back and ends the pool's use; it refuses
+    while blocks are lent. Blocks lent to HipBuffers are
     counted (the registry frees each once); blocks lent through the Python ``allocate`` are
     also kept in ``loose`` (pointer -> size), so that ``free`` can refuse a pointer it never
     lent. Cached blocks go back to the device on ``free_all()``, at the limit, and when the
@@ -107,6 +112,7 @@ cdef class MemoryPool(Allocator):
     cdef size_t reserved, cached, lent
     cdef size_t cap   # limit in bytes (SIZE_MAX: none)
     cdef unsigned long generation
+    cdef bint is_closed
     cdef object __weakref__
 
     def __init__(self, device=None, backend=None, limit=None):
@@ -142,36 +148,50 @@ cdef class MemoryPool(Allocator):
     def on(self, stream):
         """The allocator of this pool for ``stream`` (None: the pool itself, the default
         stream): ``HipBuffer(n, pool=pool.on(stream))`` allocates and frees on ``stream``."""
+        self.check_open()
         if stream is None:
             return self
-        return StreamAllocator(self, self.lane(stream))
+        return StreamAllocator(self, self.register(self.lane(stream)))
+
+    @property
+    def closed(self):
+        """Whether ``close()`` ended this pool's use."""
+        return self.is_closed
+
+    cdef int check_open(self) except -1:
+        if self.is_closed:
+            raise BufferClosedError("this MemoryPool was closed")
+        return 0
 
     cdef _Lane lane(self, object stream):
-        """The lane of ``stream`` (checked: a Stream of this pool's backend and device)."""
+        """The lane of ``stream`` (checked: an open Stream of this pool's backend object and
+        device), not registered yet when it is new: ``register`` it once nothing can fail."""
         if stream is None:
             return self.default
+        if not isinstance(stream, Stream):
+            raise TypeError(f"stream must be a Stream or None, got {checks.show(stream)}")
+        if not _is_open(stream):
+            raise BufferClosedError(f"{stream!r} was closed")
         found = self.lanes.get(stream)
         if found is not None:
             return found
-        if not isinstance(stream, Stream):
-            raise TypeError(f"stream must be a Stream or None, not {type(stream).__name__}")
-        if stream.backend is not self.backend or stream.device != self.device:
-            raise ValueError(f"{stream!r} is on {stream.backend.name}:{stream.device}, this "
-                             f"pool on {self.backend.name}:{self.device}")
-        if not _is_open(stream):
-            raise ValueError(f"{stream!r} was closed")
-        return self.register(stream)
+        checks.colocated("stream", stream.backend, stream.device, "this pool", self.backend,
+                         self.device)
+        return _Lane(stream)
 
-    cdef _Lane register(self, object stream):
-        with self.lock:
-            return self.lanes.setdefault(stream, _Lane(stream))
-
-    cdef _Lane current(self, _Lane lane):
-        """``lane``, or its stream's lane now if ``free_all`` dropped it (no block is ever
-        cached in a dropped lane)."""
+    cdef _Lane register(self, _Lane lane):
+        """``lane`` in the pool's lanes, or the lane registered meanwhile for its stream."""
         if lane.stream is None or self.lanes.get(lane.stream) is lane:
             return lane
-        return self.register(lane.stream)
+        with self.lock:
+            return self.lanes.setdefault(lane.stream, lane)
+
+    cdef _Lane current(self, _Lane lane):
+        """``lane``, or a new (unregistered) lane of its stream if ``free_all`` dropped it
+        (no block is ever cached in a dropped lane)."""
+        if lane.stream is None or self.lanes.get(lane.stream) is lane:
+            return lane
+        return _Lane(lane.stream)
 
     # --- the C path --------------------------------------------------------------------------
     cdef uintptr_t alloc_ptr(self, size_t nbytes, int device) except 0:
@@ -187,6 +207,8 @@ cdef class MemoryPool(Allocator):
         cdef int index = class_of(nbytes, &size)
         if index < 0:
             raise OverflowError(f"a pool block of {nbytes} bytes is larger than any device")
+        if self.is_closed:
+            raise BufferClosedError("this MemoryPool was closed")
         cdef FreeList* blocks = &lane.lists[index]
         cdef uintptr_t ptr
         if blocks.count:  # a hit: one atomic step
@@ -285,12 +307,20 @@ cdef class MemoryPool(Allocator):
         return 0
 
     cdef uintptr_t grow(self, size_t size) except 0:
-        """A new block from the device, within the limit."""
+        """A new block from the device, within the limit (cached blocks are given back only
+        when that makes room)."""
         if self.reserved + size > self.cap:
-            self.free_cached()
-            if self.reserved + size > self.cap:
+            if self.reserved - self.cached + size > self.cap:
                 raise OutOfMemoryError("MemoryPool", size, self.cap - self.reserved,
                                        self.cap, 2, "pool limit reached")
+            self.free_cached()
+            if self.reserved + size > self.cap:  # another thread took the room meanwhile
+                raise OutOfMemoryError("MemoryPool", size, self.cap - self.reserved,
+                                       self.cap, 2, "pool limit reached")
+        if size > _LARGE and size > self.backend.capacity(self.device):
+            free, total = self.backend.mem_info(self.device)
+            raise OutOfMemoryError("MemoryPool", size, free, total, 2,
+                                   "larger than the device's memory")
         self.reserved += size
         try:
             try:
@@ -349,24 +379,45 @@ cdef class MemoryPool(Allocator):
             raise ValueError(f"a pool allocation needs nbytes > 0, got {nbytes}")
         if nbytes > 1 << 62:
             raise ValueError(f"a pool allocation needs nbytes <= 2**62, got {nbytes}")
+        self.check_open()
         if stream is None:
             ptr = self.take(self.default, nbytes)
         else:
             lane = self.lane(stream)
-            ptr = self.take(lane, nbytes)
-            self.loose_lanes[ptr] = lane
+            ptr = self.take(lane, nbytes)  # the lane is registered only once it succeeded
+            self.loose_lanes[ptr] = self.register(lane)
         self.loose[ptr] = nbytes
         return ptr
 
     def free(self, ptr, device=None, *, stream=...):
         """Return a block from ``allocate`` to the cache, freed in the order of ``stream``:
-        by default the stream it was allocated for; None names the default stream."""
+        by default the stream it was allocated for; None names the default stream.
+        ``device``, if given, must be the pool's."""
+        if type(ptr) is not int:
+            ptr = checks.integer(ptr, "ptr")
+        if device is not None and checks.integer(device, "device") != self.device:
+            raise ValueError(f"device {device} is not this pool's device {self.device}")
+        lane = None if stream is ... else self.lane(stream)  # checked before any change
         nbytes = self.loose.pop(ptr, None)
         if nbytes is None:
             raise ValueError(f"pointer {ptr:#x} was not allocated by this pool's allocate(), "
                              "or was freed already")
-        lane = self.loose_lanes.pop(ptr, self.default) if self.loose_lanes else self.default
-        self.give(self.current(lane) if stream is ... else self.lane(stream), ptr, nbytes)
+        lent_on = self.loose_lanes.pop(ptr, self.default) if self.loose_lanes else self.default
+        self.give(self.register(self.current(lent_on) if lane is None else lane), ptr, nbytes)
+
+    def close(self):
+        """Give every cached block back to the device and end the pool's use (it refuses
+        every later allocation). Idempotent. Raises ``RuntimeError``, changing nothing,
+        while blocks are still lent (buffers not closed, ``allocate`` not freed)."""
+        with self.lock:
+            if self.is_closed:
+                return
+            if self.lent:
+                raise RuntimeError(f"MemoryPool.close(): {self.lent} blocks "
+                                   f"({self.reserved - self.cached} bytes) are still in use; "
+                                   "close their buffers (or free() them) first")
+            self.free_all()
+            self.is_closed = True
 
     def free_all(self):
         """Give every cached (not in-use) block back to the device; forget the streams
@@ -414,11 +465,16 @@ cdef class StreamAllocator(Allocator):
         return self.pool.serves(backend, device)
 
     cdef uintptr_t alloc_ptr(self, size_t nbytes, int device) except 0:
-        self.lane = self.pool.current(self.lane)
-        return self.pool.take(self.lane, nbytes)
+        cdef _Lane lane = self.pool.current(self.lane)
+        if not _is_open(lane.stream):
+            raise BufferClosedError(f"{lane.stream!r} was closed: its pool allocator cannot "
+                                    "allocate")
+        cdef uintptr_t ptr = self.pool.take(lane, nbytes)
+        self.lane = self.pool.register(lane)
+        return ptr
 
     cdef int free_ptr(self, uintptr_t ptr, size_t nbytes, int device) except -1:
-        self.lane = self.pool.current(self.lane)
+        self.lane = self.pool.register(self.pool.current(self.lane))
         return self.pool.give(self.lane, ptr, nbytes)
 
     def __reduce__(self):

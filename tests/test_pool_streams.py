@@ -271,12 +271,13 @@ def test_the_accounts_balance_across_streams(device):
 
 def test_a_stream_the_pool_cannot_serve_is_refused(device):
     backend, pool, a, _ = device
-    with pytest.raises(TypeError, match="stream must be a Stream or None, not int"):
+    with pytest.raises(TypeError, match="stream must be a Stream or None, got 5"):
         pool.on(5)
-    with pytest.raises(TypeError, match="not int"):
+    with pytest.raises(TypeError, match="got 5"):
         pool.allocate(N, stream=5)
     stranger = rf.Stream(backend="host")
-    with pytest.raises(ValueError, match="is on host:0, this pool on host:0"):
+    with pytest.raises(ValueError, match="stream is on another host backend object than this "
+                       "pool"):
         pool.on(stranger)
     closed = rf.Stream(backend=backend)
     closed.close()
