@@ -273,7 +273,7 @@ cdef class HipBuffer:
         unmodified until the stream has passed the copy."""
         array = checks.host_array(array, "array")
         dst = self._span(offset, array.nbytes)
-        handle = stream_handle(stream)
+        handle = stream_handle(stream, "stream", self.backend, self.device)
         if array.nbytes:
             self.backend.memcpy_htod(dst, array.ctypes.data, array.nbytes, handle)
 
@@ -282,7 +282,7 @@ cdef class HipBuffer:
         """A new host array of ``dtype``/``shape`` read from ``offset`` (default: all of it)."""
         dtype = checks.plain_dtype(dtype)
         offset = checks.size(offset, "offset")
-        handle = stream_handle(stream)
+        handle = stream_handle(stream, "stream", self.backend, self.device)
         shape = _shape_for(dtype, shape, self.nbytes - min(offset, self.nbytes))
         src = self._span(offset, checks.nbytes_of(dtype, shape), "read")
         out = np.empty(shape, dtype)
@@ -298,14 +298,14 @@ cdef class HipBuffer:
         if not isinstance(src, HipBuffer):
             raise TypeError(f"src must be a HipBuffer, got {checks.show(src)}")
         if src.backend is not self.backend:
-            raise ValueError(f"cannot copy from a {src.backend.name} buffer to a "
-                             f"{self.backend.name} buffer")
+            checks.colocated("src", src.backend, src.device, "this buffer", self.backend,
+                             self.device)
         src_offset = checks.size(src_offset, "src_offset")
         dst_offset = checks.size(dst_offset, "dst_offset")
         nbytes = src.nbytes - min(src_offset, src.nbytes) if nbytes is None else nbytes
         from_addr = src._span(src_offset, nbytes, "read")
         to_addr = self._span(dst_offset, nbytes)
-        handle = stream_handle(stream)
+        handle = stream_handle(stream, "stream", self.backend, self.device)
         if nbytes:
             self.backend.memcpy_dtod(to_addr, from_addr, nbytes, handle)
 
@@ -316,7 +316,7 @@ cdef class HipBuffer:
         offset = checks.size(offset, "offset")
         nbytes = self.nbytes - min(offset, self.nbytes) if nbytes is None else nbytes
         dst = self._span(offset, nbytes, "fill")
-        handle = stream_handle(stream)
+        handle = stream_handle(stream, "stream", self.backend, self.device)
         if nbytes:
             self.backend.memset(dst, byte, nbytes, handle)
 

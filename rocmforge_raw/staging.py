@@ -123,7 +123,7 @@ class Workspace:
         nbytes, counters = checks.size(nbytes, "nbytes"), checks.size(counters, "counters")
         if not isinstance(like, (HipBuffer, DeviceArray)):
             raise TypeError(f"like must be a HipBuffer or DeviceArray, got {checks.show(like)}")
-        stream_handle(stream)
+        stream_handle(stream, "stream", like.backend, like.device)
         if self._fence is None:
             self._fence = Fence(like.device, like.backend)
         if self._partials is None or self._partials.nbytes < nbytes:

@@ -36,8 +36,8 @@ def stream_handle(stream: Any, name: str = "stream", backend: Backend | None = N
     if not isinstance(stream, Stream):
         raise TypeError(f"{name} must be a Stream or None, got {checks.show(stream)}")
     if backend is not None and (stream.backend is not backend or stream.device != device):
-        raise ValueError(f"{name} on {stream.backend.name}:{stream.device} cannot order work "
-                         f"on {backend.name}:{device}")
+        checks.colocated(name, stream.backend, stream.device, "the work it would order",
+                         backend, device)
     return stream.handle
 
 
@@ -78,6 +78,10 @@ class _Handle:
 
     def __reduce__(self) -> Any:
         raise TypeError(f"a {self.kind} owns a runtime handle and cannot be copied or pickled")
+
+    def __repr__(self) -> str:
+        state = ", closed" if self.closed else ""
+        return f"<{self.kind} {self.backend.name}:{self.device} at {id(self):#x}{state}>"
 
 
 class Stream(_Handle):
@@ -123,7 +127,6 @@ class Event(_Handle):
             event.handle  # noqa: B018 - raises if closed
             if not event.recorded:
                 raise ValueError(f"{which} event was never recorded: record() it first")
-        if start.backend is not self.backend or start.device != self.device:
-            raise ValueError(f"start event is on {start.backend.name}:{start.device}, this "
-                             f"one on {self.backend.name}:{self.device}")
+        checks.colocated("start event", start.backend, start.device, "this one",
+                         self.backend, self.device)
         return self.backend.event_elapsed_ms(start.handle, self.handle)
