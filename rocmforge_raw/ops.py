@@ -36,6 +36,7 @@ from .planning import (
     WRITE_THREADS,
     attention_shared_bytes,
     check_attention_arrays,
+    check_disjoint,
     check_kv_scales,
     check_options,
     check_slots,
@@ -133,11 +134,13 @@ def paged_attention(out: DeviceArray, query: DeviceArray, k_cache: DeviceArray,
         check_attention_arrays(out, query, k_cache, v_cache))
     scale = default_scale(head_dim, scale)
     k_scale, v_scale = check_kv_scales(k_cache.dtype, k_scale, v_scale)
+    kernel_scale, out_scale = kernel_scales(k_cache.dtype, scale, k_scale, v_scale)
     on_host = query.backend.name == "host"
     tables = _metadata(block_tables, "block_tables", np.int32, 2, None, on_host)
     lens = _metadata(seq_lens, "seq_lens", np.int32, 1, (num_seqs,), on_host)
     if (check or on_host) and tables is not None and lens is not None:
         check_tables(tables, lens, num_seqs, num_blocks, block_size)
+    check_disjoint(out, "out", query=query, k_cache=k_cache, v_cache=v_cache)
     if num_seqs == 0:
         return
     if on_host:
@@ -150,7 +153,6 @@ def paged_attention(out: DeviceArray, query: DeviceArray, k_cache: DeviceArray,
     plan = plan_attention(query.backend, query.device, query.dtype, num_seqs, num_q_heads,
                           num_kv_heads, head_dim, block_size, block_tables.shape[1], lens,
                           num_partitions, k_cache.dtype)
-    scale, out_scale = kernel_scales(k_cache.dtype, scale, k_scale, v_scale)
     with _staging(query, stream) as slot:
         uploads = [a for a in (tables, lens) if a is not None] + plan.work.arrays
         addresses = iter(slot.put(uploads, stream))
@@ -160,8 +162,9 @@ def paged_attention(out: DeviceArray, query: DeviceArray, k_cache: DeviceArray,
         work = workspace or slot.workspace
         part_buf, count_buf = work.get(plan.partial_bytes, plan.num_counters, query, stream)
         plan.kernel.launch(plan.grid, THREADS, *plan.arguments(
-            out, query, k_cache, v_cache, d_tables, d_lens, scale, part_buf.ptr, count_buf.ptr,
-            cum16, first_seq, out_scale), shared_bytes=plan.shared_bytes, stream=stream)
+            out, query, k_cache, v_cache, d_tables, d_lens, kernel_scale, part_buf.ptr,
+            count_buf.ptr, cum16, first_seq, out_scale), shared_bytes=plan.shared_bytes,
+            stream=stream)
         if workspace is not None:
             workspace.used(stream)
 
@@ -181,6 +184,8 @@ def reshape_and_cache(key: DeviceArray, value: DeviceArray, k_cache: DeviceArray
     slots = _metadata(slot_mapping, "slot_mapping", np.int64, 1, (num_tokens,), on_host)
     if (check or on_host) and slots is not None:
         check_slots(slots, num_blocks, block_size)
+    for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
+        check_disjoint(cache, name, key=key, value=value)
     if on_host:
         assert slots is not None  # host metadata is always NumPy
         reference.reshape_and_cache(host_view(key), host_view(value), host_view(k_cache),

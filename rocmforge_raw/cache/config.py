@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from .. import checks
-from ..planning import BLOCK_SIZES, FP8_DTYPES, HEAD_DIMS
+from ..planning import BLOCK_SIZES, FP8_DTYPES, HEAD_DIMS, check_kv_scales
 from ..planning import DTYPES as KERNEL_DTYPES
 
 #: What the kernels support, by name: float16, bfloat16, float32, float8_e4m3fn(uz).
@@ -83,7 +83,7 @@ class CacheConfig:
         if self.block_size not in BLOCK_SIZES:
             raise ValueError(f"block_size {self.block_size} is not supported: use one of "
                              f"{BLOCK_SIZES}")
-        if not 2 <= self.num_blocks <= MAX_BLOCKS:
+        if self.num_blocks < 2:
             raise ValueError(f"num_blocks must be in [2, {MAX_BLOCKS}] (block 0 is the null "
                              f"block), got {self.num_blocks}")
         rows = self.num_blocks * self.num_kv_heads * self.block_size
@@ -114,21 +114,15 @@ class CacheConfig:
             return
         if not self.is_fp8:
             raise ValueError(f"kv_scales apply to fp8 caches only, not {self.dtype.name}")
-        try:
-            pairs = [tuple(pair) for pair in scales]
-        except TypeError:
-            raise TypeError(f"kv_scales must be one (k_scale, v_scale) pair per layer, got "
-                            f"{checks.show(scales)}") from None
+        what = "one (k_scale, v_scale) pair per layer"
+        pairs = [checks.ordered(pair, f"kv_scales[{layer}]", "a (k_scale, v_scale) pair")
+                 for layer, pair in enumerate(checks.ordered(scales, "kv_scales", what))]
         if len(pairs) != self.num_layers or any(len(pair) != 2 for pair in pairs):
             raise ValueError(f"kv_scales must be {self.num_layers} (k_scale, v_scale) pairs, "
                              f"got {checks.show(scales)}")
-        clean = []
-        for layer, pair in enumerate(pairs):
-            k, v = (checks.real(x, f"kv_scales[{layer}]") for x in pair)
-            if not (0.0 < k < float("inf") and 0.0 < v < float("inf")):
-                raise ValueError(f"kv_scales[{layer}] = {pair} must be positive and finite")
-            clean.append((k, v))
-        object.__setattr__(self, "kv_scales", tuple(clean))
+        object.__setattr__(self, "kv_scales", tuple(
+            check_kv_scales(self.dtype, k, v, f"kv_scales[{layer}] ")
+            for layer, (k, v) in enumerate(pairs)))
 
     @property
     def is_fp8(self) -> bool:

@@ -21,6 +21,7 @@ from .arguments import (
     MAX_CACHE_ROWS,
     check_attention_arrays,
     check_cache_dtype,
+    check_disjoint,
     check_kv_scales,
     check_options,
     check_slots,
@@ -29,6 +30,7 @@ from .arguments import (
     default_scale,
     device_ints,
     expect,
+    fp8_scale_range,
     host_ints,
 )
 from .attention import (
@@ -66,9 +68,9 @@ __all__ = [
     "GROUP_SIZES", "HEAD_DIMS", "MAX_CACHE_ROWS", "MIN_TOKENS_PER_CTA", "NARROW_ROW_BYTES",
     "OUT_SCALE_ARG", "SCALE_ARG", "THREADS", "WORK_ARGS", "WORK_GRANULE", "WRITE_PATCH",
     "WRITE_SCALE_ARGS", "WRITE_THREADS", "AttentionKernel", "AttentionPlan", "WorkSplit",
-    "attention_instance", "attention_kernel", "attention_shared_bytes", "check_attention_arrays",
-    "check_cache_dtype", "check_kv_scales", "check_options", "check_slots", "check_tables",
-    "check_write_arrays", "default_scale", "device_ints", "expect", "host_ints",
-    "kernel_scales", "plan_attention", "plan_work", "split_workspace", "write_arguments",
-    "write_kernel",
+    "attention_instance", "attention_kernel", "attention_shared_bytes",
+    "check_attention_arrays", "check_cache_dtype", "check_disjoint", "check_kv_scales",
+    "check_options", "check_slots", "check_tables", "check_write_arrays", "default_scale",
+    "device_ints", "expect", "fp8_scale_range", "host_ints", "kernel_scales", "plan_attention",
+    "plan_work", "split_workspace", "write_arguments", "write_kernel",
 ]

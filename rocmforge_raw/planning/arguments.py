@@ -58,10 +58,10 @@ def device_ints(values: DeviceArray, name: str, dtype: Any, ndim: int,
 
 
 def default_scale(head_dim: int, scale: float | None) -> float:
-    """``scale``, or ``1/sqrt(head_dim)``; it must be a finite number."""
+    """``scale``, or ``1/sqrt(head_dim)``; it must fit float32 (the kernels' type)."""
     if scale is None:
         return 1.0 / math.sqrt(head_dim)
-    return checks.real(scale, "scale")
+    return checks.float32(scale, "scale")
 
 
 def check_options(like: Any, stream: Any, check: Any, num_partitions: Any = None,
@@ -109,16 +109,29 @@ def check_attention_arrays(out: Any, query: Any, k_cache: Any, v_cache: Any
     if num_kv_heads == 0 or num_q_heads % num_kv_heads:
         raise ValueError(f"num_q_heads {num_q_heads} is not a multiple of num_kv_heads "
                          f"{num_kv_heads}")
-    if not (out.backend is query.backend is k_cache.backend is v_cache.backend):
-        raise ValueError("out, query, k_cache and v_cache must be on one backend")
+    for name, array in (("out", out), ("k_cache", k_cache), ("v_cache", v_cache)):
+        checks.colocated(name, array.backend, array.device, "query", query.backend,
+                         query.device)
     return num_seqs, num_q_heads, head_dim, num_blocks, num_kv_heads, block_size
+
+
+def check_disjoint(written: DeviceArray, name: str, **read: DeviceArray) -> None:
+    """``written`` (named ``name``) shares no byte with any of ``read`` (by name): a kernel
+    would overwrite what it, or another of its CTAs, still reads."""
+    start, end = written.ptr, written.ptr + written.nbytes
+    for other_name, other in read.items():
+        if other.ptr < end and start < other.ptr + other.nbytes and other.backend is \
+                written.backend and other.device == written.device:
+            raise ValueError(f"{name} overlaps {other_name} (bytes {start:#x}..{end:#x} and "
+                             f"{other.ptr:#x}..{other.ptr + other.nbytes:#x}): the kernel "
+                             f"would overwrite what it reads; give {name} memory of its own")
 
 
 def check_cache_dtype(cache_name: str, cache: np.dtype, act: np.dtype, act_name: str
                       ) -> None:
     """A cache of ``cache`` serves activations of ``act``: the same dtype, or an fp8 cache
     with float16/bfloat16 activations."""
-    if cache == act or act in FP8_DTYPES.get(cache, ()):
+    if act in FP8_DTYPES.get(cache, ()) or (cache == act and cache not in FP8_DTYPES):
         return
     if cache in FP8_DTYPES:
         raise ValueError(f"{act_name} must be float16 or bfloat16 with a {cache} {cache_name}, "
@@ -126,16 +139,33 @@ def check_cache_dtype(cache_name: str, cache: np.dtype, act: np.dtype, act_name:
     raise ValueError(f"{cache_name} must be {act}, got {cache}")
 
 
-def check_kv_scales(cache: np.dtype, k_scale: Any, v_scale: Any) -> tuple[float, float]:
-    """The K and V scales of a call on a cache of ``cache``: positive finite numbers, and
-    exactly 1.0 unless the cache is fp8 (a scale elsewhere would be silently ignored)."""
-    k, v = checks.real(k_scale, "k_scale"), checks.real(v_scale, "v_scale")
-    for name, x in (("k_scale", k), ("v_scale", v)):
-        if not 0.0 < x < math.inf:
-            raise ValueError(f"{name} must be positive and finite, got {x}")
-        if cache not in FP8_DTYPES and x != 1.0:
-            raise ValueError(f"{name} {x} applies to fp8 caches only, not {cache}")
-    return k, v
+def fp8_scale_range(cache: np.dtype) -> tuple[float, float]:
+    """The K or V scales an fp8 cache of ``cache`` takes: positive float32 numbers whose
+    inverse (the write's factor) and the largest value the cache then holds (the format's
+    largest code times the scale) fit float32 too."""
+    return checks.FLOAT32_TINY, checks.FLOAT32_MAX / float(ml_dtypes.finfo(cache).max)
+
+
+def check_kv_scales(cache: np.dtype, k_scale: Any, v_scale: Any, where: str = ""
+                    ) -> tuple[float, float]:
+    """The K and V scales of a call on a cache of ``cache`` (``where`` prefixes their names
+    in messages): within ``fp8_scale_range``, and exactly 1.0 unless the cache is fp8 (a
+    scale elsewhere would be silently ignored)."""
+    scales = []
+    for name, x in ((f"{where}k_scale", k_scale), (f"{where}v_scale", v_scale)):
+        if cache not in FP8_DTYPES:
+            if checks.real(x, name) != 1.0:
+                raise ValueError(f"{name} {x} applies to fp8 caches only, not {cache}")
+            scales.append(1.0)
+            continue
+        low, high = fp8_scale_range(cache)
+        number = checks.real(x, name)
+        if not low <= number <= high:
+            raise ValueError(f"{name} must lie in [{low:.8g}, {high:.8g}] for a {cache} cache "
+                             f"(positive, and it, its inverse and {cache} values times it fit "
+                             f"float32), got {checks.show(x)}")
+        scales.append(number)
+    return scales[0], scales[1]
 
 
 def check_tables(tables: np.ndarray, lens: np.ndarray, num_seqs: int, num_blocks: int,
@@ -190,4 +220,6 @@ def check_write_arrays(key: Any, value: Any, k_cache: Any, v_cache: Any
     if (head_dim * k_cache.dtype.itemsize) % 16 or (head_dim * key.dtype.itemsize) % 16:
         raise ValueError(f"head_dim {head_dim} of {k_cache.dtype} is not a multiple of 16 "
                          "bytes")
+    for name, array in (("value", value), ("k_cache", k_cache), ("v_cache", v_cache)):
+        checks.colocated(name, array.backend, array.device, "key", key.backend, key.device)
     return num_tokens, num_blocks, block_size

@@ -11,6 +11,7 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
+from .. import checks
 from ..module import Kernel, load_kernels
 from ..runtime import Backend
 from .arguments import DTYPES, FP8_DTYPES, GROUP_SIZES
@@ -147,7 +148,10 @@ def kernel_scales(cache: np.dtype, scale: float, k_scale: float, v_scale: float
     factor = FP8_CODE_FACTOR.get(cache)
     if factor is None:
         return scale, 1.0
-    return scale * (k_scale * factor), v_scale * factor
+    folded = scale * (k_scale * factor)
+    checks.float32(folded, f"scale {scale:g} x k_scale {k_scale:g} x {factor:g} (the fp8 "
+                   "code factor)")
+    return folded, v_scale * factor
 
 
 def attention_instance(dtype: np.dtype, head_dim: int, ratio: int,
