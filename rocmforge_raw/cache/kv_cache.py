@@ -71,11 +71,7 @@ class KvCache(CacheCore):
         if not isinstance(config, CacheConfig):
             raise TypeError(f"config must be a CacheConfig, got {checks.show(config)}")
         strict = checks.flag(strict, "strict")
-        max_finished = checks.integer(max_finished, "max_finished", 0)
-        finished_ttl_s = checks.real(finished_ttl_s, "finished_ttl_s", 0.0)
-        if not callable(clock):
-            raise TypeError(f"clock must be a callable returning seconds, got "
-                            f"{checks.show(clock)}")
+        finished = FinishedRecords(max_finished, finished_ttl_s, clock)  # checks all three
         backend = get_backend(backend)
         device = backend.resolve_device(device)
         stream_handle(stream, "stream", backend, device)  # an open Stream of it, or None
@@ -90,7 +86,7 @@ class KvCache(CacheCore):
         self._rows = SequenceRows()
         self._steps = StepPlanner(config, self.slab)
         self._epoch = 0  # bumped by every change of tables or lengths: plans go stale
-        self._finished = FinishedRecords(max_finished, finished_ttl_s, clock)
+        self._finished = finished
         self.num_preemptions = self.num_cow_copies = self.peak_used_blocks = 0
         self.num_prefix_hits = self.num_prefix_misses = 0
 
@@ -417,7 +413,9 @@ class KvCache(CacheCore):
             raise ValueError("batch metadata is stale: the cache changed or planned another "
                              "batch since; call batch() again")
         if stream is not None and stream is not meta.stream:
-            raise ValueError("stream differs from the one the batch was planned on: plan the "
-                             "batch on the stream that runs it")
+            stream_handle(stream, "stream", self.slab.backend, self.slab.device)  # a Stream?
+            raise ValueError(f"stream differs from the one the batch was planned on (given "
+                             f"{stream!r}, planned on {meta.stream!r}): plan the batch on the "
+                             "stream that runs it")
         checked: BatchMetadata = meta
         return checked

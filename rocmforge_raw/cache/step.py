@@ -15,6 +15,7 @@ passed them all. The slot's workspace is covered by the same fence.
 
 from __future__ import annotations
 
+import math
 import operator
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
@@ -22,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from .. import ops
+from .. import checks, ops
 from ..array import DeviceArray
 from ..planning import (
     ATTENTION_PATCH,
@@ -73,6 +74,8 @@ class BatchMetadata:
     _attention: Launch | None = field(default=None, repr=False)
     _q_shape: tuple[int, int, int] | None = field(default=None, repr=False)
     _kv_shape: tuple[int, int, int] = field(default=(0, 0, 0), repr=False)
+    _kv_bytes: int = field(default=0, repr=False)  # of a key or value, and of a query:
+    _q_bytes: int = field(default=0, repr=False)
     _scale: float = field(default=0.0, repr=False)
 
     def __post_init__(self) -> None:
@@ -99,8 +102,10 @@ class StepPlanner:
         # score scale, out_scale) for attention, and the inverse scales the write takes
         self.fp8 = c.is_fp8
         self._attention_scales = [kernel_scales(c.dtype, 1.0, k, v) for k, v in c.kv_scales]
+        self._extreme_scales = (min(c.kv_scales), max(c.kv_scales))  # by k_scale
         self._write_scales = [(1.0 / k, 1.0 / v) for k, v in c.kv_scales]
         base = slab.ptr
+        self._slab_span = (base, base + c.total_bytes)
         self._planes = [(base + 2 * layer * self.plane_bytes,
                          base + (2 * layer + 1) * self.plane_bytes)
                         for layer in range(c.num_layers)]
@@ -114,6 +119,7 @@ class StepPlanner:
             check_tables(tables, lens, len(seq_ids), c.num_blocks, c.block_size)  # says how
         meta = BatchMetadata(seq_ids, tables, lens, slots, stream, owner, epoch)
         meta._kv_shape = (len(seq_ids), *self.row_shape)
+        meta._kv_bytes = math.prod(meta._kv_shape) * self.act.itemsize
         try:
             work: WorkSplit | None = None
             work_addresses: list[int] = []
@@ -179,17 +185,21 @@ class StepPlanner:
 
     def write(self, meta: BatchMetadata, layer: int, key: DeviceArray, value: DeviceArray
               ) -> None:
-        """Each sequence's new token: ``key``/``value`` ``[n, num_kv_heads, head_dim]``."""
+        """Each sequence's new token: ``key``/``value`` ``[n, num_kv_heads, head_dim]``,
+        memory of their own (not the cache's)."""
         shape = meta._kv_shape
         self._check("key", key, shape)
         self._check("value", value, shape)
         k_ptr, v_ptr = self.planes(layer)
+        key_ptr, value_ptr = key.ptr, value.ptr
+        self._outside_slab("key", key_ptr, meta._kv_bytes)
+        self._outside_slab("value", value_ptr, meta._kv_bytes)
         if meta._write is not None:
             if self.fp8:  # this layer's inverse scales
                 k_inverse, v_inverse = self._write_scales[layer]
                 meta._write.set_float(WRITE_SCALE_ARGS[0], k_inverse)
                 meta._write.set_float(WRITE_SCALE_ARGS[1], v_inverse)
-            meta._write(k_ptr, v_ptr, key.ptr, value.ptr)
+            meta._write(k_ptr, v_ptr, key_ptr, value_ptr)
         elif self.on_host:
             k, v = self._host_planes(layer)
             k_scale, v_scale = self.config.kv_scales[layer]
@@ -198,17 +208,32 @@ class StepPlanner:
 
     def attention(self, meta: BatchMetadata, layer: int, out: DeviceArray, query: DeviceArray,
                   scale: float | None) -> None:
-        """Decode attention of ``layer`` for the plan's sequences into ``out``."""
-        if meta._q_shape is None:
+        """Decode attention of ``layer`` for the plan's sequences into ``out`` (memory of
+        its own: neither the query's nor the cache's). Every argument is checked before the
+        plan changes: the first call of a plan without ``num_q_heads`` plans attention for
+        the query's heads only once its arguments are all good."""
+        q_shape = meta._q_shape
+        if q_shape is None:
             self._check("query", query, None)
-            self._plan_attention(meta, query.shape[1])
-        self._check("query", query, meta._q_shape)
-        self._check("out", out, meta._q_shape)
+            q_shape = (len(meta.seq_ids), query.shape[1], self.config.head_dim)
+            self._check_heads(q_shape[1])
+        self._check("query", query, q_shape)
+        self._check("out", out, q_shape)
         k_ptr, v_ptr = self.planes(layer)
-        if scale is not None or meta._scale != self.default_scale:
-            wanted = self.default_scale if scale is None else default_scale(
-                self.config.head_dim, scale)
-            if wanted != meta._scale and meta._attention is not None and not self.fp8:
+        wanted = self.default_scale if scale is None else default_scale(
+            self.config.head_dim, scale)
+        if self.fp8 and wanted != meta._scale:
+            self._check_folded(wanted)
+        out_ptr, query_ptr = out.ptr, query.ptr
+        q_bytes = meta._q_bytes or math.prod(q_shape) * self.act.itemsize
+        self._outside_slab("out", out_ptr, q_bytes)
+        if out_ptr < query_ptr + q_bytes and query_ptr < out_ptr + q_bytes:
+            raise ValueError("out overlaps query: the kernel would overwrite the queries it "
+                             "reads; give out memory of its own")
+        if meta._q_shape is None:  # every argument is good: plan now
+            self._plan_attention(meta, q_shape[1])
+        if wanted != meta._scale:
+            if meta._attention is not None and not self.fp8:
                 meta._attention.set_float(SCALE_ARG, wanted)  # (fp8: set per layer below)
             meta._scale = wanted
         if meta._attention is not None:
@@ -216,19 +241,36 @@ class StepPlanner:
                 k_part, out_scale = self._attention_scales[layer]
                 meta._attention.set_float(SCALE_ARG, meta._scale * k_part)
                 meta._attention.set_float(OUT_SCALE_ARG, out_scale)
-            meta._attention(out.ptr, query.ptr, k_ptr, v_ptr)
+            meta._attention(out_ptr, query_ptr, k_ptr, v_ptr)
         elif self.on_host:
             k, v = self._host_planes(layer)
             k_scale, v_scale = self.config.kv_scales[layer]
             ops.paged_attention(out, query, k, v, meta.block_tables, meta.seq_lens,
                                 meta._scale, check=False, k_scale=k_scale, v_scale=v_scale)
 
+    def _check_heads(self, num_q_heads: int) -> None:
+        """``num_q_heads`` serves the cache's kv heads (a positive multiple of them)."""
+        if num_q_heads < 1 or num_q_heads % self.config.num_kv_heads:
+            raise ValueError(f"num_q_heads {num_q_heads} is not a multiple of num_kv_heads "
+                             f"{self.config.num_kv_heads}")
+
+    def _check_folded(self, scale: float) -> None:
+        """The softmax ``scale`` folded with every layer's K scale fits float32."""
+        for k_scale, v_scale in self._extreme_scales:
+            kernel_scales(self.config.dtype, scale, k_scale, v_scale)
+
+    def _outside_slab(self, name: str, ptr: int, nbytes: int) -> None:
+        """``nbytes`` at ``ptr`` (an activation) share no byte with the cache's slab."""
+        start, end = self._slab_span
+        if ptr < end and start < ptr + nbytes:
+            raise ValueError(f"{name} overlaps the cache's slab (bytes {ptr:#x}..{ptr + nbytes:#x}"
+                             f" in {start:#x}..{end:#x}): the kernel would write over, or read "
+                             f"while writing, cached K/V; give {name} memory of its own")
+
     def _work(self, meta: BatchMetadata, num_q_heads: int) -> WorkSplit:
         """The work split of ``meta``'s step over its sequences' real lengths."""
         c = self.config
-        if num_q_heads < 1 or num_q_heads % c.num_kv_heads:
-            raise ValueError(f"num_q_heads {num_q_heads} is not a multiple of num_kv_heads "
-                             f"{c.num_kv_heads}")
+        self._check_heads(num_q_heads)
         found = attention_kernel(self.backend, self.device, self.act, c.head_dim,
                                  num_q_heads // c.num_kv_heads, c.dtype)
         return plan_work(c.num_kv_heads * found.groups, found.slots, len(meta.seq_ids),
@@ -240,14 +282,19 @@ class StepPlanner:
         """The attention launch of ``meta``'s step: its work split over the step's lengths
         (with the device addresses of its arrays; planned and uploaded here when not given),
         the launch itself reused from the staging slot when an earlier step prepared one
-        for the same shapes and addresses."""
+        for the same shapes and addresses. ``meta`` changes only once all of it is done."""
         c, n = self.config, len(meta.seq_ids)
-        if num_q_heads < 1 or num_q_heads % c.num_kv_heads:
-            raise ValueError(f"num_q_heads {num_q_heads} is not a multiple of num_kv_heads "
-                             f"{c.num_kv_heads}")
+        self._check_heads(num_q_heads)
+        if not self.on_host and n:
+            meta._attention = self._attention_launch(meta, num_q_heads, work, work_addresses)
         meta._q_shape, meta._scale = (n, num_q_heads, c.head_dim), self.default_scale
-        if self.on_host or not n:
-            return
+        meta._q_bytes = n * num_q_heads * c.head_dim * self.act.itemsize
+
+    def _attention_launch(self, meta: BatchMetadata, num_q_heads: int,
+                          work: WorkSplit | None, work_addresses: list[int]) -> Launch:
+        """The attention launch of ``meta``'s step at the default scale (see
+        ``_plan_attention``)."""
+        c, n = self.config, len(meta.seq_ids)
         found = attention_kernel(self.backend, self.device, self.act, c.head_dim,
                                  num_q_heads // c.num_kv_heads, c.dtype)
         slot, width = meta._staging, meta.block_tables.shape[1]
@@ -267,14 +314,14 @@ class StepPlanner:
                 slot.launches.clear()
             tables, lens_ptr, _ = meta._addresses
             launch = slot.launches[key] = plan.kernel.prepare(
-                plan.grid, THREADS, *plan.arguments(0, 0, 0, 0, tables, lens_ptr, meta._scale,
-                                                    part_buf.ptr, count_buf.ptr, cum16,
-                                                    first_seq),
+                plan.grid, THREADS, *plan.arguments(0, 0, 0, 0, tables, lens_ptr,
+                                                    self.default_scale, part_buf.ptr,
+                                                    count_buf.ptr, cum16, first_seq),
                 shared_bytes=plan.shared_bytes, stream=meta.stream, patch=ATTENTION_PATCH)
         else:
             plan.update(launch)  # this step's split
-            launch.set_float(SCALE_ARG, meta._scale)  # an earlier step may have changed it
-        meta._attention = launch
+            launch.set_float(SCALE_ARG, self.default_scale)  # an earlier step changed it?
+        return launch
 
     def _check(self, name: str, array: Any, shape: tuple[int, ...] | None) -> None:
         """``array`` is a DeviceArray of the cache's dtype, backend and device and of
@@ -287,9 +334,8 @@ class StepPlanner:
             raise TypeError(f"{name} must be a DeviceArray, not {type(array).__name__}")
         if array.dtype != self.act:
             raise ValueError(f"{name} must be {self.act}, got {array.dtype}")
-        if array.buffer.backend is not self.backend or array.buffer.device != self.device:
-            raise ValueError(f"{name} is on {array.backend.name}:{array.device}, the cache on "
-                             f"{self.backend.name}:{self.device}")
+        checks.colocated(name, array.backend, array.device, "the cache", self.backend,
+                         self.device)
         if shape is None:
             if len(array.shape) != 3:
                 raise ValueError(f"{name} must have 3 dimensions, got shape {array.shape}")
