@@ -154,12 +154,37 @@ def test_fork_and_copy_on_write_keep_working_on_prefix_blocks():
 def test_preemption_frees_blocks_that_the_new_prompt_then_hits():
     prompt = np.arange(4 * BS)
     with cache_of(num_blocks=7) as cache:  # 6 usable blocks
-        prefill(cache, "a", prompt)  # 4 blocks, least recently used
-        cache.add_sequence("x", 2 * BS)
+        prefill(cache, "a", np.concatenate([prompt, [7]]))  # 5 blocks, least recently used
+        cache.add_sequence("x", BS)
         b = prefill(cache, "b", np.concatenate([prompt, np.arange(900, 900 + 2 * BS)]))
+        # a's tail block and x's block make the 2 fresh blocks: both go, a's prefix stays
         assert b.preempted == ["a", "x"] and b.num_cached_tokens == 4 * BS
         np.testing.assert_array_equal(read_back(cache, "b")[: 4 * BS], prompt)
         assert cache.stats()["preemptions"] == 2
+        cache.check_invariants()
+
+
+def test_preemption_spares_a_sequence_whose_blocks_the_new_prompt_shares():
+    """Preempting a sequence that holds only blocks the new prompt hits frees nothing (they
+    come straight back): only the sequences that make room go, LRU first."""
+    prompt = np.arange(4 * BS)
+    with cache_of(num_blocks=7) as cache:  # 6 usable blocks
+        prefill(cache, "a", prompt)  # 4 blocks, least recently used
+        cache.add_sequence("x", 2 * BS)
+        b = prefill(cache, "b", np.concatenate([prompt, np.arange(900, 900 + 2 * BS)]))
+        assert b.preempted == ["x"] and b.num_cached_tokens == 4 * BS
+        assert cache.block_ids("b")[:4].tolist() == cache.block_ids("a").tolist()
+        assert cache.stats()["preemptions"] == 1
+        cache.check_invariants()
+    with cache_of(num_blocks=9) as cache:  # the issue's case: 8 usable blocks
+        prefill(cache, "A", np.arange(2 * BS))  # the prefix
+        cache.add_sequence("D", 4 * BS)
+        cache.add_sequence("E", 2 * BS)
+        cache.batch(["D"])
+        cache.batch(["E"])  # A, then D, then E by recency
+        n = prefill(cache, "N", np.concatenate([np.arange(2 * BS), np.arange(200, 200 + 3 * BS)]))
+        assert n.preempted == ["D"] and n.num_cached_tokens == 2 * BS
+        assert sorted(cache.seq_ids()) == ["A", "E", "N"]
         cache.check_invariants()
 
 
@@ -178,6 +203,12 @@ def test_strict_mode_refuses_without_touching_the_index():
     (np.zeros((2, 8), np.int64), ValueError, r"1-D array of token ids, got shape \(2, 8\)"),
     (np.zeros(0, np.int64), ValueError, r"non-empty .* got shape \(0,\)"),
     (np.array([2**64 - 1], np.uint64), ValueError, "beyond int64"),
+    ([], ValueError, r"non-empty .* got shape \(0,\): \[\]"),
+    ([5, -1, -2], ValueError, r"token ids >= 0, got -2 in \[5, -1, -2\]"),
+    (np.array([3, -7]), ValueError, "token ids >= 0, got -7"),
+    ([1, 2**70], ValueError, rf"tokens\[1\] must be <= {2**63 - 1}, got {2**70}"),
+    ([1, 2**64 - 1], ValueError, rf"tokens\[1\] must be <= {2**63 - 1}, got {2**64 - 1}"),
+    ([1, None], TypeError, r"tokens\[1\] must be an integer, got None"),
 ])
 def test_bad_tokens_are_refused_and_change_nothing(tokens, error, match):
     with cache_of() as cache:

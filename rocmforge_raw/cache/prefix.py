@@ -21,17 +21,28 @@ HASH_BYTES = 16
 
 
 def token_ids(tokens: Any, name: str = "tokens") -> np.ndarray:
-    """``tokens`` as a non-empty 1-D little-endian int64 array (a copy-free view where it
-    already is one); ``TypeError``/``ValueError`` naming ``name`` otherwise."""
+    """``tokens`` as a non-empty 1-D little-endian int64 array of ids >= 0 (a copy-free view
+    where it already is one); ``TypeError``/``ValueError`` naming ``name`` and the bad id
+    otherwise."""
     array = np.asarray(tokens)
+    if array.ndim != 1 or array.size == 0:
+        raise ValueError(f"{name} must be a non-empty 1-D array of token ids, got shape "
+                         f"{array.shape}: {checks.show(tokens)}")
+    if array.dtype.kind not in "iu" and not isinstance(tokens, np.ndarray):
+        # NumPy made floats or objects of the ids (ints past int64, or not ids): name the first
+        # bad one, or take them all as int64
+        listed = list(tokens)
+        for i, token in enumerate(listed):
+            checks.integer(token, f"{name}[{i}]", 0, np.iinfo(np.int64).max)
+        array = np.array(listed, np.int64)
     if array.dtype.kind not in "iu":
         raise TypeError(f"{name} must be integer token ids, got {array.dtype} "
                         f"{checks.show(tokens)}")
-    if array.ndim != 1 or array.size == 0:
-        raise ValueError(f"{name} must be a non-empty 1-D array of token ids, got shape "
-                         f"{array.shape}")
     if array.dtype.kind == "u" and int(array.max()) > np.iinfo(np.int64).max:
         raise ValueError(f"{name} holds {int(array.max())}, beyond int64")
+    if array.dtype.kind == "i" and int(array.min()) < 0:
+        raise ValueError(f"{name} must be token ids >= 0, got {int(array.min())} in "
+                         f"{checks.show(tokens)}")
     return array.astype("<i8", copy=False)
 
 

@@ -114,8 +114,11 @@ class SequenceRows:
                         ) -> list[Hashable] | None:
         """The sequences to preempt, in order, until ``need(live, ref_cnt)`` blocks are free
         (``live``: the members of ``batch`` not preempted): least recently used first,
-        sequences outside ``batch`` before its members. Computed on a copy of the ref counts,
-        changing nothing; None if preempting every sequence would not free enough."""
+        sequences outside ``batch`` before its members, and then none that the others make
+        unnecessary (a victim whose blocks the need takes back, such as a prefix the new
+        prompt shares, frees nothing: it is spared, the most recently used first).
+        Computed on a copy of the ref counts, changing nothing; None if preempting every
+        sequence would not free enough."""
         members = set(batch)
         recency = self.recency
         order = sorted(self.index, key=lambda s: (s in members, recency[self.index[s]]))
@@ -123,15 +126,31 @@ class SequenceRows:
         victims: list[Hashable] = []
         for victim in order:
             if need(live, ref) <= num_free:
-                return victims
-            row = self.index[victim]
-            held = self.tables[row, : self.nblocks[row]]  # distinct ids
+                break
+            held = self._held(victim)
             ref[held] -= 1
             num_free += int(np.count_nonzero(ref[held] == 0))
             victims.append(victim)
             if victim in members:
                 live.remove(victim)
-        return victims if need(live, ref) <= num_free else None
+        if need(live, ref) > num_free:
+            return None
+        for victim in victims[-2::-1]:  # the last one was needed: the others may not be
+            held = self._held(victim)
+            freed = int(np.count_nonzero(ref[held] == 0))
+            ref[held] += 1
+            back = [*live, victim] if victim in members else live
+            if need(back, ref) <= num_free - freed:
+                victims.remove(victim)
+                live, num_free = back, num_free - freed
+            else:
+                ref[held] -= 1
+        return victims
+
+    def _held(self, seq_id: Hashable) -> np.ndarray:
+        """The blocks ``seq_id`` holds (distinct ids)."""
+        row = self.index[seq_id]
+        return self.tables[row, : self.nblocks[row]]
 
     def snapshot(self) -> dict[str, Any]:
         """Everything ``restore`` needs to put the rows back exactly as they are now."""
