@@ -11,9 +11,10 @@ either completes or raises with the cache exactly as before.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import threading
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Iterator
 from typing import Any, TypeVar
 
 import numpy as np
@@ -60,6 +61,7 @@ class CacheCore:
     _rows: SequenceRows
     _lock: threading.RLock
     _epoch: int
+    _fixed_now: float | None = None
     num_preemptions: int
     num_cow_copies: int
     peak_used_blocks: int
@@ -79,8 +81,21 @@ class CacheCore:
 
     def _now(self) -> float:
         """The clock, read before an operation changes anything (a clock that fails or
-        answers nonsense then changes nothing)."""
+        answers nonsense then changes nothing); inside ``_at`` the time it fixed."""
+        if self._fixed_now is not None:
+            return self._fixed_now
         return checks.real(self.clock(), "clock()")
+
+    @contextlib.contextmanager
+    def _at(self, now: float) -> Iterator[None]:
+        """Operations in this block (lock held) read ``now`` instead of the clock: a caller
+        that composes several (the Scheduler) reads the clock once, before its first change,
+        so that no later read can fail between two of them."""
+        self._fixed_now = now
+        try:
+            yield
+        finally:
+            self._fixed_now = None
 
     def _changed(self) -> None:
         self._epoch += 1

@@ -16,6 +16,13 @@ Backpressure: the queue takes at most ``max_waiting`` submissions. ``submit`` ra
 ``QueueFullError`` when it is full; ``try_submit`` returns False instead. Preempted requests
 re-enter the queue whatever its length (they were accepted already), so it can hold up to
 ``max_waiting + max_running``.
+
+Ownership: a submitted ``Request`` belongs to the scheduler until it finishes or is aborted:
+its fields are read-only to everyone else then (a change would stall or corrupt the queue;
+copies are not submitted). ``abort(request_id)`` drops a request in any state, frees its KV
+and records why. Every operation checks everything that can refuse, reads the clocks (its
+own and the cache's, once) and takes the cache's lock before its first change, so it either
+completes or raises with the queues, the requests, the records and the cache as they were.
 """
 
 from __future__ import annotations
@@ -23,13 +30,15 @@ from __future__ import annotations
 import math
 import threading
 import time
+import warnings
 from collections import deque
 from collections.abc import Callable, Hashable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import numpy as np
 
+from .. import checks
 from ..errors import QueueFullError
 from .kv_cache import KvCache
 from .records import FinishedRecords
@@ -39,7 +48,7 @@ from .records import FinishedRecords
 class Request:
     """A generation request: ``prompt_tokens`` in, up to ``max_new_tokens`` out.
     ``overtaken`` counts the later requests admitted while this one waited (bounded by the
-    scheduler's ``max_overtakes``)."""
+    scheduler's ``max_overtakes``). Read-only while a scheduler holds it (see the module)."""
 
     request_id: Hashable
     prompt_tokens: int
@@ -58,12 +67,37 @@ class Request:
         """Whether every new token has been generated."""
         return self.generated >= self.max_new_tokens
 
+    def __setattr__(self, name: str, value: Any) -> None:
+        self._refuse_change(name)
+        object.__setattr__(self, name, value)
 
-@dataclass
+    def __delattr__(self, name: str) -> None:
+        self._refuse_change(name)
+        object.__delattr__(self, name)
+
+    def _refuse_change(self, name: str) -> None:
+        if self.__dict__.get("_owner") is not None:
+            raise AttributeError(
+                f"request {self.request_id!r} belongs to a Scheduler since it was submitted: "
+                f"its {name} cannot change (abort() it first, or submit a new Request)")
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Copies and pickles are not submitted: they leave the owner behind."""
+        return {k: v for k, v in self.__dict__.items() if k != "_owner"}
+
+
+def _set(request: Request, **values: Any) -> None:
+    """The owner's change of ``request``'s fields."""
+    for name, value in values.items():
+        object.__setattr__(request, name, value)
+
+
+@dataclass(frozen=True)
 class StepPlan:
     """One scheduling step: requests admitted with their prompt slots (prefill), requests
     decoding one token with their new slots, and requests preempted during the step.
-    ``step`` numbers the plans of one scheduler; only the latest may be advanced, once."""
+    ``step`` numbers the plans of one scheduler; only the latest may be advanced, once
+    (the scheduler keeps its own list of what the plan ran)."""
 
     prefill: list[tuple[Request, np.ndarray]] = field(default_factory=list)
     decode: list[Request] = field(default_factory=list)
@@ -75,29 +109,22 @@ class StepPlan:
 
 @dataclass(frozen=True)
 class FinishedRequest:
-    """What is kept of a finished request: when (``clock`` seconds) and its token counts."""
+    """What is kept of a finished request: when (``clock`` seconds), its token counts and
+    why it ended (``reason``: "done", or "aborted" by ``Scheduler.abort``)."""
 
     request_id: Hashable
     finished_at: float
     prompt_tokens: int
     generated: int
     preemptions: int
-
-
-def _count(value: Any, what: str, least: int) -> int:
-    """``value`` as an ``int`` >= ``least`` (NumPy integers too; bools are not counts)."""
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"{what} must be an integer, got {value!r}")
-    if value < least:
-        raise ValueError(f"{what} must be >= {least}, got {value}")
-    return int(value)
+    reason: str = "done"
 
 
 class Scheduler:
     """Continuous batching over one cache. Thread-safe: one lock around each whole operation
-    (taken before the cache's). Every operation either completes or raises with the queues,
-    the requests and the cache as they were: all that can refuse is checked before the
-    first change."""
+    (taken before the cache's, which each operation holds throughout). Every operation
+    either completes or raises with the queues, the requests and the cache as they were: all
+    that can refuse is checked before the first change."""
 
     def __init__(self, cache: KvCache, *, max_running: int = 256, max_waiting: int = 4096,
                  max_overtakes: int = 8, max_finished: int = 1024,
@@ -105,19 +132,19 @@ class Scheduler:
                  ) -> None:
         if not isinstance(cache, KvCache):
             raise TypeError(f"cache must be a KvCache, not {type(cache).__name__}")
+        self.max_running = checks.integer(max_running, "max_running", 1)
+        self.max_waiting = checks.integer(max_waiting, "max_waiting", 1)
+        self.max_overtakes = checks.integer(max_overtakes, "max_overtakes", 0)
+        self._finished = FinishedRecords(max_finished, finished_ttl_s, clock, least=1)
         self.cache, self.clock = cache, clock
-        self.max_running = _count(max_running, "max_running", 1)
-        self.max_waiting = _count(max_waiting, "max_waiting", 1)
-        self.max_overtakes = _count(max_overtakes, "max_overtakes", 0)
         self._lock = threading.Lock()
         self.waiting: deque[Request] = deque()
         self.running: dict[Hashable, Request] = {}
-        self._queued: set[Hashable] = set()  # ids in ``waiting``
-        self._finished = FinishedRecords(_count(max_finished, "max_finished", 1),
-                                         finished_ttl_s, clock)
+        self._queued: dict[Hashable, Request] = {}  # the requests in ``waiting``, by id
         self.num_preemptions = 0
         self._step = 0  # number of the latest plan
         self._pending: int | None = None  # number of the plan not yet advanced
+        self._pending_ran: list[Request] = []  # the requests that plan ran
 
     # --- submission --------------------------------------------------------------------------
     def submit(self, request: Request) -> None:
@@ -132,7 +159,7 @@ class Scheduler:
         """Queue ``request`` and return True, or return False (changing nothing) when
         ``max_waiting`` requests wait. A bad request raises as in ``submit``."""
         with self._lock:
-            self._validate(request)
+            counts = self._validate(request)
             seq_id = request.request_id
             if seq_id in self.running or seq_id in self._queued:
                 raise ValueError(f"request {seq_id!r} is already queued or running")
@@ -141,22 +168,26 @@ class Scheduler:
                                  "already holds")
             if len(self.waiting) >= self.max_waiting:
                 return False
+            _set(request, **counts, _owner=self)
             self.waiting.append(request)
-            self._queued.add(seq_id)
+            self._queued[seq_id] = request
             return True
 
-    def _validate(self, request: Request) -> None:
-        """Refuse a request the scheduler could never finish; normalise its counts to int."""
+    def _validate(self, request: Request) -> dict[str, int]:
+        """Refuse a request the scheduler could never finish, or one a scheduler holds;
+        return its counts as ints."""
         if not isinstance(request, Request):
             raise TypeError(f"submit takes a Request, not {type(request).__name__}")
-        try:
-            hash(request.request_id)
-        except TypeError:
-            raise TypeError(f"request id {request.request_id!r} is not hashable") from None
+        checks.hashable(request.request_id, "request_id")
+        if request.__dict__.get("_owner") is not None:
+            raise ValueError(f"request {request.request_id!r} was submitted already and has "
+                             "not finished")
         name = f"request {request.request_id!r}:"
-        prompt = _count(request.prompt_tokens, f"{name} prompt_tokens", 1)
-        new = _count(request.max_new_tokens, f"{name} max_new_tokens", 1)
-        if _count(request.generated, f"{name} generated", 0) >= new:
+        counts = {f.name: checks.integer(getattr(request, f.name), f"{name} {f.name}",
+                                         1 if f.name.endswith("tokens") else 0)
+                  for f in fields(Request) if f.name != "request_id"}
+        prompt, new = counts["prompt_tokens"], counts["max_new_tokens"]
+        if counts["generated"] >= new:
             raise ValueError(f"{name} generated {request.generated} of {new} new tokens "
                              "already: nothing is left to do")
         config = self.cache.config
@@ -167,33 +198,52 @@ class Scheduler:
                 f"{name} {prompt} prompt + {new} new tokens need {blocks} blocks of "
                 f"{config.block_size} tokens at their longest, but the whole cache has "
                 f"{config.num_blocks - 1}: it could never finish")
-        request.prompt_tokens, request.max_new_tokens = prompt, new
+        return counts
 
     # --- steps -------------------------------------------------------------------------------
     def step(self) -> StepPlan:
         """Reserve one decode slot for every running request (preempting LRU ones when the
         cache is full), then admit waiting requests by the module's policy. The plan
         supersedes any earlier one that was not advanced."""
-        with self._lock:
-            clash = next((s for s in self.cache.seq_ids() if s in self._queued), None)
+        with self._lock, self.cache._lock:
+            held = set(self.cache.seq_ids())
+            clash = next((s for s in self._queued if s in held), None)
             if clash is not None:
                 raise ValueError(f"request {clash!r} is waiting but the cache already holds a "
                                  "sequence of that id (added outside the scheduler)")
-            plan = StepPlan(step=self._step + 1, _owner=self)
-            decoding = list(self.running)
-            if decoding:  # the first change; the cache refuses it atomically
-                reservation = self.cache.append(decoding)
-                self._preempted(reservation.preempted, plan)
-                keep = reservation.slot_mapping >= 0
-                plan.decode = [self.running[s] for s, k in zip(decoding, keep) if k]
-                plan.decode_slots = reservation.slot_mapping[keep]
-            self._admit(plan)
+            self._check_running(held)
+            now = self.cache._now()  # the cache's one clock read, before the first change
+            decode, slots = [], np.zeros(0, np.int64)
+            prefill: list[tuple[Request, np.ndarray]] = []
+            preempted: list[Request] = []
+            with self.cache._at(now):
+                decoding = list(self.running)
+                if decoding:  # the first change; the cache refuses it atomically
+                    reservation = self.cache.append(decoding)
+                    self._preempted(reservation.preempted, preempted)
+                    keep = reservation.slot_mapping >= 0
+                    decode = [self.running[s] for s, k in zip(decoding, keep) if k]
+                    slots = reservation.slot_mapping[keep]
+                self._admit(prefill, preempted, changed=bool(decoding))
+            plan = StepPlan(prefill, decode, slots, preempted, self._step + 1, self)
             self._step = self._pending = plan.step
+            self._pending_ran = [r for r, _ in prefill] + decode
             return plan
 
-    def _admit(self, plan: StepPlan) -> None:
+    def _check_running(self, held: set[Hashable]) -> None:
+        """Every running request still has its sequence in the cache (ids ``held``)."""
+        lost = next((s for s in self.running if s not in held), None)
+        if lost is not None:
+            raise KeyError(f"request {lost!r} is running but its sequence left the cache "
+                           f"outside the scheduler: abort({lost!r}) drops it")
+
+    def _admit(self, prefill: list[tuple[Request, np.ndarray]], preempted: list[Request],
+               changed: bool) -> None:
         """Admit waiting requests in queue order while they fit without preempting; one that
-        does not fit may be overtaken until its ``overtaken`` reaches ``max_overtakes``."""
+        does not fit may be overtaken until its ``overtaken`` reaches ``max_overtakes``.
+        With the cache's lock held and its clock read, an admission cannot fail; if it did
+        after the step ``changed`` anything, admission stops there (with a warning) and the
+        step keeps what it did rather than raise half done."""
         admitted: list[Request] = []
         passed: list[tuple[Request, int]] = []  # requests passed over, admissions before
         deadline = math.inf  # admissions after which a passed request may not be overtaken
@@ -213,13 +263,17 @@ class Scheduler:
                     continue
                 reservation = self.cache.add_sequence(request.request_id, request.context)
                 admitted.append(request)
-                self._queued.discard(request.request_id)
+                del self._queued[request.request_id]
                 self.running[request.request_id] = request
-                plan.prefill.append((request, reservation.slot_mapping))
-                self._preempted(reservation.preempted, plan)  # only if the cache changed
-        finally:  # consistent even if the cache refused under another thread's changes
+                prefill.append((request, reservation.slot_mapping))
+                self._preempted(reservation.preempted, preempted)  # only if the cache lied
+        except Exception as exc:
+            if not (changed or admitted):
+                raise
+            warnings.warn(f"admission stopped: {exc!r}", RuntimeWarning, stacklevel=3)
+        finally:  # consistent whatever happened
             for request, before in passed:
-                request.overtaken += len(admitted) - before
+                _set(request, overtaken=request.overtaken + len(admitted) - before)
             if admitted:
                 chosen = {id(r) for r in admitted}
                 self.waiting = deque(r for r in self.waiting if id(r) not in chosen)
@@ -228,7 +282,7 @@ class Scheduler:
         """Count one generated token for each request the plan ran; finish (and free the KV
         of) those that are done. Returns the requests finished now. Only the latest plan of
         ``step()`` may be advanced, and only once: any other raises ``ValueError``."""
-        with self._lock:
+        with self._lock, self.cache._lock:
             if not isinstance(plan, StepPlan) or plan._owner is not self:
                 raise ValueError(f"plan must come from this scheduler's step(), not "
                                  f"{type(plan).__name__}")
@@ -237,27 +291,57 @@ class Scheduler:
                        f"is stale: step {self._step} came after it")
                 raise ValueError(f"plan of step {plan.step} {why}; advance each plan once, "
                                  "before the next step()")
-            ran = [r for r, _ in plan.prefill] + plan.decode
-            ran = [r for r in ran if self.running.get(r.request_id) is r]
+            ran = [r for r in self._pending_ran if self.running.get(r.request_id) is r]
             finishing = [r for r in ran if r.generated + 1 >= r.max_new_tokens]
             missing = next((r for r in finishing if r.request_id not in self.cache), None)
             if missing is not None:
                 raise KeyError(f"request {missing.request_id!r} is running but its sequence "
                                "left the cache outside the scheduler")
-            self._pending = None
+            if finishing:  # every clock read before the first change
+                now, cache_now = self._finished.now(), self.cache._now()
+            self._pending, self._pending_ran = None, []
             for request in ran:
-                request.generated += 1
+                _set(request, generated=request.generated + 1)
             for request in finishing:
-                self.cache.finish(request.request_id)
+                with self.cache._at(cache_now):
+                    self.cache.finish(request.request_id)
                 del self.running[request.request_id]
-                self._finished.add(request.request_id, FinishedRequest(
-                    request.request_id, self.clock(), request.prompt_tokens,
-                    request.generated, request.preemptions))
+                self._retire(request, now, "done")
             return finishing
+
+    def abort(self, request_id: Hashable) -> FinishedRequest:
+        """Drop ``request_id`` whatever its state: waiting (preempted included) or running.
+        Its KV is freed at once if the cache still holds it (once: a second abort raises
+        ``KeyError``, as does an id the scheduler does not hold), the request is released
+        (its fields writable again) and a finished record with reason "aborted" stays."""
+        with self._lock, self.cache._lock:
+            checks.hashable(request_id, "request_id")
+            request = self.running.get(request_id)
+            if request is None:
+                request = self._queued.get(request_id)
+            if request is None:
+                raise KeyError(f"request {request_id!r} is neither waiting nor running here")
+            now = self._finished.now()  # before the first change
+            if request_id in self.running:
+                if request_id in self.cache:
+                    self.cache.remove(request_id)  # no clock read, cannot fail now
+                del self.running[request_id]
+            else:
+                del self._queued[request_id]
+                self.waiting = deque(r for r in self.waiting if r is not request)
+            return self._retire(request, now, "aborted")
+
+    def _retire(self, request: Request, now: float, reason: str) -> FinishedRequest:
+        """Record ``request`` as finished for ``reason`` and give it back to its caller."""
+        record = FinishedRequest(request.request_id, now, request.prompt_tokens,
+                                 request.generated, request.preemptions, reason)
+        self._finished.add(request.request_id, record, now)
+        _set(request, _owner=None)
+        return record
 
     # --- queries -----------------------------------------------------------------------------
     def finished(self) -> dict[Hashable, FinishedRequest]:
-        """Recently finished requests by id, bounded by count and age."""
+        """Recently finished (or aborted) requests by id, bounded by count and age."""
         with self._lock:
             return self._finished.snapshot()
 
@@ -267,12 +351,12 @@ class Scheduler:
         with self._lock:
             return not self.waiting and not self.running
 
-    def _preempted(self, ids: list[Hashable], plan: StepPlan) -> None:
+    def _preempted(self, ids: list[Hashable], preempted: list[Request]) -> None:
         for seq_id in reversed(ids):  # most recent preemption goes to the very front
             request = self.running.pop(seq_id, None)
             if request is not None:
-                request.preemptions += 1
+                _set(request, preemptions=request.preemptions + 1)
                 self.num_preemptions += 1
                 self.waiting.appendleft(request)
-                self._queued.add(seq_id)
-                plan.preempted.append(request)
+                self._queued[seq_id] = request
+                preempted.append(request)
