@@ -12,16 +12,29 @@ from collections.abc import Callable
 from pathlib import Path
 
 
-def count(minimum: int) -> Callable[[str], int]:
-    """An integer >= ``minimum``."""
+def _short(text: str) -> str:
+    """``text``, shortened for a one-line message."""
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _shown(text: str) -> str:
+    """``repr(text)``, shortened for a one-line message."""
+    return repr(_short(text))
+
+
+def count(minimum: int, maximum: int) -> Callable[[str], int]:
+    """An integer in [``minimum``, ``maximum``]: every flag is bounded, so that no value
+    makes a command run on for ever or overflow what it is turned into."""
 
     def parse(text: str) -> int:
         try:
             value = int(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+            raise argparse.ArgumentTypeError(f"{_shown(text)} is not an integer") from None
         if value < minimum:
             raise argparse.ArgumentTypeError(f"{value} is below {minimum}")
+        if value > maximum:
+            raise argparse.ArgumentTypeError(f"{_short(text)} is above {maximum}")
         return value
 
     return parse
@@ -30,21 +43,21 @@ def count(minimum: int) -> Callable[[str], int]:
 def real(*, above: float | None = None, at_least: float | None = None,
          below: float | None = None, at_most: float | None = None) -> Callable[[str], float]:
     """A finite number within the bounds given (exclusive ``above``/``below``, inclusive
-    ``at_least``/``at_most``)."""
+    ``at_least``/``at_most``; every flag gives an upper one)."""
 
     def parse(text: str) -> float:
         try:
             value = float(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+            raise argparse.ArgumentTypeError(f"{_shown(text)} is not a number") from None
         if not math.isfinite(value):
-            raise argparse.ArgumentTypeError(f"{text!r} is not a finite number")
+            raise argparse.ArgumentTypeError(f"{_shown(text)} is not a finite number")
         for bound, ok, words in ((above, operator.gt, "above"),
                                  (at_least, operator.ge, "at least"),
                                  (below, operator.lt, "below"),
                                  (at_most, operator.le, "at most")):
             if bound is not None and not ok(value, bound):
-                raise argparse.ArgumentTypeError(f"{text} is not {words} {bound}")
+                raise argparse.ArgumentTypeError(f"{_short(text)} is not {words} {bound:.10g}")
         return value
 
     return parse

@@ -24,6 +24,16 @@ from ._version import version
 from .errors import BackendUnavailableError, KernelNotAvailableError
 from .runtime import BACKEND_NAMES, Backend, available_backends, get_backend
 
+#: The bounds of the flags: a run of at most a week, drift thresholds up to 1 TiB, a planted
+#: leak of at most 1 GiB/s, devices and seeds as the runtime and NumPy take them, at most
+#: 100 000 timed runs a measurement.
+MAX_SECONDS = 7 * 24 * 3600.0
+MAX_DRIFT_MIB = float(1 << 20)
+MAX_DEVICE = (1 << 31) - 1
+MAX_SEED = (1 << 64) - 1
+MAX_ITERS = 100_000
+MAX_LEAK_MIB_PER_S = 1024.0
+
 DESCRIPTION = """\
 Torch-free GPU memory and a paged KV cache on the hip (AMD), cuda (NVIDIA) or host (CPU)
 backend. Run `rocmforge-raw COMMAND --help` for a command's flags and examples."""
@@ -65,7 +75,8 @@ def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--backend", choices=BACKEND_NAMES,
                         help="force a backend (default: hip, else cuda, else host: the first "
                              "that answers; RF_BACKEND sets it too)")
-    parser.add_argument("--device", type=flags.count(0), default=None, metavar="N",
+    parser.add_argument("--device", type=flags.count(0, MAX_DEVICE), default=None,
+                        metavar="N",
                         help="device ordinal (default: the backend's current device, 0)")
     parser.add_argument("-v", "--verbose", action="count", default=0,
                         help="log what happens on stderr (-v: info, -vv: debug; default: "
@@ -180,7 +191,7 @@ def cmd_soak(args: argparse.Namespace) -> int:
                             workloads=tuple(args.workloads),
                             max_device_drift_bytes=int(args.max_device_drift_mib * 2**20),
                             max_rss_drift_bytes=int(args.max_rss_drift_mib * 2**20))
-    except ValueError as exc:  # a run too short to judge
+    except (TypeError, ValueError) as exc:  # a run too short to judge
         args.parser.error(str(exc))
     backend, device = _target(args)
     result = run_soak(backend, device, config, args.seed)
@@ -229,31 +240,36 @@ def build_parser() -> argparse.ArgumentParser:
     demo = _subcommand(commands, "demo", "a serving simulation on the best backend")
     demo.add_argument("--scale", type=flags.real(above=0.0, at_most=1000.0), default=1.0,
                       help="multiply the request count (in (0, 1000])")
-    demo.add_argument("--seed", type=flags.count(0), default=None,
+    demo.add_argument("--seed", type=flags.count(0, MAX_SEED), default=None,
                       help="random seed (default: a fresh one each run)")
     demo.set_defaults(run=cmd_demo)
     soak = _subcommand(commands, "soak", "memory-leak soak: churn, sample, judge the drift")
-    soak.add_argument("--seconds", type=flags.real(above=0.0), default=60.0,
+    soak.add_argument("--seconds", type=flags.real(above=0.0, at_most=MAX_SECONDS),
+                      default=60.0,
                       help="how long to churn (10 at least: the drift fit needs 10 samples "
                            "after memory settles)")
-    soak.add_argument("--minutes", type=flags.real(above=0.0), default=None,
+    soak.add_argument("--minutes", type=flags.real(above=0.0, at_most=MAX_SECONDS / 60),
+                      default=None,
                       help="how long to churn, in minutes (replaces --seconds)")
     soak.add_argument("--out", type=flags.out_dir, default="soak-out",
                       help="folder for soak.csv, soak.json and soak.png")
     soak.add_argument("--inject-leak", action="store_true",
                       help="keep one 64 KiB buffer per cycle (the run must FAIL)")
-    soak.add_argument("--inject-rss-leak-mib", type=flags.real(at_least=0.0), default=None,
+    soak.add_argument("--inject-rss-leak-mib", default=None,
+                      type=flags.real(at_least=0.0, at_most=MAX_LEAK_MIB_PER_S),
                       metavar="MIB_PER_S",
                       help="keep this many MiB of host memory per second, unknown to the "
                            "library (only the RSS drift can find it: a calibration)")
     soak.add_argument("--workloads", nargs="+", default=["buffers", "cache", "modules"],
                       choices=["buffers", "cache", "modules"],
                       help="which churn to run (default: all three)")
-    soak.add_argument("--max-device-drift-mib", type=flags.real(at_least=0.0), default=1.0,
+    soak.add_argument("--max-device-drift-mib", default=1.0,
+                      type=flags.real(at_least=0.0, at_most=MAX_DRIFT_MIB),
                       help="FAIL above this drift of the device's used memory after warm-up")
-    soak.add_argument("--max-rss-drift-mib", type=flags.real(at_least=0.0), default=8.0,
+    soak.add_argument("--max-rss-drift-mib", default=8.0,
+                      type=flags.real(at_least=0.0, at_most=MAX_DRIFT_MIB),
                       help="FAIL above this drift of the process's RSS after warm-up")
-    soak.add_argument("--seed", type=flags.count(0), default=None,
+    soak.add_argument("--seed", type=flags.count(0, MAX_SEED), default=None,
                       help="random seed (default: a fresh one each run)")
     soak.set_defaults(run=cmd_soak)
     bench = _subcommand(commands, "bench", "allocation, attention, decode-step and cache "
@@ -270,8 +286,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="a sequence's KV between two processes vs the copy bandwidth")
     bench.add_argument("--transport", choices=["ipc", "mooncake"], default="ipc",
                        help="with --transfer: IPC handles or Mooncake's engine (TCP loopback)")
-    bench.add_argument("--iters", type=flags.count(1), default=50,
-                       help="timed runs per measurement (>= 1)")
+    bench.add_argument("--iters", type=flags.count(1, MAX_ITERS), default=50,
+                       help=f"timed runs per measurement, in [1, {MAX_ITERS}]")
     bench.set_defaults(run=cmd_bench)
     return parser
 
