@@ -49,6 +49,8 @@ def set_allocator(pool):
     if pool is not None and not isinstance(pool, (MemoryPool, StreamAllocator)):
         raise TypeError(f"set_allocator takes a MemoryPool (or its .on(stream)) or None, got "
                         f"{checks.show(pool)}")
+    if pool is not None and (pool.pool if isinstance(pool, StreamAllocator) else pool).closed:
+        raise BufferClosedError(f"set_allocator: {pool!r} belongs to a closed MemoryPool")
     _default_pool = pool
 
 

@@ -413,9 +413,11 @@ cdef class MemoryPool(Allocator):
             if self.is_closed:
                 return
             if self.lent:
-                raise RuntimeError(f"MemoryPool.close(): {self.lent} blocks "
-                                   f"({self.reserved - self.cached} bytes) are still in use; "
-                                   "close their buffers (or free() them) first")
+                many = self.lent != 1
+                raise RuntimeError(f"MemoryPool.close(): {self.lent} block{'s' if many else ''}"
+                                   f" ({self.reserved - self.cached} bytes) "
+                                   f"{'are' if many else 'is'} still in use; close their "
+                                   "buffers (or free() them) first")
             self.free_all()
             self.is_closed = True
 
@@ -437,6 +439,32 @@ cdef class MemoryPool(Allocator):
                 "cached_bytes": cached, "in_use_blocks": blocks, "hits": hits,
                 "misses": misses, "handoffs": handoffs, "streams": len(self.lanes),
                 "limit": self.limit}
+
+    def lane_states(self):
+        """What each lane holds, for inspection: one dict per lane, the default stream's
+        (``stream`` None) first, then each stream's: ``cached`` maps a block size to its
+        cached pointers, oldest (handed to another stream first) to newest (reused on this
+        one first); ``frees`` counts frees so far, ``pending_events`` the fences not yet
+        seen passed, and ``passed`` the frees they show the device passed."""
+        cdef _Lane lane
+        cdef FreeList* blocks
+        found = []
+        with self.lock:
+            for lane in [self.default, *self.lanes.values()]:
+                cached = {}
+                for index in range(NUM_CLASSES):
+                    blocks = &lane.lists[index]
+                    if blocks.count:
+                        cached[size_of_class(index)] = [
+                            blocks.items[(blocks.head + i) & blocks.mask].ptr
+                            for i in range(blocks.count)]
+                found.append({"stream": lane.stream, "cached": cached, "frees": lane.freed,
+                              "pending_events": len(lane.fences), "passed": lane.passed})
+        return found
+
+    def lent_blocks(self):
+        """The blocks lent through ``allocate`` and not freed yet: pointer -> bytes asked."""
+        return dict(self.loose)
 
     def __reduce__(self):
         raise TypeError("a MemoryPool owns device memory and cannot be copied or pickled")

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import rocmforge_raw as rf
-from rocmforge_raw.errors import OutOfMemoryError
+from rocmforge_raw.errors import BufferClosedError, OutOfMemoryError
 from rocmforge_raw.pool import size_class
 
 
@@ -147,3 +147,40 @@ def test_a_dropped_pool_gives_its_cached_blocks_back_to_the_device(gpu):
     del pool
     gc.collect()
     assert gpu.mem_info(device)[0] - held >= 256 << 20
+
+
+def test_close_gives_everything_back_refuses_while_in_use_and_is_idempotent(backend):
+    pool = rf.MemoryPool(backend=backend)
+    stream = rf.Stream(backend=backend)
+    buf = rf.HipBuffer(4096, pool=pool.on(stream))
+    ptr = pool.allocate(100)
+    pool.free(pool.allocate(5000))  # one block cached
+    before = (pool.stats(), pool.lane_states(), pool.lent_blocks())
+    with pytest.raises(RuntimeError, match=r"2 blocks \(4608 bytes\) are still in use"):
+        pool.close()
+    assert (pool.stats(), pool.lane_states(), pool.lent_blocks()) == before
+    assert not pool.closed
+    buf.close()
+    with pytest.raises(RuntimeError, match=r"1 block \(512 bytes\) is still in use"):
+        pool.close()
+    pool.free(ptr)
+    pool.close()
+    assert pool.closed and pool.stats()["reserved_bytes"] == 0 and pool.stats()["streams"] == 0
+    pool.close()  # idempotent
+    for use in (lambda: pool.allocate(8), lambda: rf.HipBuffer(8, pool=pool),
+                lambda: rf.HipBuffer(8, pool=pool.on(stream)), lambda: pool.on(None)):
+        with pytest.raises(BufferClosedError, match="MemoryPool was closed"):
+            use()
+    assert pool.stats()["reserved_bytes"] == 0
+    stream.close()
+
+
+def test_an_allocator_made_before_close_refuses_after_it(backend):
+    pool = rf.MemoryPool(backend=backend)
+    stream = rf.Stream(backend=backend)
+    on_stream = pool.on(stream)
+    pool.close()
+    with pytest.raises(BufferClosedError, match="MemoryPool was closed"):
+        rf.HipBuffer(8, pool=on_stream)
+    assert pool.stats()["streams"] == 0
+    stream.close()
