@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import math
 import operator
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Mapping
+from collections.abc import Set as AbstractSet
 from typing import Any, TypeVar
 
 import numpy as np
@@ -167,11 +168,12 @@ def hashable(value: Any, name: str) -> Hashable:
 
 
 def ordered(values: Any, name: str, what: str) -> list[Any]:
-    """An ordered collection (a list, tuple, NumPy array or other sequence) as a list; a set,
-    a mapping, a string or an iterator is refused: their order is not the caller's."""
-    if isinstance(values, (str, bytes)) or not (
-            isinstance(values, (Sequence, np.ndarray))):
-        raise TypeError(f"{name} must be {what} (a list, tuple or array), got "
+    """An ordered collection (a list, tuple, array, range or iterator) as a list; a set, a
+    mapping or a string is refused: a set's order is not the caller's, a mapping and a
+    string would be read as their keys and characters."""
+    if isinstance(values, (str, bytes, AbstractSet, Mapping)) or not hasattr(
+            values, "__iter__"):
+        raise TypeError(f"{name} must be {what} (a list, tuple or array, in order), got "
                         f"{_kind(values)}")
     return list(values)
 
@@ -190,13 +192,16 @@ def colocated(name: str, backend: Any, device: int, other_name: str, other_backe
                      f"{other_backend.name}:{other_device}")
 
 
-def id_list(values: Any, name: str) -> list[Hashable]:
+def id_list(values: Any, name: str, in_order: bool = True) -> list[Hashable]:
     """An iterable of ids as a list (a ``list`` is taken as is: the caller's hot path); a
-    string is refused, not read as its characters."""
+    string is refused, not read as its characters, and so are a mapping and, where the
+    answer follows the order of the ids (``in_order``), a set."""
     if type(values) is list:
         return values
-    if isinstance(values, (str, bytes)) or not hasattr(values, "__iter__"):
-        raise TypeError(f"{name} must be an iterable of ids, got {_kind(values)}")
+    if isinstance(values, (str, bytes, Mapping)) or not hasattr(values, "__iter__") or (
+            in_order and isinstance(values, AbstractSet)):
+        raise TypeError(f"{name} must be an iterable of ids{' in order' if in_order else ''}"
+                        f" (a list or tuple), got {_kind(values)}")
     return list(values)
 
 

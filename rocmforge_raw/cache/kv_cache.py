@@ -155,7 +155,7 @@ class KvCache(CacheCore):
     def can_append(self, seq_ids: Iterable[Hashable]) -> bool:
         """Whether one more token for each of ``seq_ids`` fits now, without preempting (False
         for an id the cache does not hold, or one listed twice)."""
-        ids = checks.id_list(seq_ids, "seq_ids")
+        ids = checks.id_list(seq_ids, "seq_ids", in_order=False)
         try:
             rows = self._rows.rows(ids)
         except KeyError:

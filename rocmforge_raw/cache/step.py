@@ -49,7 +49,7 @@ from ..stream import Stream
 from .config import CacheConfig
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, frozen=True)
 class BatchMetadata:
     """Kernel metadata for ``seq_ids`` and the plan of their step.
 
@@ -58,10 +58,10 @@ class BatchMetadata:
     sequence's last reserved slot; -1: none). On a GPU the same arrays already live on the
     device, uploaded on ``stream``. Usable with ``KvCache.write``/``attention`` while
     current: until the cache changes (add, append, fork, finish, remove, preemption) or
-    plans another batch.
+    plans another batch. Read-only: only the planner sets its private fields.
     """
 
-    seq_ids: list[Hashable]
+    seq_ids: tuple[Hashable, ...]
     block_tables: np.ndarray
     seq_lens: np.ndarray
     slot_mapping: np.ndarray
@@ -81,6 +81,11 @@ class BatchMetadata:
     def __post_init__(self) -> None:
         for array in (self.block_tables, self.seq_lens, self.slot_mapping):
             array.flags.writeable = False
+
+    def _set(self, **fields: Any) -> None:
+        """The planner's change of private fields (the dataclass is frozen to its users)."""
+        for name, value in fields.items():
+            object.__setattr__(self, name, value)
 
 
 class StepPlanner:
@@ -117,9 +122,10 @@ class StepPlanner:
         if tables.size and (tables.max() >= c.num_blocks or lens.max(initial=0) > tables.shape[
                 1] * c.block_size):  # the bookkeeping is broken (ids are never negative)
             check_tables(tables, lens, len(seq_ids), c.num_blocks, c.block_size)  # says how
-        meta = BatchMetadata(seq_ids, tables, lens, slots, stream, owner, epoch)
-        meta._kv_shape = (len(seq_ids), *self.row_shape)
-        meta._kv_bytes = math.prod(meta._kv_shape) * self.act.itemsize
+        kv_shape = (len(seq_ids), *self.row_shape)
+        meta = BatchMetadata(tuple(seq_ids), tables, lens, slots, stream, owner, epoch,
+                             _kv_shape=kv_shape,
+                             _kv_bytes=math.prod(kv_shape) * self.act.itemsize)
         try:
             work: WorkSplit | None = None
             work_addresses: list[int] = []
@@ -127,12 +133,13 @@ class StepPlanner:
                 if c.num_q_heads is not None:  # planned now: its arrays go in the same upload
                     work = self._work(meta, c.num_q_heads)
                 assert self.ring is not None  # a device cache stages its uploads
-                meta._staging = self.ring.acquire()
-                addresses = meta._staging.put([tables, lens, slots, *work.arrays] if work
-                                              else [tables, lens, slots], stream)
-                meta._addresses = (addresses[0], addresses[1], addresses[2])
+                staging = self.ring.acquire()
+                meta._set(_staging=staging)
+                addresses = staging.put([tables, lens, slots, *work.arrays] if work
+                                        else [tables, lens, slots], stream)
+                meta._set(_addresses=(addresses[0], addresses[1], addresses[2]))
                 work_addresses = addresses[3:]
-                meta._write = self._write_launch(meta)
+                meta._set(_write=self._write_launch(meta))
             if c.num_q_heads is not None:
                 self._plan_attention(meta, c.num_q_heads, work, work_addresses)
         except BaseException:  # the upload may be queued: its slot waits for it all the same
@@ -215,7 +222,7 @@ class StepPlanner:
         q_shape = meta._q_shape
         if q_shape is None:
             self._check("query", query, None)
-            q_shape = (len(meta.seq_ids), query.shape[1], self.config.head_dim)
+            q_shape = (meta._kv_shape[0], query.shape[1], self.config.head_dim)
             self._check_heads(q_shape[1])
         self._check("query", query, q_shape)
         self._check("out", out, q_shape)
@@ -235,7 +242,7 @@ class StepPlanner:
         if wanted != meta._scale:
             if meta._attention is not None and not self.fp8:
                 meta._attention.set_float(SCALE_ARG, wanted)  # (fp8: set per layer below)
-            meta._scale = wanted
+            meta._set(_scale=wanted)
         if meta._attention is not None:
             if self.fp8:  # this layer's scales, folded with the softmax scale
                 k_part, out_scale = self._attention_scales[layer]
@@ -273,7 +280,7 @@ class StepPlanner:
         self._check_heads(num_q_heads)
         found = attention_kernel(self.backend, self.device, self.act, c.head_dim,
                                  num_q_heads // c.num_kv_heads, c.dtype)
-        return plan_work(c.num_kv_heads * found.groups, found.slots, len(meta.seq_ids),
+        return plan_work(c.num_kv_heads * found.groups, found.slots, meta._kv_shape[0],
                          meta.seq_lens)
 
     def _plan_attention(self, meta: BatchMetadata, num_q_heads: int,
@@ -283,18 +290,19 @@ class StepPlanner:
         (with the device addresses of its arrays; planned and uploaded here when not given),
         the launch itself reused from the staging slot when an earlier step prepared one
         for the same shapes and addresses. ``meta`` changes only once all of it is done."""
-        c, n = self.config, len(meta.seq_ids)
+        c, n = self.config, meta._kv_shape[0]
         self._check_heads(num_q_heads)
         if not self.on_host and n:
-            meta._attention = self._attention_launch(meta, num_q_heads, work, work_addresses)
-        meta._q_shape, meta._scale = (n, num_q_heads, c.head_dim), self.default_scale
-        meta._q_bytes = n * num_q_heads * c.head_dim * self.act.itemsize
+            meta._set(_attention=self._attention_launch(meta, num_q_heads, work,
+                                                        work_addresses))
+        meta._set(_q_shape=(n, num_q_heads, c.head_dim), _scale=self.default_scale,
+                  _q_bytes=n * num_q_heads * c.head_dim * self.act.itemsize)
 
     def _attention_launch(self, meta: BatchMetadata, num_q_heads: int,
                           work: WorkSplit | None, work_addresses: list[int]) -> Launch:
         """The attention launch of ``meta``'s step at the default scale (see
         ``_plan_attention``)."""
-        c, n = self.config, len(meta.seq_ids)
+        c, n = self.config, meta._kv_shape[0]
         found = attention_kernel(self.backend, self.device, self.act, c.head_dim,
                                  num_q_heads // c.num_kv_heads, c.dtype)
         slot, width = meta._staging, meta.block_tables.shape[1]
