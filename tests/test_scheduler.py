@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 import pytest
 
@@ -266,4 +268,111 @@ def test_a_step_refuses_a_waiting_id_the_cache_took_meanwhile():
     with pytest.raises(ValueError, match="'x' is waiting but the cache already holds"):
         sched.step()
     assert snapshot(cache, sched) == before
+    cache.close()
+
+
+# --- abort, ownership and clocks ------------------------------------------------------------
+def test_abort_drops_a_request_in_any_state_frees_its_kv_once_and_records_why():
+    cache, sched = make(num_blocks=3)  # 2 usable blocks of 8 tokens
+    for name in ("a", "b", "w"):
+        sched.submit(Request(name, 8, 4))
+    sched.advance(sched.step())  # a and b run, w waits
+    plan = sched.step()  # both need a second block: a is preempted (waiting again)
+    assert [r.request_id for r in plan.preempted] == ["a"] and "a" in sched._queued
+    used = cache.stats()["used_blocks"]
+    records = {}
+    for name in ("b", "a", "w"):  # running, preempted, never admitted
+        records[name] = sched.abort(name)
+        assert name not in sched.running and name not in sched._queued and name not in cache
+        with pytest.raises(KeyError, match=f"'{name}' is neither waiting nor running"):
+            sched.abort(name)  # once
+    assert used == 2 and cache.stats()["used_blocks"] == 0 and sched.idle
+    assert {k: (r.reason, r.generated, r.preemptions) for k, r in records.items()} == {
+        "b": ("aborted", 1, 0), "a": ("aborted", 1, 1), "w": ("aborted", 0, 0)}
+    assert sched.finished() == records
+    assert sched.advance(plan) == []  # the aborted requests' plan counts nothing
+    cache.check_invariants()
+    cache.close()
+
+
+def test_a_request_finished_outside_the_scheduler_is_named_then_aborted():
+    cache, sched = make()
+    sched.submit(Request("r", 4, 5))
+    sched.submit(Request("s", 4, 5))
+    sched.advance(sched.step())
+    cache.finish("r")  # behind the scheduler's back
+    before = snapshot(cache, sched)
+    for _ in range(2):  # every step refuses, changing nothing, until it is aborted
+        with pytest.raises(KeyError, match=r"'r' is running but its sequence left the cache "
+                                           r"outside the scheduler: abort\('r'\) drops it"):
+            sched.step()
+        assert snapshot(cache, sched) == before
+    assert sched.abort("r").reason == "aborted"
+    assert [r.request_id for r in sched.step().decode] == ["s"]
+    cache.close()
+
+
+def test_a_submitted_request_is_read_only_until_it_finishes_or_is_aborted():
+    cache, sched = make()
+    request = Request("r", 4, 2)
+    sched.submit(request)
+    for name, value in (("prompt_tokens", 10**9), ("generated", 1), ("overtaken", -50),
+                        ("request_id", "other")):
+        with pytest.raises(AttributeError, match=f"request 'r' belongs to a Scheduler .* its "
+                                                 f"{name} cannot change"):
+            setattr(request, name, value)
+    with pytest.raises(ValueError, match="'r' was submitted already"):
+        sched.submit(request)
+    twin = copy.copy(request)  # a copy is not submitted: it may change and be submitted
+    twin.request_id = "twin"
+    sched.submit(twin)
+    plan = sched.step()
+    assert [r.request_id for r, _ in plan.prefill] == ["r", "twin"]
+    sched.advance(plan)
+    sched.abort("twin")
+    twin.max_new_tokens = 9  # its own again
+    while not sched.idle:
+        sched.advance(sched.step())
+    assert request.generated == 2 and sched.finished()["r"].reason == "done"
+    request.generated = 0  # finished: the caller's again
+    cache.close()
+
+
+@pytest.mark.parametrize("field, value, error", [
+    ("preemptions", -4, ValueError), ("overtaken", -50, ValueError),
+    ("overtaken", "x", TypeError), ("generated", 1.0, TypeError),
+])
+def test_every_count_of_a_request_is_checked_at_submit(field, value, error):
+    cache, sched = make()
+    with pytest.raises(error, match=f"request 'r': {field} must be"):
+        sched.submit(Request("r", 3, 3, **{field: value}))
+    assert sched.idle
+    cache.close()
+
+
+@pytest.mark.parametrize("kw, error, text", [
+    ({"clock": 5}, TypeError, "clock must be a callable returning seconds, got 5"),
+    ({"finished_ttl_s": -5}, ValueError, "finished_ttl_s must be >= 0.0, got -5"),
+    ({"finished_ttl_s": float("nan")}, ValueError, "finished_ttl_s must be a finite number"),
+    ({"finished_ttl_s": "x"}, TypeError, "finished_ttl_s must be a number, got 'x'"),
+])
+def test_bad_clocks_and_ages_are_refused_at_construction(kw, error, text):
+    cache = KvCache(CacheConfig(1, 1, 64, 8, 4, "float32"), backend="host")
+    with pytest.raises(error, match=text):
+        Scheduler(cache, **kw)
+    cache.close()
+
+
+@pytest.mark.parametrize("answer", [lambda: "noon", lambda: float("nan"), lambda: 1 / 0])
+def test_an_advance_whose_clock_fails_changes_nothing(answer):
+    cache = KvCache(CacheConfig(1, 1, 64, 8, 20, "float32"), backend="host")
+    sched = Scheduler(cache, clock=answer)
+    sched.submit(Request("r", 4, 1))
+    plan = sched.step()
+    before = snapshot(cache, sched)
+    with pytest.raises((TypeError, ValueError, ZeroDivisionError)):
+        sched.advance(plan)
+    assert snapshot(cache, sched) == before and "r" in cache and sched._pending == plan.step
+    sched.clock = lambda: 1.0
+    assert [r.request_id for r in sched.advance(plan)] == ["r"]
     cache.close()

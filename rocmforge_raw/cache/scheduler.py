@@ -136,7 +136,7 @@ class Scheduler:
         self.max_waiting = checks.integer(max_waiting, "max_waiting", 1)
         self.max_overtakes = checks.integer(max_overtakes, "max_overtakes", 0)
         self._finished = FinishedRecords(max_finished, finished_ttl_s, clock, least=1)
-        self.cache, self.clock = cache, clock
+        self.cache = cache
         self._lock = threading.Lock()
         self.waiting: deque[Request] = deque()
         self.running: dict[Hashable, Request] = {}
@@ -145,6 +145,15 @@ class Scheduler:
         self._step = 0  # number of the latest plan
         self._pending: int | None = None  # number of the plan not yet advanced
         self._pending_ran: list[Request] = []  # the requests that plan ran
+
+    @property
+    def clock(self) -> Callable[[], float]:
+        """The clock of the finished records (seconds), checked when set."""
+        return self._finished.clock
+
+    @clock.setter
+    def clock(self, clock: Callable[[], float]) -> None:
+        self._finished.clock = checks.function(clock, "clock", "a callable returning seconds")
 
     # --- submission --------------------------------------------------------------------------
     def submit(self, request: Request) -> None:
