@@ -31,7 +31,15 @@ from hypothesis.stateful import (
 import rocmforge_raw as rf
 from rocmforge_raw import ops
 from rocmforge_raw.array import DeviceArray
-from rocmforge_raw.cache import BlockPool, CacheConfig, CacheFullError, KvCache
+from rocmforge_raw.cache import (
+    BlockPool,
+    CacheConfig,
+    CacheFullError,
+    KvCache,
+    Request,
+    Scheduler,
+    StepPlan,
+)
 from rocmforge_raw.errors import BufferClosedError, DeviceError, RocmforgeError
 from rocmforge_raw.ops import host_view
 
@@ -52,6 +60,27 @@ class Clock:
             raise RuntimeError("clock failed")
         self.now += 0.5
         return self.now
+
+
+def unchanged_by(snapshot, call, errors) -> bool:
+    """Run ``call``; if it raises one of ``errors``, ``snapshot()`` must read exactly as
+    before it. Whether it raised. No garbage collection runs in between: a collection of
+    unrelated garbage would change the registry's counts."""
+    gc.disable()
+    try:
+        before = snapshot()
+        try:
+            call()
+        except errors:
+            after = snapshot()
+        else:
+            return False
+    finally:
+        gc.enable()
+    changed = [k for k in before if before[k] != after[k]]
+    assert not changed, f"a failed call changed {changed}: " + "; ".join(
+        f"{k}: {str(before[k])[:160]} -> {str(after[k])[:160]}" for k in changed)
+    return True
 
 
 def keys(n: int, value: float = 1.0) -> DeviceArray:
@@ -195,24 +224,11 @@ class AtomicMachine(RuleBasedStateMachine):
 
     def unchanged_by_failure(self, call, errors=EXPECTED) -> bool:
         """Run ``call``; if it raises, the state must be exactly as before. Whether it
-        raised. No garbage collection runs in between: a collection of unrelated garbage
-        would change the registry's counts."""
-        gc.disable()
-        try:
-            before = self.snapshot()
-            try:
-                call()
-            except errors:
-                after = self.snapshot()
-            else:
-                return False
-        finally:
-            gc.enable()
-        changed = [k for k in before if before[k] != after[k]]
-        assert not changed, f"a failed call changed {changed}: " + "; ".join(
-            f"{k}: {str(before[k])[:120]} -> {str(after[k])[:120]}" for k in changed)
-        AtomicMachine.calls += 1
-        return True
+        raised."""
+        if unchanged_by(self.snapshot, call, errors):
+            AtomicMachine.calls += 1
+            return True
+        return False
 
     # --- valid operations (some may fail: strict mode raises CacheFullError) -------------
     @rule(tokens=st.integers(1, 40), value=st.floats(-4, 4, width=32))
@@ -381,3 +397,329 @@ def test_a_failed_copy_on_write_copy_undoes_the_whole_append(monkeypatch, preemp
         assert reservation.preempted == (["x"] if preempting else [])
         assert cache.stats()["cow_copies"] == 2
         cache.check_invariants()
+
+
+# --- the Scheduler over its cache, and a stream-ordered MemoryPool ---------------------------
+class BadClock(Clock):
+    """A Clock whose next read can also answer nonsense (``bad_next``: NaN, a string...)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bad_next: object = None
+
+    def __call__(self) -> float:
+        if self.bad_next is not None:
+            bad, self.bad_next = self.bad_next, None
+            return bad  # type: ignore[return-value]
+        return super().__call__()
+
+
+def request_fields(request: Request, sched: Scheduler) -> tuple:
+    return (request.request_id, request.prompt_tokens, request.max_new_tokens,
+            request.generated, request.preemptions, request.overtaken,
+            request.__dict__.get("_owner") is sched)
+
+
+def scheduler_state(sched: Scheduler) -> dict:
+    """The queue in order, the running requests, every request's fields and owner, the
+    finished records with their times, the counters and the pending plan's requests."""
+    return {
+        "waiting": [request_fields(r, sched) for r in sched.waiting],
+        "running": [(k, request_fields(r, sched)) for k, r in sched.running.items()],
+        "queued": list(sched._queued), "finished": list(sched._finished._records.items()),
+        "counters": (sched.num_preemptions, sched._step, sched._pending),
+        "pending": [id(r) for r in sched._pending_ran],
+    }
+
+
+def pool_state(pool: rf.MemoryPool) -> dict:
+    """Counters, each lane's cached blocks in order with its events, the blocks lent."""
+    return {"stats": pool.stats(), "lanes": pool.lane_states(), "lent": pool.lent_blocks(),
+            "closed": pool.closed}
+
+
+SCHED_CONFIG = CacheConfig(num_layers=1, num_kv_heads=1, head_dim=64, block_size=8,
+                           num_blocks=10, dtype="float32")
+N = 4096  # a pool size class
+
+
+class SchedulerPoolMachine(RuleBasedStateMachine):
+    """A Scheduler over a small cache (clocks that fail or answer nonsense, sequences that
+    leave the cache behind its back, requests mutated after submit) and a MemoryPool over a
+    host backend whose streams can be held busy (blocks freed there wait for their events),
+    with a stream it saw and that was closed since, and one of another backend object."""
+
+    calls = 0
+
+    @initialize(strict=st.booleans(), max_overtakes=st.integers(0, 3))
+    def start(self, strict: bool, max_overtakes: int) -> None:
+        from test_pool_streams import HeldHost
+
+        self.cache_clock, self.clock = BadClock(), BadClock()
+        self.cache = KvCache(SCHED_CONFIG, backend="host", strict=strict,
+                             clock=self.cache_clock)
+        self.sched = Scheduler(self.cache, max_running=4, max_waiting=5,
+                               max_overtakes=max_overtakes, max_finished=4, clock=self.clock)
+        self.plan = self.old_plan = None
+        self.next_id = 0
+        self.held = HeldHost()
+        self.pool = rf.MemoryPool(backend=self.held, limit=16 * N)
+        self.streams = [None, rf.Stream(backend=self.held), rf.Stream(backend=self.held)]
+        self.closed = rf.Stream(backend=self.held)
+        self.pool.free(self.pool.allocate(N, stream=self.closed))  # the pool knows it
+        self.closed.close()
+        self.foreign = rf.Stream(backend="host")  # another backend object
+        self.buffers: list[rf.HipBuffer] = []
+
+    def teardown(self) -> None:
+        if hasattr(self, "cache"):
+            for buf in self.buffers:
+                buf.close()
+            for ptr in self.pool.lent_blocks():
+                self.pool.free(ptr)
+            for stream in self.streams[1:]:
+                self.held.let_go(stream)
+            self.pool.close()
+            assert self.pool.stats()["reserved_bytes"] == 0
+            self.cache.close()
+
+    def new_id(self) -> int:
+        self.next_id += 1
+        return self.next_id
+
+    def snapshot(self) -> dict:
+        stats = rf.memory_stats()
+        return {**scheduler_state(self.sched), "cache": cache_state(self.cache),
+                "pool": pool_state(self.pool),
+                "registry": {k: stats[k] for k in ("live_buffers", "live_bytes", "num_allocs",
+                                                   "num_frees")}}
+
+    def unchanged_by_failure(self, call, errors=(*EXPECTED, AttributeError)) -> bool:
+        """As ``AtomicMachine.unchanged_by_failure``, over the scheduler, its cache, the
+        pool and the registry; the clocks' faults are disarmed whatever happens."""
+
+        def disarmed() -> None:
+            try:
+                call()
+            finally:
+                self.cache_clock.fail_next = self.clock.fail_next = False
+                self.cache_clock.bad_next = self.clock.bad_next = None
+
+        if unchanged_by(self.snapshot, disarmed, errors):
+            SchedulerPoolMachine.calls += 1
+            return True
+        return False
+
+    def held_ids(self) -> list:
+        return [*self.sched.running, *self.sched._queued]
+
+    # --- the scheduler: valid operations (a full queue or a strict cache may refuse) -------
+    @rule(prompt=st.integers(1, 30), new=st.integers(1, 12))
+    def submit(self, prompt: int, new: int) -> None:
+        self.unchanged_by_failure(
+            lambda: self.sched.submit(Request(self.new_id(), prompt, new)))
+
+    @rule()
+    def step(self) -> None:
+        done = []
+        self.unchanged_by_failure(lambda: done.append(self.sched.step()))
+        if done:
+            self.old_plan, self.plan = self.plan, done[0]
+
+    @precondition(lambda self: self.plan is not None)
+    @rule()
+    def advance(self) -> None:
+        if self.unchanged_by_failure(lambda: self.sched.advance(self.plan)):
+            return  # advanced already, stale, or its sequence left the cache
+        self.plan = None
+
+    @precondition(lambda self: self.held_ids())
+    @rule(data=st.data())
+    def abort(self, data: st.DataObject) -> None:
+        request_id = data.draw(st.sampled_from(self.held_ids()))
+        record = self.sched.abort(request_id)
+        assert record.reason == "aborted" and request_id not in self.cache
+        assert request_id not in self.held_ids()
+
+    @precondition(lambda self: self.sched.running)
+    @rule(data=st.data())
+    def finish_outside_the_scheduler(self, data: st.DataObject) -> None:
+        """The caller finishes a running request's sequence on the cache: every step then
+        refuses, naming it, until it is aborted."""
+        request_id = data.draw(st.sampled_from(sorted(self.sched.running)))
+        if request_id in self.cache:
+            self.cache.finish(request_id)
+        assert self.unchanged_by_failure(self.sched.step)
+        self.sched.abort(request_id)
+
+    # --- the scheduler: bad calls -------------------------------------------------------------
+    @rule(kind=st.sampled_from(["preemptions", "overtaken", "generated", "prompt_tokens",
+                                "max_new_tokens"]),
+          value=st.sampled_from([-4, -50, "x", 2.5, None, True]))
+    def submit_malformed(self, kind: str, value: object) -> None:
+        request = Request(self.new_id(), 3, 3)
+        object.__setattr__(request, kind, value)
+        assert self.unchanged_by_failure(lambda: self.sched.submit(request))
+
+    @rule()
+    def submit_too_large_or_twice(self) -> None:
+        assert self.unchanged_by_failure(lambda: self.sched.submit(
+            Request(self.new_id(), SCHED_CONFIG.num_slots, 2)))
+        if self.held_ids():
+            held = next(iter(self.sched._queued.values()), None) or next(
+                iter(self.sched.running.values()))
+            assert self.unchanged_by_failure(lambda: self.sched.submit(held))
+            assert self.unchanged_by_failure(
+                lambda: self.sched.submit(Request(held.request_id, 1, 1)))
+
+    @precondition(lambda self: self.held_ids())
+    @rule(data=st.data(), name=st.sampled_from(["prompt_tokens", "max_new_tokens",
+                                                "generated", "overtaken", "request_id"]))
+    def mutate_a_submitted_request(self, data: st.DataObject, name: str) -> None:
+        request_id = data.draw(st.sampled_from(self.held_ids()))
+        request = self.sched.running.get(request_id) or self.sched._queued[request_id]
+        assert self.unchanged_by_failure(lambda: setattr(request, name, 10**9))
+        assert self.unchanged_by_failure(lambda: delattr(request, name))
+
+    @rule(which=st.sampled_from(["cache", "scheduler"]),
+          fault=st.sampled_from(["raise", float("nan"), "noon", float("inf")]),
+          call=st.sampled_from(["step", "advance", "abort"]))
+    def clock_fails(self, which: str, fault: object, call: str) -> None:
+        """Every operation reads its clocks before its first change: a step, an advance
+        of a fresh plan (requests of one new token finish in it) or an abort."""
+        clock = self.cache_clock if which == "cache" else self.clock
+
+        def armed(operation):
+            def run() -> None:
+                if fault == "raise":
+                    clock.fail_next = True
+                else:
+                    clock.bad_next = fault
+                operation()
+            return run
+
+        if call == "step":
+            self.unchanged_by_failure(armed(self.sched.step))
+            return
+        if call == "abort":
+            if self.held_ids():
+                self.unchanged_by_failure(armed(lambda: self.sched.abort(self.held_ids()[0])))
+            return
+        self.unchanged_by_failure(lambda: self.sched.submit(Request(self.new_id(), 2, 1)))
+        plans = []
+        if not self.unchanged_by_failure(lambda: plans.append(self.sched.step())):
+            self.old_plan, self.plan = self.plan, plans[0]
+            if not self.unchanged_by_failure(armed(lambda: self.sched.advance(self.plan))):
+                self.plan = None
+
+    @rule(bad=st.sampled_from(["twice", "stale", "foreign", "list", "abort unknown",
+                               "abort unhashable", "submit a tuple"]))
+    def bad_scheduler_call(self, bad: str) -> None:
+        calls = {
+            "foreign": lambda: self.sched.advance(StepPlan(step=self.sched._step)),
+            "list": lambda: self.sched.advance([]),
+            "abort unknown": lambda: self.sched.abort("nobody"),
+            "abort unhashable": lambda: self.sched.abort(["x"]),
+            "submit a tuple": lambda: self.sched.submit(("r", 3, 3)),
+        }
+        if self.old_plan is not None:
+            calls["stale"] = lambda: self.sched.advance(self.old_plan)
+        if self.plan is not None and self.sched._pending is None:
+            calls["twice"] = lambda: self.sched.advance(self.plan)
+        if bad in calls:
+            assert self.unchanged_by_failure(calls[bad]), f"{bad} succeeded"
+
+    # --- the pool: valid operations --------------------------------------------------------
+    @rule(which=st.integers(0, 2), size=st.sampled_from([100, N, 3 * N]), raw=st.booleans())
+    def pool_allocate(self, which: int, size: int, raw: bool) -> None:
+        stream = self.streams[which]
+        if raw:
+            self.unchanged_by_failure(lambda: self.pool.allocate(size, stream=stream))
+        else:
+            self.unchanged_by_failure(lambda: self.buffers.append(
+                rf.HipBuffer(size, pool=self.pool.on(stream))))
+
+    @precondition(lambda self: self.pool.lent_blocks() or self.buffers)
+    @rule(data=st.data(), which=st.integers(0, 3))
+    def pool_free(self, data: st.DataObject, which: int) -> None:
+        lent = sorted(self.pool.lent_blocks())
+        if lent and (not self.buffers or data.draw(st.booleans())):
+            ptr = data.draw(st.sampled_from(lent))
+            if which == 3:
+                self.pool.free(ptr)  # on the stream it was allocated for
+            else:
+                self.pool.free(ptr, stream=self.streams[which])
+        else:
+            self.buffers.pop(data.draw(st.integers(0, len(self.buffers) - 1))).close()
+
+    @rule(which=st.integers(1, 2), hold=st.booleans())
+    def pool_stream_busy(self, which: int, hold: bool) -> None:
+        (self.held.hold if hold else self.held.let_go)(self.streams[which])
+
+    @rule()
+    def pool_free_all(self) -> None:
+        self.pool.free_all()
+
+    @precondition(lambda self: not self.pool.lent_blocks() and not self.buffers)
+    @rule()
+    def pool_close_and_replace(self) -> None:
+        self.pool.close()
+        self.pool.close()  # idempotent
+        assert self.pool.closed and self.pool.stats()["reserved_bytes"] == 0
+        for call in (lambda: self.pool.allocate(N), lambda: rf.HipBuffer(N, pool=self.pool),
+                     lambda: self.pool.on(self.streams[1]),
+                     lambda: rf.set_allocator(self.pool)):
+            assert self.unchanged_by_failure(call)
+        self.pool = rf.MemoryPool(backend=self.held, limit=16 * N)
+
+    # --- the pool: bad calls -------------------------------------------------------------------
+    @rule(bad=st.sampled_from(["free stream 5", "free a string", "free unknown",
+                               "free other device", "free closed stream",
+                               "free foreign stream", "allocate closed stream",
+                               "allocate foreign stream", "allocate over the limit",
+                               "allocate zero", "allocate float", "on 5", "on closed",
+                               "close in use", "buffer on a closed stream"]))
+    def bad_pool_call(self, bad: str) -> None:
+        pool, lent = self.pool, sorted(self.pool.lent_blocks())
+        ptr = lent[0] if lent else None
+        calls = {
+            "free a string": lambda: pool.free("abc"),
+            "free unknown": lambda: pool.free(12345),
+            "allocate closed stream": lambda: pool.allocate(N, stream=self.closed),
+            "allocate foreign stream": lambda: pool.allocate(N, stream=self.foreign),
+            "allocate over the limit": lambda: pool.allocate(17 * N, stream=self.streams[1]),
+            "allocate zero": lambda: pool.allocate(0),
+            "allocate float": lambda: pool.allocate(1.5),
+            "on 5": lambda: pool.on(5),
+            "on closed": lambda: pool.on(self.closed),
+        }
+        if ptr is not None:
+            calls.update({
+                "free stream 5": lambda: pool.free(ptr, stream=5),
+                "free other device": lambda: pool.free(ptr, device=3),
+                "free closed stream": lambda: pool.free(ptr, stream=self.closed),
+                "free foreign stream": lambda: pool.free(ptr, stream=self.foreign)})
+        if ptr is not None or self.buffers:
+            calls["close in use"] = pool.close
+        if bad in calls:
+            assert self.unchanged_by_failure(calls[bad]), f"{bad} succeeded"
+
+    @invariant()
+    def consistent(self) -> None:
+        if hasattr(self, "cache"):
+            self.cache.check_invariants()
+            sched = self.sched
+            assert not set(sched._queued) & set(sched.running)
+            assert [r.request_id for r in sched.waiting] == list(sched._queued)
+            assert all(r.__dict__.get("_owner") is sched
+                       for r in [*sched.waiting, *sched.running.values()])
+            stats = self.pool.stats()
+            assert stats["reserved_bytes"] == stats["in_use_bytes"] + stats["cached_bytes"]
+
+
+def test_failed_scheduler_and_pool_calls_leave_every_state_exactly_as_before():
+    SchedulerPoolMachine.calls = 0
+    run_state_machine_as_test(SchedulerPoolMachine, settings=settings(
+        max_examples=60, stateful_step_count=40, deadline=None))
+    assert SchedulerPoolMachine.calls >= 500, (
+        f"only {SchedulerPoolMachine.calls} failing calls compared")
