@@ -82,6 +82,41 @@ def kv(n=1):
 
 def slab():
     return arr((1, 2, 4, 1, 8, 64))
+
+from rocmforge_raw.cache import Request, Scheduler
+from rocmforge_raw.runtime.host import HostBackend
+
+def unchanged(call, *state):
+    # run the bad call and re-raise its error once each of state (callables) reads as
+    # before it: a call that changed any raises AssertionError instead (half done)
+    before = [s() for s in state]
+    try:
+        call()
+    except Exception:
+        after = [s() for s in state]
+        if after != before:
+            raise AssertionError(f"half done: {before} -> {after}") from None
+        raise
+
+def fp8(scales=((0.5, 2.0),), **kwargs):
+    c = KvCache(CacheConfig(len(scales), 2, 64, 16, 9, "float8_e4m3fn", kv_scales=scales,
+                            **kwargs), backend="host")
+    c.add_sequence("a", 5)
+    return c
+
+def sched(**kwargs):
+    c = KvCache(CacheConfig(1, 1, 64, 8, 12, "float32"), backend="host")
+    return Scheduler(c, **kwargs)
+
+def running(new=1, **kwargs):
+    s = sched(**kwargs)
+    s.submit(Request("r", 3, new))
+    return s, s.step()
+
+def pooled(limit=None):
+    p = MemoryPool(backend="host", limit=limit)
+    p.free(p.allocate(2048))
+    return p
 """
 
 # --- the probes, by area ----------------------------------------------------------------------
@@ -600,8 +635,249 @@ TRANSFER = [
     C("cli-bench-transport-unknown", "bench --transfer --transport tcp", "'tcp'"),
 ]
 
+# --- issue 27: the scheduler, the pool, fp8 scales, step plans, streams and the CLI ----------
+# A half-done probe checks, with ``unchanged``, that the state it names reads as before.
+POOL_STATE = "p.stats, p.lane_states, p.lent_blocks"
+SCHEDULER = [
+    P("scheduler-clock-int", "sched(clock=5)", "TypeError", "clock", "5"),
+    P("scheduler-clock-str", "sched(clock='now')", "TypeError", "'now'"),
+    P("scheduler-ttl-negative", "sched(finished_ttl_s=-5)", "ValueError", "finished_ttl_s",
+      "-5"),
+    P("scheduler-ttl-nan", "sched(finished_ttl_s=float('nan'))", "ValueError", "nan"),
+    P("scheduler-ttl-str", "sched(finished_ttl_s='x')", "TypeError", "'x'"),
+    P("scheduler-max-finished-float", "sched(max_finished=2.5)", "TypeError", "2.5"),
+    P("scheduler-advance-clock-noon",
+      "s, p = running(clock=lambda: 'noon'); unchanged(lambda: s.advance(p), "
+      "lambda: list(s.running), lambda: s.cache.seq_ids(), lambda: dict(s._finished._records),"
+      " lambda: s.running['r'].generated)", "TypeError", "'noon'"),
+    P("scheduler-advance-clock-nan",
+      "s, p = running(clock=lambda: float('nan')); unchanged(lambda: s.advance(p), "
+      "lambda: list(s.running), lambda: s.cache.seq_ids())", "ValueError", "nan"),
+    P("scheduler-advance-cache-clock-fails",
+      "s, p = running(); t = iter([]); s.cache.clock = lambda: next(t); "
+      "unchanged(lambda: s.advance(p), lambda: list(s.running), lambda: s.cache.seq_ids(), "
+      "lambda: s.running['r'].generated)", "StopIteration"),
+    P("scheduler-preemptions-negative", "sched().submit(Request('a', 3, 3, preemptions=-4))",
+      "ValueError", "preemptions", "-4"),
+    P("scheduler-overtaken-negative", "sched().submit(Request('a', 3, 3, overtaken=-50))",
+      "ValueError", "overtaken", "-50"),
+    P("scheduler-overtaken-str", "sched().submit(Request('a', 3, 3, overtaken='x'))",
+      "TypeError", "overtaken", "'x'"),
+    P("scheduler-generated-float", "sched().submit(Request('a', 3, 3, generated=1.0))",
+      "TypeError", "generated", "1.0"),
+    P("scheduler-id-unhashable", "sched().submit(Request({'a': 1}, 3, 3))", "TypeError",
+      "hashable", "{'a': 1}"),
+    P("scheduler-mutate-after-submit",
+      "s = sched(); r = Request('a', 3, 3); s.submit(r); r.prompt_tokens = 10**9",
+      "AttributeError", "'a'", "prompt_tokens"),
+    P("scheduler-mutate-running",
+      "s, p = running(); s.running['r'].max_new_tokens = 10**9", "AttributeError",
+      "max_new_tokens"),
+    P("scheduler-delete-field-after-submit",
+      "s = sched(); r = Request('a', 3, 3); s.submit(r); del r.generated", "AttributeError",
+      "generated"),
+    P("scheduler-submit-twice", "s = sched(); r = Request('a', 3, 3); s.submit(r); "
+      "s.submit(r)", "ValueError", "'a'", "submitted already"),
+    P("scheduler-plan-frozen", "s, p = running(); p.step = 5", "AttributeError", "step"),
+    P("scheduler-abort-unknown", "sched().abort('zz')", "KeyError", "'zz'"),
+    P("scheduler-abort-unhashable", "sched().abort(['x'])", "TypeError", "hashable", "['x']"),
+    P("scheduler-abort-twice", "s, p = running(); s.abort('r'); s.abort('r')", "KeyError",
+      "'r'"),
+    P("scheduler-step-after-outside-finish",
+      "s, p = running(new=3); s.advance(p); s.cache.finish('r'); s.step()", "KeyError", "'r'",
+      "abort('r')"),
+]
+
+POOL27 = [
+    P("pool-free-stream-int-keeps-the-block",
+      f"p = MemoryPool(backend='host'); ptr = p.allocate(1000); "
+      f"unchanged(lambda: p.free(ptr, stream=5), {POOL_STATE})", "TypeError", "stream", "5"),
+    P("pool-free-str", "MemoryPool(backend='host').free('abc')", "TypeError", "ptr", "'abc'"),
+    P("pool-free-device-5",
+      f"p = MemoryPool(backend='host'); ptr = p.allocate(64); "
+      f"unchanged(lambda: p.free(ptr, device=5), {POOL_STATE})", "ValueError", "device 5"),
+    P("pool-allocate-closed-seen-stream",
+      f"p = MemoryPool(backend='host'); s = Stream(backend='host'); "
+      f"p.free(p.allocate(64, stream=s)); s.close(); "
+      f"unchanged(lambda: p.allocate(64, stream=s), {POOL_STATE})", "BufferClosedError",
+      "closed"),
+    P("pool-free-closed-seen-stream",
+      f"p = MemoryPool(backend='host'); s = Stream(backend='host'); "
+      f"p.free(p.allocate(64, stream=s)); ptr = p.allocate(64); s.close(); "
+      f"unchanged(lambda: p.free(ptr, stream=s), {POOL_STATE})", "BufferClosedError",
+      "closed"),
+    P("pool-buffer-closed-seen-stream",
+      "p = MemoryPool(backend='host'); s = Stream(backend='host'); a = p.on(s); "
+      "HipBuffer(64, pool=a).close(); s.close(); HipBuffer(64, pool=a)",
+      "BufferClosedError", "closed"),
+    P("pool-stream-of-another-host-object",
+      f"p = MemoryPool(backend='host'); s = Stream(backend=HostBackend()); "
+      f"unchanged(lambda: p.allocate(64, stream=s), {POOL_STATE})", "ValueError",
+      "another host backend object"),
+    P("pool-over-the-limit-keeps-the-cache",
+      f"p = pooled(limit=4096); unchanged(lambda: p.allocate(8192), {POOL_STATE})",
+      "OutOfMemoryError", "8192"),
+    P("pool-over-the-limit-on-a-new-stream",
+      f"p = pooled(limit=4096); s = Stream(backend='host'); "
+      f"unchanged(lambda: p.allocate(8192, stream=s), {POOL_STATE})", "OutOfMemoryError",
+      "8192"),
+    P("pool-larger-than-the-device-keeps-the-cache",
+      f"p = pooled(); unchanged(lambda: p.allocate(2**61), {POOL_STATE})", "OutOfMemoryError",
+      str(2**61)),
+    P("pool-close-in-use",
+      f"p = MemoryPool(backend='host'); b = HipBuffer(64, pool=p); p.allocate(8); "
+      f"unchanged(p.close, {POOL_STATE}, lambda: p.closed)", "RuntimeError", "2 blocks"),
+    P("pool-closed-allocate", "p = pooled(); p.close(); p.allocate(64)", "BufferClosedError",
+      "MemoryPool was closed"),
+    P("pool-closed-buffer", "p = pooled(); p.close(); HipBuffer(64, pool=p)",
+      "BufferClosedError", "MemoryPool was closed"),
+    P("pool-closed-on", "p = pooled(); p.close(); p.on(Stream(backend='host'))",
+      "BufferClosedError", "MemoryPool was closed"),
+    P("pool-closed-set_allocator", "p = pooled(); p.close(); rf.set_allocator(p)",
+      "BufferClosedError", "closed MemoryPool"),
+]
+
+PREFIX = [
+    P("prefix-negative-ids", "cache().add_sequence('x', tokens=[-1, -2, -3])", "ValueError",
+      ">= 0", "-3"),
+    P("prefix-negative-numpy-ids", "cache().add_sequence('x', tokens=np.array([4, -9]))",
+      "ValueError", "-9"),
+    P("prefix-empty-list", "cache().add_sequence('x', tokens=[])", "ValueError", "non-empty",
+      "[]"),
+    P("prefix-beyond-int64", "cache().add_sequence('x', tokens=[1, 2**70])", "ValueError",
+      "tokens[1]", str(2**70)),
+    P("prefix-float-in-list", "cache().add_sequence('x', tokens=[1, 1.5])", "TypeError",
+      "tokens[1]", "1.5"),
+    P("prefix-none-in-list", "cache().add_sequence('x', tokens=[1, None])", "TypeError",
+      "tokens[1]", "None"),
+    P("prefix-a-set", "cache().add_sequence('x', tokens={1, 2})", "ValueError", "1-D",
+      "{1, 2}"),
+    P("prefix-unchanged-index",
+      "c = cache(); c.add_sequence('p', tokens=np.arange(16)); "
+      "unchanged(lambda: c.add_sequence('x', tokens=[*range(16), -1]), "
+      "lambda: dict(c.pool.index), lambda: c.stats(), lambda: c.seq_ids())", "ValueError",
+      "-1"),
+    P("cache-batch-a-set", "cache().batch({'a', 'b'})", "TypeError", "in order", "set"),
+    P("cache-append-a-dict", "cache().append({'a': 1})", "TypeError", "{'a': 1}"),
+    P("cache-ttl-str", "KvCache(CFG, backend='host', finished_ttl_s='x')", "TypeError",
+      "finished_ttl_s", "'x'"),
+    P("cache-max-finished-float", "KvCache(CFG, backend='host', max_finished=1.5)",
+      "TypeError", "max_finished", "1.5"),
+]
+
+FP8 = [
+    P("fp8-scale-too-small", "fp8(((1e-40, 1.0),))", "ValueError", "k_scale", "1e-40",
+      "float32"),
+    P("fp8-scale-too-large", "fp8(((1.0, 1e39),))", "ValueError", "v_scale", "1e+39"),
+    P("fp8-scale-2**1100", "fp8(((2**1100, 1.0),))", "ValueError", "k_scale", "float range"),
+    P("fp8-scale-negative", "fp8(((-1.0, 1.0),))", "ValueError", "k_scale", "-1.0"),
+    P("fp8-scale-a-set", "fp8(({4.0, 0.5},))", "TypeError", "kv_scales[0]", "{"),
+    P("fp8-scales-a-set-of-pairs", "fp8({(4.0, 0.5), (1.0, 2.0)})", "TypeError", "kv_scales",
+      "set"),
+    P("fp8-scales-a-dict", "fp8({0: (1.0, 1.0)})", "TypeError", "kv_scales", "dict"),
+    P("fp8-scales-a-string-pair", "fp8(('12',))", "TypeError", "kv_scales[0]", "'12'"),
+    P("fp8-ops-k-scale-too-small",
+      "c = fp8(); k = arr((1, 2, 64), np.float16); "
+      "ops.reshape_and_cache(k, k, c.k_cache(0), c.v_cache(0), np.zeros(1, np.int64), "
+      "k_scale=1e-40)", "ValueError", "k_scale", "1e-40"),
+    P("fp8-ops-v-scale-too-large",
+      "c = fp8(); q = arr((1, 2, 64), np.float16); "
+      "ops.paged_attention(arr((1, 2, 64), np.float16), q, c.k_cache(0), c.v_cache(0), "
+      "np.ones((1, 1), np.int32), np.ones(1, np.int32), v_scale=1e39)", "ValueError",
+      "v_scale", "1e+39"),
+    P("fp8-ops-scale-2**1100",
+      "c = fp8(); k = arr((1, 2, 64), np.float16); "
+      "ops.reshape_and_cache(k, k, c.k_cache(0), c.v_cache(0), np.zeros(1, np.int64), "
+      "v_scale=2**1100)", "ValueError", "v_scale", "float range"),
+    P("fp8-keys-into-an-fp8-cache",
+      "c = fp8(); import ml_dtypes; k = arr((5, 2, 64), ml_dtypes.float8_e4m3fn); "
+      "c.write(0, k, k, c.add_sequence('b', 5).slot_mapping)", "ValueError", "key",
+      "float8_e4m3fn"),
+    P("fp8-folded-scale-overflows",
+      "c = fp8(((1e30, 1.0),), num_q_heads=2); m = c.batch(['a']); "
+      "c.attention(0, arr((1, 2, 64), np.float16), arr((1, 2, 64), np.float16), m, "
+      "scale=1e10)", "ValueError", "float32", "1e+10"),
+]
+
+STEP = [
+    P("step-first-attention-bad-out-plans-nothing",
+      "c = KvCache(CacheConfig(1, 1, 64, 8, 16, 'float32'), backend='host'); "
+      "c.add_sequence('a', 5); m = c.batch(['a']); unchanged(lambda: c.attention(0, "
+      "arr((1, 2, 64)), arr((1, 4, 64)), m), lambda: m._q_shape)", "ValueError", "out",
+      "(1, 2, 64)"),
+    P("step-first-attention-bad-layer-plans-nothing",
+      "c = KvCache(CacheConfig(1, 1, 64, 8, 16, 'float32'), backend='host'); "
+      "c.add_sequence('a', 5); m = c.batch(['a']); q = arr((1, 4, 64)); "
+      "unchanged(lambda: c.attention(3, arr((1, 4, 64)), q, m), lambda: m._q_shape)",
+      "IndexError", "3"),
+    P("step-scale-1e300", "c = cache(); m = c.batch(['a']); "
+      "c.attention(0, arr((1, 2, 64)), arr((1, 2, 64)), m, scale=1e300)", "ValueError",
+      "scale", "float32", "1e+300"),
+    P("step-scale-subnormal", "c = cache(); m = c.batch(['a']); "
+      "c.attention(0, arr((1, 2, 64)), arr((1, 2, 64)), m, scale=1e-45)", "ValueError",
+      "1e-45"),
+    P("step-out-aliases-the-slab",
+      "c = cache(); m = c.batch(['a']); "
+      "c.attention(0, DeviceArray(c.slab.buffer, np.float32, (1, 2, 64)), arr((1, 2, 64)), m)",
+      "ValueError", "out overlaps the cache's slab"),
+    P("step-out-is-the-query", "c = cache(); m = c.batch(['a']); q = arr((1, 2, 64)); "
+      "c.attention(0, q, q, m)", "ValueError", "out overlaps query"),
+    P("step-key-in-the-slab",
+      "c = cache(); m = c.batch(['a']); k = DeviceArray(c.slab.buffer, np.float32, (1, 1, 64), "
+      "4096); c.write(0, k, kv(), m)", "ValueError", "key overlaps the cache's slab"),
+    P("step-write-stream-int", "c = cache(); m = c.batch(['a']); c.write(0, kv(), kv(), m, "
+      "stream=5)", "TypeError", "stream", "5"),
+    P("step-attention-stream-str", "c = cache(); m = c.batch(['a']); "
+      "c.attention(0, arr((1, 2, 64)), arr((1, 2, 64)), m, stream='s')", "TypeError", "'s'"),
+    P("step-two-host-backend-objects",
+      "c = cache(); m = c.batch(['a']); k = DeviceArray.empty((1, 1, 64), np.float32, "
+      "backend=HostBackend()); c.write(0, k, k, m)", "ValueError",
+      "another host backend object"),
+    P("step-plan-frozen", "c = cache(); m = c.batch(['a']); m.stream = Stream(backend='host')",
+      "AttributeError", "stream"),
+    P("ops-out-is-the-query", "a = attn(); ops.paged_attention(*a)", "ValueError",
+      "out overlaps query"),
+    P("ops-key-in-the-cache",
+      "c = arr((4, 1, 8, 64)); k = DeviceArray(c.buffer, np.float32, (1, 1, 64)); "
+      "ops.reshape_and_cache(k, kv(), c, arr((4, 1, 8, 64)), np.array([9]))", "ValueError",
+      "k_cache overlaps key"),
+    P("ops-two-host-backend-objects",
+      "c = arr((4, 1, 8, 64)); k = DeviceArray.empty((1, 1, 64), np.float32, "
+      "backend=HostBackend()); ops.reshape_and_cache(k, k, c, c, np.array([9]))",
+      "ValueError", "another host backend object"),
+]
+
+STREAMS = [
+    P("stream-record-on-another-host-object",
+      "Event(backend='host').record(Stream(backend=HostBackend()))", "ValueError",
+      "another host backend object"),
+    P("stream-fill-on-another-host-object",
+      "buf().fill(0, stream=Stream(backend=HostBackend()))", "ValueError",
+      "another host backend object"),
+    P("stream-copy-from-another-host-object",
+      "buf().copy_from(HipBuffer(64, backend=HostBackend()))", "ValueError",
+      "another host backend object"),
+    P("stream-workspace-on-another-host-object",
+      "ops.Workspace().get(64, 4, arr(4), Stream(backend=HostBackend()))", "ValueError",
+      "another host backend object"),
+]
+
+CLI27 = [
+    C("cli-soak-drift-1e308", "soak --max-device-drift-mib 1e308", "--max-device-drift-mib",
+      "1e308"),
+    C("cli-soak-rss-drift-1e308", "soak --max-rss-drift-mib 1e308", "--max-rss-drift-mib"),
+    C("cli-soak-minutes-1e308", "soak --minutes 1e308", "--minutes", "1e308"),
+    C("cli-soak-seconds-1e12", "soak --seconds 1e12", "--seconds", "1e12"),
+    C("cli-bench-iters-10**20", "bench --alloc --iters 100000000000000000000", "--iters",
+      "100000000000000000000"),
+    C("cli-demo-seed-2**70", f"demo --seed {2**70}", "--seed", str(2**70)),
+    C("cli-info-device-2**40", f"info --device {2**40}", "--device", str(2**40)),
+    C("cli-bench-iters-5000-digits", "bench --iters " + "9" * 5000, "--iters", "..."),
+]
+
 PROBES = (RUNTIME + BUFFER + ARRAY + DLPACK + STREAM + POOL + MODULE + OPS + CONFIG + CACHE
-          + BLOCKS + SOAK + CLI + IPC + TRANSFER)
+          + BLOCKS + SOAK + CLI + IPC + TRANSFER + SCHEDULER + POOL27 + PREFIX + FP8 + STEP
+          + STREAMS + CLI27)
 
 # --- running them, crash-isolated ------------------------------------------------------------
 # One child interpreter imports the package once, then forks for every probe: a probe that
@@ -704,8 +980,7 @@ def test_enough_probes_over_every_area():
     assert len(PROBES) >= 150 and len({p.id for p in PROBES}) == len(PROBES)
     assert {"buffer", "array", "dlpack", "stream", "event", "pool", "launch", "module",
             "attention", "write", "copy_blocks", "workspace", "config", "cache", "blocks",
-            "soak",
-            "cli", "runtime"} <= areas
+            "soak", "cli", "runtime", "scheduler", "prefix", "fp8", "step", "ops"} <= areas
 
 
 def test_a_probe_that_crashes_is_blamed_alone():
