@@ -206,6 +206,23 @@ def test_a_negative_generated_count_is_refused():
 
 
 # --- rows and blocks ---------------------------------------------------------------------------
+def test_freed_rows_are_reused_and_the_row_arrays_stay_bounded():
+    """1,000 sequences added and finished or removed, up to ten at once: the rows keep their
+    first 16 and every one is free again at the end (a row not given back grew them to
+    1,024)."""
+    with small_cache(num_blocks=40) as cache:
+        rows = cache._rows
+        for i in range(1000):
+            cache.add_sequence(i, 1 + i % 9)
+            if i >= 9:
+                (cache.finish if i % 2 else cache.remove)(i - 9)
+        for i in range(991, 1000):
+            cache.remove(i)
+        assert rows.lens.size == rows.tables.shape[0] == rows.recency.size == 16
+        assert sorted(rows.free) == list(range(16)) and not rows.index
+        cache.check_invariants()
+
+
 def test_many_long_sequences_grow_the_rows_and_tables_and_stay_int32():
     with small_cache(num_blocks=400) as cache:  # rows start at 16, tables 8 blocks wide
         for i in range(40):

@@ -74,6 +74,77 @@ def test_writes_quantize_exactly_as_ml_dtypes(backend, rng, cache_dtype, act):
         array.buffer.root.close()
 
 
+def e4m3_values(cache_dtype) -> tuple[np.ndarray, np.ndarray]:
+    """Every code of the format and the value it stands for (NaN for the NaN codes), decoded
+    from its bits here: sign, 4 exponent bits (bias 7; 8 for e4m3fnuz), 3 mantissa bits,
+    subnormals below exponent 1. e4m3fn's NaNs are S.1111.111; e4m3fnuz's one NaN is 0x80
+    (it has no -0)."""
+    codes = np.arange(256)
+    fnuz = np.dtype(cache_dtype) == np.dtype(ml_dtypes.float8_e4m3fnuz)
+    sign = np.where(codes & 0x80, -1.0, 1.0)
+    exponent, mantissa = (codes >> 3) & 0xF, codes & 0x7
+    bias = 8 if fnuz else 7
+    magnitude = np.where(exponent == 0, mantissa / 8 * 2.0 ** (1 - bias),
+                         (1 + mantissa / 8) * 2.0 ** (exponent - bias))
+    values = sign * magnitude
+    values[(codes == 0x80) if fnuz else ((codes & 0x7F) == 0x7F)] = np.nan
+    return codes, values
+
+
+def quantize_by_the_formula(x, scale, cache_dtype) -> np.ndarray:
+    """The documented write, computed without any fp8 cast: y = float32(x) * float32(1 /
+    scale) (float32 arithmetic), saturated at the format's largest value, then the nearest
+    code's bits, a tie going to the code with an even mantissa (and a zero keeping y's sign
+    where the format has -0)."""
+    codes, values = e4m3_values(cache_dtype)
+    finite = ~np.isnan(values)
+    codes, values = codes[finite], values[finite]
+    limit = np.max(values)
+    y = np.clip(np.asarray(x, np.float32) * np.float32(1.0 / scale), -limit, limit)
+    out = np.empty(y.shape, np.uint8)
+    for index, target in np.ndenumerate(y.astype(np.float64)):
+        distance = np.abs(values - target)
+        best = np.flatnonzero(distance == distance.min())
+        if len(best) > 1:  # a tie: the even mantissa; between +0 and -0, y's sign
+            even = best[(codes[best] & 1) == 0]
+            best = even if len(even) else best
+            signed = best[np.signbit(values[best]) == np.signbit(target)]
+            best = signed if len(signed) else best
+        out[index] = codes[best[0]]
+    return out
+
+
+@pytest.mark.parametrize("cache_dtype", FP8, ids=_names)
+@pytest.mark.parametrize("act", ACT, ids=_names)
+def test_writes_quantize_by_the_documented_formula(backend, rng, cache_dtype, act):
+    """Against codes computed from the formula here, not by the reference: values at and
+    next to every midpoint between two codes (where rounding twice, say through float16,
+    lands on the other side), zeros, subnormals, the limit and past it, random values."""
+    _, values = e4m3_values(cache_dtype)
+    ladder = np.unique(np.abs(values[~np.isnan(values)]))
+    midpoints = (ladder[1:] + ladder[:-1]) / 2
+    for k_scale, v_scale in ((1 / (1 + 2.0**-12), 0.37), (2.5, 1 / (1 - 2.0**-11))):
+        tokens = np.concatenate([midpoints, -midpoints, ladder, [0.0, -0.0, 1e-9, 3e3]])
+        tokens = np.concatenate([tokens, rng.standard_normal(200) * 60.0])
+        n = -(-tokens.size // 64)
+        flat = np.resize(tokens, n * 64)
+        key = (flat * k_scale).astype(act).reshape(n, 1, 64)
+        value = (flat * v_scale).astype(act).reshape(n, 1, 64)
+        slots = np.arange(n, dtype=np.int64)
+        shape = (-(-n // 16), 1, 16, 64)
+        k_cache, v_cache = (DeviceArray.empty(shape, cache_dtype, backend=backend)
+                            for _ in range(2))
+        arrays = [to_device(a, backend) for a in (key, value)]
+        ops.reshape_and_cache(*arrays, k_cache, v_cache, slots, k_scale=k_scale,
+                              v_scale=v_scale)
+        for cache, x, scale in ((k_cache, key, k_scale), (v_cache, value, v_scale)):
+            got = cache.to_numpy().view(np.uint8).reshape(-1, 64)[:n]
+            np.testing.assert_array_equal(
+                got, quantize_by_the_formula(x.reshape(n, 64), scale, cache_dtype))
+        for array in (k_cache, v_cache, *arrays):
+            array.buffer.root.close()
+
+
 def fp8_attention(backend, rng, cache_dtype, act, head_dim, block_size, ratio, seq_lens,
                   num_kv_heads=2, num_partitions=None):
     """(kernel output, float64 reference over the codes, float64 reference over the

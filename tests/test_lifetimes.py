@@ -207,6 +207,24 @@ def test_a_closed_cache_refuses_every_use(use):
         use(cache)
 
 
+def test_closing_a_cache_frees_its_slab_at_once_and_once(backend):
+    """The slab (every layer's K and V) goes back when close() returns, not at garbage
+    collection; a second close() frees nothing more."""
+    before = rf.memory_stats()
+    cache = KvCache(CONFIG, backend=backend)
+    cache.add_sequence("a", 5)
+    cache.batch(["a"])
+    held = rf.memory_stats()
+    assert held["live_bytes"] - before["live_bytes"] >= CONFIG.total_bytes
+    cache.close()
+    after = rf.memory_stats()  # the cache object is still alive here
+    assert cache.closed and cache.slab.buffer.closed
+    assert after["live_bytes"] == before["live_bytes"]
+    assert after["num_frees"] - before["num_frees"] == after["num_allocs"] - before["num_allocs"]
+    cache.close()
+    assert rf.memory_stats()["num_frees"] == after["num_frees"]
+
+
 def test_a_closed_cache_refuses_its_last_plan():
     cache = KvCache(CONFIG, backend="host")
     cache.add_sequence("a", 5)

@@ -92,6 +92,46 @@ def test_a_block_is_named_by_everything_before_it():
         assert not set(cache.block_ids("a")) & set(cache.block_ids("b"))
 
 
+def test_a_block_is_named_by_its_position_and_prefix_not_its_tokens_alone():
+    x, y, z = np.arange(BS), np.arange(100, 100 + BS), np.arange(200, 200 + BS)
+    xy, zy, yy = (block_hashes(np.concatenate(p), BS) for p in ((x, y), (z, y), (y, y)))
+    assert xy[1] != zy[1] and xy[1] != block_hashes(y, BS)[0] and yy[0] != yy[1]
+    with cache_of() as cache:
+        prefill(cache, "xy", np.concatenate([x, y]))
+        # y again, first: its block in "xy" follows x, so it is not this one
+        assert prefill(cache, "yz", np.concatenate([y, z])).num_cached_tokens == 0
+        assert not set(cache.block_ids("xy")) & set(cache.block_ids("yz"))
+        # y twice in one prompt: two blocks, and a second such prompt shares both in order
+        prefill(cache, "yy", np.concatenate([y, y, [1]]))
+        again = prefill(cache, "yy again", np.concatenate([y, y, [2]]))
+        first, second = cache.block_ids("yy"), cache.block_ids("yy again")
+        assert again.num_cached_tokens == 2 * BS and first[0] != first[1]
+        assert second[:2].tolist() == first[:2].tolist()
+        np.testing.assert_array_equal(read_back(cache, "yy again")[: 2 * BS],
+                                      np.concatenate([y, y]))
+        cache.check_invariants()
+
+
+def test_register_keeps_an_indexed_digest_and_a_named_block():
+    pool = BlockPool(8)
+    a, b = (int(x) for x in pool.allocate(2))
+    pool.register(np.array([a]), [b"h1"])
+    pool.register(np.array([b]), [b"h1"])  # the digest is taken: b stays nameless
+    pool.register(np.array([a]), [b"h2"])  # a is named already: h2 names nothing
+    assert pool.index == {b"h1": a} and pool.hashes == {a: b"h1"}
+    assert pool.lookup([b"h1"]) == [a] and pool.lookup([b"h2"]) == []
+    pool.check()
+
+
+def test_lookup_stops_at_the_first_miss():
+    pool = BlockPool(8)
+    ids = pool.allocate(3)
+    pool.register(ids, [b"h0", b"h1", b"h2"])
+    assert pool.lookup([b"h0", b"h1", b"h2"]) == ids.tolist()
+    assert pool.lookup([b"h0", b"missing", b"h2"]) == [int(ids[0])]
+    assert pool.lookup([b"missing", b"h1"]) == []
+
+
 def test_token_dtype_does_not_change_the_hash():
     tokens = np.arange(2 * BS)
     assert block_hashes(token_ids(tokens.astype(np.int32)), BS) == \
