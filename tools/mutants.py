@@ -130,6 +130,130 @@ NAMED = [
            (SCHED + "test_bad_limits_are_refused",)),
 ]
 
+# Issue 27: the mutation audit's survivors and each finding put back, with the tests that
+# hold them (``python tools/mutants.py named --match "issue 27"``).
+PROBE = "tests/test_bad_input.py::test_bad_input_is_refused_clearly"
+PREFIX_TESTS, STEP_PY = "tests/test_prefix_cache.py::", "rocmforge_raw/cache/step.py"
+POOL_PYX, PLANNING = "rocmforge_raw/pool.pyx", "rocmforge_raw/planning.py"
+RECORDS, FP8_TESTS = "rocmforge_raw/cache/records.py", "tests/test_fp8.py::"
+
+
+def _issue27(name: str, path: str, old: str, new: str, *tests: str, anchor: str = ""
+             ) -> Mutant:
+    return Mutant(f"issue 27: {name}", path, old, new, tests, anchor)
+
+
+NAMED += [
+    _issue27("a released row not given back", ROWS, "self.free.append(row)", "pass",
+             "tests/test_cache_edges.py::test_freed_rows_are_reused_and_the_row_arrays_stay_"
+             "bounded"),
+    _issue27("block hashes not chained", "rocmforge_raw/cache/prefix.py",
+             "hashlib.blake2b(parent,", "hashlib.blake2b(b'',",
+             PREFIX_TESTS + "test_a_block_is_named_by_its_position_and_prefix_not_its_tokens_"
+             "alone"),
+    _issue27("register overwriting an indexed digest", POOL_PY,
+             "if digest not in self.index and block not in self.hashes:",
+             "if block not in self.hashes:",
+             PREFIX_TESTS + "test_register_keeps_an_indexed_digest_and_a_named_block"),
+    _issue27("register renaming a named block", POOL_PY,
+             "if digest not in self.index and block not in self.hashes:",
+             "if digest not in self.index:",
+             PREFIX_TESTS + "test_register_keeps_an_indexed_digest_and_a_named_block"),
+    _issue27("lookup continuing past a miss", POOL_PY, "break", "continue",
+             PREFIX_TESTS + "test_lookup_stops_at_the_first_miss", anchor="def lookup("),
+    _issue27("fp8 quantization in float16", "rocmforge_raw/reference.py",
+             "scaled = x.astype(np.float32) * inverse",
+             "scaled = (x.astype(np.float16) * np.float16(inverse)).astype(np.float32)",
+             FP8_TESTS + "test_writes_quantize_by_the_documented_formula"),
+    _issue27("close() keeping the slab", KV, "self.slab.buffer.root.close()", "pass",
+             "tests/test_lifetimes.py::test_closing_a_cache_frees_its_slab_at_once_and_once"),
+    _issue27("free() forgetting the pointer before checking the stream", POOL_PYX,
+             "lane = None if stream is ... else self.lane(stream)  # checked before any change\n"
+             "        nbytes = self.loose.pop(ptr, None)",
+             "nbytes = self.loose.pop(ptr, None)\n"
+             "        lane = None if stream is ... else self.lane(stream)",
+             PROBE + "[pool-free-stream-int-keeps-the-block]"),
+    _issue27("a closed stream the pool saw before", POOL_PYX,
+             "        if not _is_open(stream):\n            raise BufferClosedError(f\"{stream!r} "
+             "was closed\")\n        found = self.lanes.get(stream)\n        if found is not "
+             "None:\n            return found\n",
+             "        found = self.lanes.get(stream)\n        if found is not None:\n"
+             "            return found\n",
+             PROBE + "[pool-allocate-closed-seen-stream]"),
+    _issue27("a new stream's lane registered before its allocation", POOL_PYX,
+             "        return _Lane(stream)\n\n    cdef _Lane register",
+             "        return self.register(_Lane(stream))\n\n    cdef _Lane register",
+             PROBE + "[pool-over-the-limit-on-a-new-stream]"),
+    _issue27("the limit releasing the cache when that cannot make room", POOL_PYX,
+             "if self.reserved - self.cached + size > self.cap:", "if False:",
+             PROBE + "[pool-over-the-limit-keeps-the-cache]"),
+    _issue27("close() while blocks are lent", POOL_PYX, "if self.lent:", "if False:",
+             "tests/test_pool.py::test_close_gives_everything_back_refuses_while_in_use_and_is_"
+             "idempotent"),
+    _issue27("advance() reading its clock after counting tokens", SCHED_PY,
+             "            if finishing:  # every clock read before the first change\n"
+             "                now, cache_now = self._finished.now(), self.cache._now()\n",
+             "            if finishing:\n                now, cache_now = 0, 0\n",
+             PROBE + "[scheduler-advance-clock-noon]",
+             SCHED + "test_an_advance_whose_clock_fails_changes_nothing"),
+    _issue27("a clock that is not callable", RECORDS,
+             'checks.function(clock, "clock", "a callable returning seconds")', "clock",
+             PROBE + "[scheduler-clock-int]"),
+    _issue27("a negative or NaN finished_ttl_s", RECORDS,
+             'checks.real(ttl_s, "finished_ttl_s", 0.0)', "ttl_s",
+             PROBE + "[scheduler-ttl-negative]"),
+    _issue27("requests writable after submit", SCHED_PY,
+             'if self.__dict__.get("_owner") is not None:', "if False:",
+             PROBE + "[scheduler-mutate-after-submit]",
+             SCHED + "test_a_submitted_request_is_read_only_until_it_finishes_or_is_aborted"),
+    _issue27("negative preemptions or overtaken counts", SCHED_PY,
+             '1 if f.name.endswith("tokens") else 0)', '1 if f.name.endswith("tokens") else '
+             'None)', PROBE + "[scheduler-overtaken-negative]"),
+    _issue27("abort() keeping the KV", SCHED_PY, "self.cache.remove(request_id)  #", "pass  #",
+             SCHED + "test_abort_drops_a_request_in_any_state_frees_its_kv_once_and_records_"
+             "why"),
+    _issue27("step() not naming a sequence that left the cache", SCHED_PY,
+             "            self._check_running(held)\n", "",
+             PROBE + "[scheduler-step-after-outside-finish]"),
+    _issue27("needless victims kept", ROWS, "for victim in victims[-2::-1]:",
+             "for victim in []:",
+             PREFIX_TESTS + "test_preemption_spares_a_sequence_whose_blocks_the_new_prompt_"
+             "shares"),
+    _issue27("negative token ids", "rocmforge_raw/cache/prefix.py",
+             'if array.dtype.kind == "i" and int(array.min()) < 0:', "if False:",
+             PROBE + "[prefix-negative-ids]"),
+    _issue27("fp8 scales outside float32", PLANNING, "if not low <= number <= high:",
+             "if not 0.0 < number < math.inf:", PROBE + "[fp8-scale-too-small]",
+             PROBE + "[fp8-ops-k-scale-too-small]"),
+    _issue27("a set as a (k, v) pair", "rocmforge_raw/cache/config.py",
+             'checks.ordered(pair, f"kv_scales[{layer}]", "a (k_scale, v_scale) pair")',
+             "list(pair)", PROBE + "[fp8-scale-a-set]"),
+    _issue27("fp8 keys into an fp8 cache", PLANNING,
+             "(cache == act and cache not in FP8_DTYPES)", "cache == act",
+             PROBE + "[fp8-keys-into-an-fp8-cache]"),
+    _issue27("a softmax scale past float32", PLANNING, 'checks.float32(scale, "scale")',
+             'checks.real(scale, "scale")', PROBE + "[step-scale-1e300]"),
+    _issue27("the first attention() planning before its checks", STEP_PY,
+             "            self._check_heads(q_shape[1])\n",
+             "            self._plan_attention(meta, q_shape[1])\n",
+             PROBE + "[step-first-attention-bad-out-plans-nothing]"),
+    _issue27("out aliasing the slab", STEP_PY, 'self._outside_slab("out", out_ptr, q_bytes)',
+             "pass", PROBE + "[step-out-aliases-the-slab]"),
+    _issue27("out aliasing the query (ops)", "rocmforge_raw/ops.py",
+             'check_disjoint(out, "out", query=query, k_cache=k_cache, v_cache=v_cache)',
+             "pass", PROBE + "[ops-out-is-the-query]"),
+    _issue27("a plan's stream compared before it is checked", KV,
+             'stream_handle(stream, "stream", self.slab.backend, self.slab.device)  # a Stream?',
+             "pass", PROBE + "[step-write-stream-int]"),
+    _issue27("plans writable", STEP_PY, "@dataclass(eq=False, frozen=True)",
+             "@dataclass(eq=False)", PROBE + "[step-plan-frozen]"),
+    _issue27("unbounded drift flags", "rocmforge_raw/cli.py", "MAX_DRIFT_MIB = float(1 << 20)",
+             'MAX_DRIFT_MIB = float("inf")', PROBE + "[cli-soak-drift-1e308]"),
+    _issue27("--minutes checked as seconds", "rocmforge_raw/cli.py",
+             "type=flags.real(above=0.0, at_most=MAX_SECONDS / 60)", "type=flags.real(above=0.0)",
+             PROBE + "[cli-soak-minutes-1e308]"),
+]
+
 # Operator swaps for the generated core mutants: (pattern, replacement), one site at a time.
 OPERATORS = [(" < ", " <= "), (" <= ", " < "), (" > ", " >= "), (" >= ", " > "),
              (" == ", " != "), (" != ", " == "), (" + ", " - "), (" - ", " + "),
