@@ -679,6 +679,10 @@ SCHEDULER = [
     P("scheduler-submit-twice", "s = sched(); r = Request('a', 3, 3); s.submit(r); "
       "s.submit(r)", "ValueError", "'a'", "submitted already"),
     P("scheduler-plan-frozen", "s, p = running(); p.step = 5", "AttributeError", "step"),
+    P("scheduler-queue-read-only", "s = sched(); s.waiting.append(Request('x', 1, 1))",
+      "AttributeError", "append"),
+    P("scheduler-running-read-only", "s, p = running(); del s.running['r']", "TypeError",
+      "mappingproxy"),
     P("scheduler-abort-unknown", "sched().abort('zz')", "KeyError", "'zz'"),
     P("scheduler-abort-unhashable", "sched().abort(['x'])", "TypeError", "hashable", "['x']"),
     P("scheduler-abort-twice", "s, p = running(); s.abort('r'); s.abort('r')", "KeyError",

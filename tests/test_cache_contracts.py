@@ -176,7 +176,7 @@ def test_every_scheduler_operation_holds_its_lock_throughout():
         ("finished", sched.finished),
         ("idle", lambda: sched.idle),
     ]
-    run_guarded(sched, sched._lock.locked, ("cache", "waiting", "running", "_finished"), ops)
+    run_guarded(sched, sched._lock.locked, ("cache", "_waiting", "_running", "_finished"), ops)
     assert sorted(sched.finished()) == ["a", "b"] and sched.idle
     cache.close()
 

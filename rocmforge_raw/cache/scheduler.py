@@ -32,8 +32,9 @@ import threading
 import time
 import warnings
 from collections import deque
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass, field, fields
+from types import MappingProxyType
 from typing import Any
 
 import numpy as np
@@ -138,13 +139,23 @@ class Scheduler:
         self._finished = FinishedRecords(max_finished, finished_ttl_s, clock, least=1)
         self.cache = cache
         self._lock = threading.Lock()
-        self.waiting: deque[Request] = deque()
-        self.running: dict[Hashable, Request] = {}
+        self._waiting: deque[Request] = deque()  # read as ``waiting``, ``running``
+        self._running: dict[Hashable, Request] = {}
         self._queued: dict[Hashable, Request] = {}  # the requests in ``waiting``, by id
         self.num_preemptions = 0
         self._step = 0  # number of the latest plan
         self._pending: int | None = None  # number of the plan not yet advanced
         self._pending_ran: list[Request] = []  # the requests that plan ran
+
+    @property
+    def waiting(self) -> tuple[Request, ...]:
+        """The queue, first to be admitted first (preempted requests at the front)."""
+        return tuple(self._waiting)
+
+    @property
+    def running(self) -> Mapping[Hashable, Request]:
+        """The running requests by id, in admission order (a read-only view)."""
+        return MappingProxyType(self._running)
 
     @property
     def clock(self) -> Callable[[], float]:
@@ -170,15 +181,15 @@ class Scheduler:
         with self._lock:
             counts = self._validate(request)
             seq_id = request.request_id
-            if seq_id in self.running or seq_id in self._queued:
+            if seq_id in self._running or seq_id in self._queued:
                 raise ValueError(f"request {seq_id!r} is already queued or running")
             if seq_id in self.cache:
                 raise ValueError(f"request {seq_id!r} has the id of a sequence the cache "
                                  "already holds")
-            if len(self.waiting) >= self.max_waiting:
+            if len(self._waiting) >= self.max_waiting:
                 return False
             _set(request, **counts, _owner=self)
-            self.waiting.append(request)
+            self._waiting.append(request)
             self._queued[seq_id] = request
             return True
 
@@ -226,12 +237,12 @@ class Scheduler:
             prefill: list[tuple[Request, np.ndarray]] = []
             preempted: list[Request] = []
             with self.cache._at(now):
-                decoding = list(self.running)
+                decoding = list(self._running)
                 if decoding:  # the first change; the cache refuses it atomically
                     reservation = self.cache.append(decoding)
                     self._preempted(reservation.preempted, preempted)
                     keep = reservation.slot_mapping >= 0
-                    decode = [self.running[s] for s, k in zip(decoding, keep) if k]
+                    decode = [self._running[s] for s, k in zip(decoding, keep) if k]
                     slots = reservation.slot_mapping[keep]
                 self._admit(prefill, preempted, changed=bool(decoding))
             plan = StepPlan(prefill, decode, slots, preempted, self._step + 1, self)
@@ -241,7 +252,7 @@ class Scheduler:
 
     def _check_running(self, held: set[Hashable]) -> None:
         """Every running request still has its sequence in the cache (ids ``held``)."""
-        lost = next((s for s in self.running if s not in held), None)
+        lost = next((s for s in self._running if s not in held), None)
         if lost is not None:
             raise KeyError(f"request {lost!r} is running but its sequence left the cache "
                            f"outside the scheduler: abort({lost!r}) drops it")
@@ -259,8 +270,8 @@ class Scheduler:
         smallest = math.inf  # blocks of the smallest request that did not fit
         block_size = self.cache.config.block_size
         try:
-            for request in list(self.waiting):
-                if (len(self.running) >= self.max_running or len(admitted) >= deadline
+            for request in list(self._waiting):
+                if (len(self._running) >= self.max_running or len(admitted) >= deadline
                         or smallest == 1):
                     break
                 need = -(-request.context // block_size)
@@ -273,7 +284,7 @@ class Scheduler:
                 reservation = self.cache.add_sequence(request.request_id, request.context)
                 admitted.append(request)
                 del self._queued[request.request_id]
-                self.running[request.request_id] = request
+                self._running[request.request_id] = request
                 prefill.append((request, reservation.slot_mapping))
                 self._preempted(reservation.preempted, preempted)  # only if the cache lied
         except Exception as exc:
@@ -285,7 +296,7 @@ class Scheduler:
                 _set(request, overtaken=request.overtaken + len(admitted) - before)
             if admitted:
                 chosen = {id(r) for r in admitted}
-                self.waiting = deque(r for r in self.waiting if id(r) not in chosen)
+                self._waiting = deque(r for r in self._waiting if id(r) not in chosen)
 
     def advance(self, plan: StepPlan) -> list[Request]:
         """Count one generated token for each request the plan ran; finish (and free the KV
@@ -300,7 +311,7 @@ class Scheduler:
                        f"is stale: step {self._step} came after it")
                 raise ValueError(f"plan of step {plan.step} {why}; advance each plan once, "
                                  "before the next step()")
-            ran = [r for r in self._pending_ran if self.running.get(r.request_id) is r]
+            ran = [r for r in self._pending_ran if self._running.get(r.request_id) is r]
             finishing = [r for r in ran if r.generated + 1 >= r.max_new_tokens]
             missing = next((r for r in finishing if r.request_id not in self.cache), None)
             if missing is not None:
@@ -314,7 +325,7 @@ class Scheduler:
             for request in finishing:
                 with self.cache._at(cache_now):
                     self.cache.finish(request.request_id)
-                del self.running[request.request_id]
+                del self._running[request.request_id]
                 self._retire(request, now, "done")
             return finishing
 
@@ -325,19 +336,19 @@ class Scheduler:
         (its fields writable again) and a finished record with reason "aborted" stays."""
         with self._lock, self.cache._lock:
             checks.hashable(request_id, "request_id")
-            request = self.running.get(request_id)
+            request = self._running.get(request_id)
             if request is None:
                 request = self._queued.get(request_id)
             if request is None:
                 raise KeyError(f"request {request_id!r} is neither waiting nor running here")
             now = self._finished.now()  # before the first change
-            if request_id in self.running:
+            if request_id in self._running:
                 if request_id in self.cache:
                     self.cache.remove(request_id)  # no clock read, cannot fail now
-                del self.running[request_id]
+                del self._running[request_id]
             else:
                 del self._queued[request_id]
-                self.waiting = deque(r for r in self.waiting if r is not request)
+                self._waiting = deque(r for r in self._waiting if r is not request)
             return self._retire(request, now, "aborted")
 
     def _retire(self, request: Request, now: float, reason: str) -> FinishedRequest:
@@ -358,14 +369,14 @@ class Scheduler:
     def idle(self) -> bool:
         """Whether no request waits or runs."""
         with self._lock:
-            return not self.waiting and not self.running
+            return not self._waiting and not self._running
 
     def _preempted(self, ids: list[Hashable], preempted: list[Request]) -> None:
         for seq_id in reversed(ids):  # most recent preemption goes to the very front
-            request = self.running.pop(seq_id, None)
+            request = self._running.pop(seq_id, None)
             if request is not None:
                 _set(request, preemptions=request.preemptions + 1)
                 self.num_preemptions += 1
-                self.waiting.appendleft(request)
+                self._waiting.appendleft(request)
                 self._queued[seq_id] = request
                 preempted.append(request)
