@@ -182,7 +182,23 @@ CLOCKED = {
 }
 
 
-class AtomicMachine(RuleBasedStateMachine):
+def registry_counts() -> dict:
+    """The buffer registry's counts a failed call must leave as they were."""
+    stats = rf.memory_stats()
+    return {k: stats[k] for k in ("live_buffers", "live_bytes", "num_allocs", "num_frees")}
+
+
+class NamingMachine(RuleBasedStateMachine):
+    """A state machine that names new sequences and requests 1, 2, 3..."""
+
+    next_id = 0
+
+    def new_id(self) -> int:
+        self.next_id += 1
+        return self.next_id
+
+
+class AtomicMachine(NamingMachine):
     calls = 0  # failing calls compared, over the whole run
 
     @initialize(strict=st.booleans())
@@ -198,7 +214,6 @@ class AtomicMachine(RuleBasedStateMachine):
         self.closed.close()
         self.key1, self.key2 = keys(1), keys(2)
         self.meta = self.stale = None
-        self.next_id = 0
 
     def teardown(self) -> None:
         if hasattr(self, "cache"):
@@ -207,19 +222,12 @@ class AtomicMachine(RuleBasedStateMachine):
                 array.buffer.root.close()
             self.mempool.free_all()
 
-    def new_id(self) -> int:
-        self.next_id += 1
-        return self.next_id
-
     # --- snapshots ---------------------------------------------------------------------------
     def snapshot(self) -> dict:
-        stats = rf.memory_stats()
         return {
             **cache_state(self.cache),
             "blocks": (self.blocks.ref_cnt.tolist(), self.blocks.free_ids().tolist()),
-            "mempool": self.mempool.stats(),
-            "registry": {k: stats[k] for k in ("live_buffers", "live_bytes", "num_allocs",
-                                               "num_frees")},
+            "mempool": self.mempool.stats(), "registry": registry_counts(),
         }
 
     def unchanged_by_failure(self, call, errors=EXPECTED) -> bool:
@@ -443,7 +451,7 @@ SCHED_CONFIG = CacheConfig(num_layers=1, num_kv_heads=1, head_dim=64, block_size
 N = 4096  # a pool size class
 
 
-class SchedulerPoolMachine(RuleBasedStateMachine):
+class SchedulerPoolMachine(NamingMachine):
     """A Scheduler over a small cache (clocks that fail or answer nonsense, sequences that
     leave the cache behind its back, requests mutated after submit) and a MemoryPool over a
     host backend whose streams can be held busy (blocks freed there wait for their events),
@@ -461,7 +469,6 @@ class SchedulerPoolMachine(RuleBasedStateMachine):
         self.sched = Scheduler(self.cache, max_running=4, max_waiting=5,
                                max_overtakes=max_overtakes, max_finished=4, clock=self.clock)
         self.plan = self.old_plan = None
-        self.next_id = 0
         self.held = HeldHost()
         self.pool = rf.MemoryPool(backend=self.held, limit=16 * N)
         self.streams = [None, rf.Stream(backend=self.held), rf.Stream(backend=self.held)]
@@ -483,16 +490,9 @@ class SchedulerPoolMachine(RuleBasedStateMachine):
             assert self.pool.stats()["reserved_bytes"] == 0
             self.cache.close()
 
-    def new_id(self) -> int:
-        self.next_id += 1
-        return self.next_id
-
     def snapshot(self) -> dict:
-        stats = rf.memory_stats()
         return {**scheduler_state(self.sched), "cache": cache_state(self.cache),
-                "pool": pool_state(self.pool),
-                "registry": {k: stats[k] for k in ("live_buffers", "live_bytes", "num_allocs",
-                                                   "num_frees")}}
+                "pool": pool_state(self.pool), "registry": registry_counts()}
 
     def unchanged_by_failure(self, call, errors=(*EXPECTED, AttributeError)) -> bool:
         """As ``AtomicMachine.unchanged_by_failure``, over the scheduler, its cache, the
