@@ -114,9 +114,10 @@ class BlockPool:
                 self._top += 1
 
     def lookup(self, hashes: list[bytes]) -> list[int]:
-        """The blocks holding the longest leading run of ``hashes`` (held or cached-free)."""
+        """The blocks holding the longest leading run of ``hashes`` (held or cached-free):
+        the first hash not indexed ends it."""
         found: list[int] = []
-        for digest in hashes:
+        for digest in checks.ordered(hashes, "hashes", "block hashes in order"):
             block = self.index.get(digest)
             if block is None:
                 break
@@ -125,7 +126,13 @@ class BlockPool:
 
     def take(self, ids: list[int]) -> None:
         """One more holder for each of ``ids`` (distinct blocks from ``lookup``): a
-        cached-free block is held again, contents and hash intact."""
+        cached-free block is held again, contents and hash intact. Refuses, changing
+        nothing, a block listed twice or one that holds no prefix."""
+        bad = next((b for b in ids if b not in self.hashes), None)
+        if bad is not None or len(set(ids)) != len(ids):
+            raise ValueError(f"take needs distinct blocks that lookup() found, got "
+                             f"{checks.show(ids)}" + (f": block {bad!r} holds no prefix"
+                                                      if bad is not None else ""))
         for block in ids:
             if self.ref_cnt[block] == 0:
                 del self._cached[block]
@@ -134,7 +141,14 @@ class BlockPool:
 
     def register(self, ids: np.ndarray, hashes: list[bytes]) -> None:
         """Name held blocks ``ids`` by ``hashes`` (their full, written-in-order prefix): a
-        later ``lookup`` finds them. A hash already in the index keeps its block."""
+        later ``lookup`` finds them. A hash already in the index keeps its block, and a
+        block already named keeps its name. One hash (bytes) per id."""
+        ids = _ids(ids, "register")
+        self._check_held(ids, "register")
+        hashes = checks.ordered(hashes, "hashes", "block hashes, one per id")
+        if len(hashes) != ids.size or not all(isinstance(h, bytes) for h in hashes):
+            raise ValueError(f"register needs one hash (bytes) per block: {ids.size} blocks, "
+                             f"got {checks.show(hashes)}")
         for block, digest in zip(ids.tolist(), hashes):
             if digest not in self.index and block not in self.hashes:
                 self.hashes[block], self.index[digest] = digest, block

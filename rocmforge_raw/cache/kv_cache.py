@@ -115,7 +115,11 @@ class KvCache(CacheCore):
 
     @operation
     def __contains__(self, seq_id: Hashable) -> bool:
-        return seq_id in self._rows.index
+        try:
+            return seq_id in self._rows.index
+        except TypeError:
+            checks.hashable(seq_id, "seq_id")  # says so
+            raise
 
     @operation
     def __len__(self) -> int:

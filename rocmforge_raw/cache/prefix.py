@@ -47,7 +47,9 @@ def token_ids(tokens: Any, name: str = "tokens") -> np.ndarray:
 
 
 def block_hashes(tokens: np.ndarray, block_size: int) -> list[bytes]:
-    """The chained hash of each *full* block of ``tokens`` (see the module docstring)."""
+    """The chained hash of each *full* block of ``tokens`` (``token_ids``' array; see the
+    module docstring)."""
+    block_size = checks.integer(block_size, "block_size", 1)
     full = tokens.size // block_size
     data = np.ascontiguousarray(tokens[: full * block_size]).view(np.uint8)
     step, parent, hashes = block_size * 8, b"", []
