@@ -198,9 +198,12 @@ class StepPlanner:
         self._check("key", key, shape)
         self._check("value", value, shape)
         k_ptr, v_ptr = self.planes(layer)
-        key_ptr, value_ptr = key.ptr, value.ptr
-        self._outside_slab("key", key_ptr, meta._kv_bytes)
-        self._outside_slab("value", value_ptr, meta._kv_bytes)
+        key_ptr, value_ptr, nbytes = key.ptr, value.ptr, meta._kv_bytes
+        start, end = self._slab_span  # inline: a write's host time is a measured figure
+        if (key_ptr < end and start < key_ptr + nbytes) or (
+                value_ptr < end and start < value_ptr + nbytes):
+            self._outside_slab("key", key_ptr, nbytes)
+            self._outside_slab("value", value_ptr, nbytes)
         if meta._write is not None:
             if self.fp8:  # this layer's inverse scales
                 k_inverse, v_inverse = self._write_scales[layer]
@@ -233,7 +236,9 @@ class StepPlanner:
             self._check_folded(wanted)
         out_ptr, query_ptr = out.ptr, query.ptr
         q_bytes = meta._q_bytes or math.prod(q_shape) * self.act.itemsize
-        self._outside_slab("out", out_ptr, q_bytes)
+        start, end = self._slab_span
+        if out_ptr < end and start < out_ptr + q_bytes:
+            self._outside_slab("out", out_ptr, q_bytes)
         if out_ptr < query_ptr + q_bytes and query_ptr < out_ptr + q_bytes:
             raise ValueError("out overlaps query: the kernel would overwrite the queries it "
                              "reads; give out memory of its own")
