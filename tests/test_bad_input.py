@@ -993,7 +993,8 @@ def test_enough_probes_over_every_area():
     assert len(PROBES) >= 150 and len({p.id for p in PROBES}) == len(PROBES)
     assert {"buffer", "array", "dlpack", "stream", "event", "pool", "launch", "module",
             "attention", "write", "copy_blocks", "workspace", "config", "cache", "blocks",
-            "soak", "cli", "runtime", "scheduler", "prefix", "fp8", "step", "ops"} <= areas
+            "soak", "cli", "runtime", "ipc", "transfer", "scheduler", "prefix", "fp8", "step",
+            "ops"} <= areas
 
 
 def test_a_probe_that_crashes_is_blamed_alone():
