@@ -134,7 +134,7 @@ NAMED = [
 # hold them (``python tools/mutants.py named --match "issue 27"``).
 PROBE = "tests/test_bad_input.py::test_bad_input_is_refused_clearly"
 PREFIX_TESTS, STEP_PY = "tests/test_prefix_cache.py::", "rocmforge_raw/cache/step.py"
-POOL_PYX, PLANNING = "rocmforge_raw/pool.pyx", "rocmforge_raw/planning.py"
+POOL_PYX, PLANNING = "rocmforge_raw/pool.pyx", "rocmforge_raw/planning/arguments.py"
 RECORDS, FP8_TESTS = "rocmforge_raw/cache/records.py", "tests/test_fp8.py::"
 
 
