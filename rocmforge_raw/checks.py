@@ -178,8 +178,8 @@ def ordered(values: Any, name: str, what: str) -> list[Any]:
     return list(values)
 
 
-def colocated(name: str, backend: Any, device: int, other_name: str, other_backend: Any,
-              other_device: int) -> None:
+def colocated(name: str, backend: Any, device: int | None, other_name: str,
+              other_backend: Any, other_device: int | None) -> None:
     """``ValueError`` unless ``name`` and ``other_name`` live on one backend object and one
     device; the message tells two objects of one backend apart."""
     if backend is other_backend and device == other_device:

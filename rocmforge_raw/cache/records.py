@@ -18,7 +18,8 @@ class FinishedRecords:
                  least: int = 0) -> None:
         self.max_count = checks.integer(max_count, "max_finished", least)
         self.ttl_s = checks.real(ttl_s, "finished_ttl_s", 0.0)
-        self.clock = checks.function(clock, "clock", "a callable returning seconds")
+        self.clock: Callable[[], float] = checks.function(clock, "clock",
+                                                          "a callable returning seconds")
         self._records: OrderedDict[Hashable, tuple[float, Any]] = OrderedDict()
 
     def now(self) -> float:

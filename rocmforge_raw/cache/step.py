@@ -304,7 +304,8 @@ class StepPlanner:
                   _q_bytes=n * num_q_heads * c.head_dim * self.act.itemsize)
 
     def _attention_launch(self, meta: BatchMetadata, num_q_heads: int,
-                          work: WorkSplit | None, work_addresses: list[int]) -> Launch:
+                          work: WorkSplit | None, work_addresses: Sequence[int]
+                          ) -> Launch:
         """The attention launch of ``meta``'s step at the default scale (see
         ``_plan_attention``)."""
         c, n = self.config, meta._kv_shape[0]
