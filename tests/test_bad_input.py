@@ -880,6 +880,8 @@ CLI27 = [
       "1e308"),
     C("cli-soak-rss-drift-1e308", "soak --max-rss-drift-mib 1e308", "--max-rss-drift-mib"),
     C("cli-soak-minutes-1e308", "soak --minutes 1e308", "--minutes", "1e308"),
+    C("cli-soak-rss-leak-1e308", "soak --inject-rss-leak-mib 1e308", "--inject-rss-leak-mib",
+      "1e308"),
     C("cli-soak-seconds-1e12", "soak --seconds 1e12", "--seconds", "1e12"),
     C("cli-bench-iters-10**20", "bench --alloc --iters 100000000000000000000", "--iters",
       "100000000000000000000"),
