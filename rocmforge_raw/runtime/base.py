@@ -33,6 +33,11 @@ class DeviceProperties:
     warp_size: int
 
 
+#: The largest row pitch (bytes) callers give ``memcpy_2d``: the limit CUDA documents
+#: (CU_DEVICE_ATTRIBUTE_MAX_PITCH, 2**31 - 1 on its GPUs); HIP is held to the same.
+MAX_PITCH = (1 << 31) - 1
+
+
 class Backend(ABC):
     """One runtime. Implementations are short: each method is one or two binding calls."""
 
@@ -75,6 +80,17 @@ class Backend(ABC):
         unchanged until the stream has passed the copy."""
     @abstractmethod
     def memcpy_dtoh(self, dst_host: int, src: int, nbytes: int, stream: Any = None) -> None: ...
+    @abstractmethod
+    def download(self, dst_pinned: int, src: int, nbytes: int, stream: Any = None) -> None:
+        """Asynchronous device-to-host copy queued on ``stream`` (None: the default stream,
+        still asynchronous) into page-locked ``dst_pinned``, which holds the bytes only once
+        the stream has passed the copy."""
+    @abstractmethod
+    def memcpy_2d(self, dst: int, dst_pitch: int, src: int, src_pitch: int, width: int,
+                  height: int, to_host: bool, stream: Any = None) -> None:
+        """Asynchronous copy of ``height`` rows of ``width`` bytes, rows ``src_pitch`` apart
+        at ``src`` and ``dst_pitch`` apart at ``dst``, queued on ``stream``: device to
+        page-locked host memory (``to_host``) or back. Pitches are at most ``MAX_PITCH``."""
     @abstractmethod
     def memcpy_dtod(self, dst: int, src: int, nbytes: int, stream: Any = None) -> None: ...
     @abstractmethod
@@ -124,6 +140,10 @@ class Backend(ABC):
     def event_record(self, event: Any, stream: Any = None) -> None: ...
     @abstractmethod
     def event_synchronize(self, event: Any) -> None: ...
+    @abstractmethod
+    def stream_wait_event(self, stream: Any, event: Any) -> None:
+        """Work queued on ``stream`` after this call waits until the device has passed
+        ``event`` (its latest record); the host does not wait."""
     @abstractmethod
     def event_query(self, event: Any) -> bool:
         """Whether the device has passed ``event`` (True for an event never recorded)."""

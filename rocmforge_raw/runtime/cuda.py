@@ -177,6 +177,24 @@ class CudaBackend(Backend):
         else:
             check("cuMemcpyDtoHAsync", cu.cuMemcpyDtoHAsync(dst_host, src, nbytes, stream))
 
+    def download(self, dst_pinned: int, src: int, nbytes: int, stream: Any = None) -> None:
+        check("cuMemcpyDtoHAsync", cu.cuMemcpyDtoHAsync(dst_pinned, src, nbytes,
+                                                        0 if stream is None else stream))
+
+    def memcpy_2d(self, dst: int, dst_pitch: int, src: int, src_pitch: int, width: int,
+                  height: int, to_host: bool, stream: Any = None) -> None:
+        copy = cu.CUDA_MEMCPY2D()
+        host, device = cu.CUmemorytype.CU_MEMORYTYPE_HOST, cu.CUmemorytype.CU_MEMORYTYPE_DEVICE
+        if to_host:
+            copy.srcMemoryType, copy.srcDevice = device, src
+            copy.dstMemoryType, copy.dstHost = host, dst
+        else:
+            copy.srcMemoryType, copy.srcHost = host, src
+            copy.dstMemoryType, copy.dstDevice = device, dst
+        copy.srcPitch, copy.dstPitch, copy.WidthInBytes, copy.Height = (
+            src_pitch, dst_pitch, width, height)
+        check("cuMemcpy2DAsync", cu.cuMemcpy2DAsync(copy, 0 if stream is None else stream))
+
     def memcpy_dtod(self, dst: int, src: int, nbytes: int, stream: Any = None) -> None:
         if stream is None:
             check("cuMemcpyDtoD", cu.cuMemcpyDtoD(dst, src, nbytes))
@@ -240,6 +258,10 @@ class CudaBackend(Backend):
 
     def event_record(self, event: Any, stream: Any = None) -> None:
         check("cuEventRecord", cu.cuEventRecord(event, 0 if stream is None else stream))
+
+    def stream_wait_event(self, stream: Any, event: Any) -> None:
+        check("cuStreamWaitEvent", cu.cuStreamWaitEvent(0 if stream is None else stream,
+                                                        event, 0))
 
     def event_synchronize(self, event: Any) -> None:
         check("cuEventSynchronize", cu.cuEventSynchronize(event))

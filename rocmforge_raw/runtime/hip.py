@@ -164,6 +164,16 @@ class HipBackend(Backend):
     def memcpy_dtoh(self, dst_host: int, src: int, nbytes: int, stream: Any = None) -> None:
         self._copy(dst_host, src, nbytes, _KIND.hipMemcpyDeviceToHost, stream)
 
+    def download(self, dst_pinned: int, src: int, nbytes: int, stream: Any = None) -> None:
+        check("hipMemcpyAsync", hip.hipMemcpyAsync(
+            dst_pinned, src, nbytes, _KIND.hipMemcpyDeviceToHost, stream))
+
+    def memcpy_2d(self, dst: int, dst_pitch: int, src: int, src_pitch: int, width: int,
+                  height: int, to_host: bool, stream: Any = None) -> None:
+        kind = _KIND.hipMemcpyDeviceToHost if to_host else _KIND.hipMemcpyHostToDevice
+        check("hipMemcpy2DAsync", hip.hipMemcpy2DAsync(dst, dst_pitch, src, src_pitch, width,
+                                                       height, kind, stream))
+
     def memcpy_dtod(self, dst: int, src: int, nbytes: int, stream: Any = None) -> None:
         self._copy(dst, src, nbytes, _KIND.hipMemcpyDeviceToDevice, stream)
 
@@ -221,6 +231,9 @@ class HipBackend(Backend):
 
     def event_record(self, event: Any, stream: Any = None) -> None:
         check("hipEventRecord", hip.hipEventRecord(event, stream))
+
+    def stream_wait_event(self, stream: Any, event: Any) -> None:
+        check("hipStreamWaitEvent", hip.hipStreamWaitEvent(stream, event, 0))
 
     def event_synchronize(self, event: Any) -> None:
         check("hipEventSynchronize", hip.hipEventSynchronize(event))

@@ -205,8 +205,13 @@ class HostBackend(Backend):
     def memcpy_htod(self, dst: int, src_host: int, nbytes: int, stream: Any = None) -> None:
         _libc.memcpy(_void(dst), _void(src_host), nbytes)
 
-    upload = memcpy_dtoh = memcpy_htod
+    upload = download = memcpy_dtoh = memcpy_htod
     memcpy_dtod = memcpy_htod
+
+    def memcpy_2d(self, dst: int, dst_pitch: int, src: int, src_pitch: int, width: int,
+                  height: int, to_host: bool, stream: Any = None) -> None:
+        for row in range(height):
+            _libc.memcpy(_void(dst + row * dst_pitch), _void(src + row * src_pitch), width)
 
     def memcpy_peer(self, dst: int, dst_device: int, src: int, src_device: int, nbytes: int,
                     stream: Any = None) -> None:
@@ -238,6 +243,9 @@ class HostBackend(Backend):
         event[0] = time.perf_counter_ns()
 
     def event_synchronize(self, event: Any) -> None:
+        pass
+
+    def stream_wait_event(self, stream: Any, event: Any) -> None:
         pass
 
     def event_query(self, event: Any) -> bool:
