@@ -42,7 +42,8 @@ EXAMPLES = {
     "info": "examples:\n  rocmforge-raw info\n  rocmforge-raw info --backend cuda --json",
     "demo": "examples:\n  rocmforge-raw demo\n  rocmforge-raw demo --scale 0.3 --seed 3",
     "bench": "examples:\n  rocmforge-raw bench --cache\n  rocmforge-raw bench --attention "
-             "--sweep --json > sweep.json\n  rocmforge-raw bench --step --iters 20",
+             "--sweep --json > sweep.json\n  rocmforge-raw bench --step --iters 20\n"
+             "  rocmforge-raw bench --offload --json",
     "soak": "examples:\n  rocmforge-raw soak                      # 60 s, files in soak-out/\n"
             "  rocmforge-raw soak --minutes 10 --out /tmp/soak\n"
             "  rocmforge-raw soak --seconds 30 --inject-leak   # must FAIL\n\n"
@@ -284,6 +285,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="a whole decode step through the cache's API (GPU)")
     bench.add_argument("--transfer", action="store_true",
                        help="a sequence's KV between two processes vs the copy bandwidth")
+    bench.add_argument("--offload", action="store_true",
+                       help="swapping a sequence to the host tier and back vs pinned copies")
     bench.add_argument("--transport", choices=["ipc", "mooncake"], default="ipc",
                        help="with --transfer: IPC handles or Mooncake's engine (TCP loopback)")
     bench.add_argument("--iters", type=flags.count(1, MAX_ITERS), default=50,

@@ -98,12 +98,31 @@ def _transfer(backend: Backend, device: int, transport: str, iters: int,
                     f"{r['copy_gb_per_s']:10.2f} {r['pct_of_copy']:6.1f}%" for r in rows]
 
 
+def _offload(backend: Backend, device: int, iters: int, result: dict[str, Any]) -> list[str]:
+    from .bench_offload import TARGET_PCT, bench_offload
+
+    rows = result["offload"] = bench_offload(backend, device, min(iters, 20))
+    what = ("memcpy between host buffers (the host backend has no copy engine)"
+            if backend.name == "host" else "pinned host <-> device copies of the same bytes")
+    lines = [f"a sequence's KV swapped to the host tier and back (median; copy: {what}; "
+             f"target {TARGET_PCT:.0f} % each way)",
+             f"{'blocks':>11} {'MiB':>6} {'copies':>6} {'out GB/s':>9} {'d2h GB/s':>9} "
+             f"{'% d2h':>6} {'in GB/s':>8} {'h2d GB/s':>9} {'% h2d':>6} {'exact':>5}"]
+    return lines + [f"{r['layout']:>11} {r['bytes'] / 2**20:6.0f} {r['copies']:6} "
+                    f"{r['swap_out_gb_per_s']:9.2f} {r['d2h_gb_per_s']:9.2f} "
+                    f"{r['swap_out_pct']:5.1f}% {r['swap_in_gb_per_s']:8.2f} "
+                    f"{r['h2d_gb_per_s']:9.2f} {r['swap_in_pct']:5.1f}% "
+                    f"{'yes' if r['verified'] else 'NO':>5}"
+                    + ("" if r["met_target"] else "  MISSED") for r in rows]
+
+
 def run(args: argparse.Namespace, backend: Backend, device: int, where: str
         ) -> tuple[dict[str, Any], list[str]]:
     """The result (for --json) and the text lines of ``bench`` with ``args``' selection on
     ``device`` of ``backend``; ``where`` names the target (the host says why it is used)."""
     attention = args.attention or args.sweep
-    everything = not (args.alloc or attention or args.cache or args.step or args.transfer)
+    everything = not (args.alloc or attention or args.cache or args.step or args.transfer
+                      or args.offload)
     result: dict[str, Any] = {"backend": backend.name, "where": where,
                               "device": backend.properties(device).name, "skipped": {}}
     lines = [f"device: {where} {result['device']}"]
@@ -125,4 +144,6 @@ def run(args: argparse.Namespace, backend: Backend, device: int, where: str
         lines += _cache(result)
     if args.transfer:
         lines += _transfer(backend, device, args.transport, args.iters, result)
+    if args.offload:
+        lines += _offload(backend, device, args.iters, result)
     return result, lines

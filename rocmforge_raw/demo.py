@@ -8,8 +8,10 @@ and re-queued. Every ``check_every`` steps one sequence's attention is checked a
 NumPy reference. Then requests that share a system prompt run on an fp8 (e4m3) cache with
 per-layer K/V scales: their prompts are given by token ids, so the prefix cache serves the
 shared blocks (hit rate in the summary) and only the rest is prefilled; a few decode steps
-follow, and attention is checked against the reference over the dequantized codes. The
-summary ends with the live buffers left after teardown (must be 0).
+follow, and attention is checked against the reference over the dequantized codes. Last,
+multi-turn conversations run on a cache with a host tier (``demo_turns``): the share of
+follow-up prompts found in the prefix cache, host-tier hits and swap traffic. The summary
+ends with the live buffers left after teardown (must be 0).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from . import ops, progress, reference
 from .array import DeviceArray
 from .buffer import memory_stats
 from .cache import CacheConfig, KvCache, Request, Scheduler
+from .demo_turns import multi_turn
 from .runtime import Backend
 from .stream import Event
 
@@ -129,6 +132,7 @@ def run_demo(backend: Backend, device: int = 0, config: DemoConfig | None = None
         end_ev.close()
     elapsed = time.perf_counter() - started
     shared = _shared_prompts_on_fp8(backend, device, cfg, rng)
+    turns = multi_turn(backend, device, cfg, dtype, rng, check=_check)
     ops.release_staging()  # the one-off writes' staging memory, kept per device until now
     gc.collect()
     steps_ms = stats["step_ms"] or [0.0]
@@ -143,7 +147,7 @@ def run_demo(backend: Backend, device: int = 0, config: DemoConfig | None = None
         **_device_time(backend, stats),
         "cache_blocks": blocks - 1, "peak_blocks": cache_stats["peak_used_blocks"],
         "preemptions": cache_stats["preemptions"], "cow_copies": cache_stats["cow_copies"],
-        "reference_checks_passed": stats["checks"], **shared,
+        "reference_checks_passed": stats["checks"], **shared, **turns,
         "live_buffers_after_teardown": memory_stats()["live_buffers"],
     }
 

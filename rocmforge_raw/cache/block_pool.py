@@ -14,6 +14,7 @@ index included).
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -60,6 +61,16 @@ class BlockPool:
         return len(self._cached)
 
     @property
+    def num_plain_free(self) -> int:
+        """Free blocks that hold no prefix (an allocation takes these before it evicts)."""
+        return self._top
+
+    @property
+    def evicted(self) -> list[tuple[int, bytes]]:
+        """(block, hash) of the cached-free blocks the last ``allocate`` reused."""
+        return self._evicted
+
+    @property
     def num_used(self) -> int:
         """Blocks held (ref count >= 1), the null block not counted."""
         return self.num_blocks - 1 - self.num_free
@@ -87,6 +98,22 @@ class BlockPool:
         self.ref_cnt[ids] = 1
         return ids
 
+    def peek(self, count: int, taking: Sequence[int] = ()
+             ) -> tuple[np.ndarray, list[tuple[int, bytes]]]:
+        """(ids, evicted) that ``take(taking)`` then ``allocate(count)`` would give (count
+        <= ``num_free`` less the cached-free blocks of ``taking``), changing nothing."""
+        take = min(count, self._top)
+        ids = self._free[self._top - take : self._top][::-1]
+        evicted: list[tuple[int, bytes]] = []
+        if take < count:
+            taken = set(taking)
+            for block in self._cached:
+                if block not in taken:
+                    evicted.append((block, self.hashes[block]))
+                    if len(evicted) == count - take:
+                        break
+        return np.concatenate([ids, np.array([b for b, _ in evicted], np.int32)]), evicted
+
     def undo_allocate(self, ids: np.ndarray) -> None:
         """Put back the blocks the last ``allocate`` handed out, unused, so that the pool is
         exactly as before it (an operation that failed after allocating)."""
@@ -103,15 +130,19 @@ class BlockPool:
             self.hashes[block], self.index[digest] = digest, block
         self._evicted = []
 
-    def forget(self, ids: Any) -> None:
+    def forget(self, ids: Any) -> list[bytes]:
         """Cached-free blocks among ``ids`` no longer hold what their hashes name (a failed
-        write reached them): their hashes leave the index and they join the free stack."""
+        write reached them): their hashes leave the index and they join the free stack.
+        Returns the hashes forgotten."""
+        forgotten = []
         for block in _ids(ids, "forget").tolist():
             if block in self._cached:
                 del self._cached[block]
-                del self.index[self.hashes.pop(block)]
+                forgotten.append(self.hashes.pop(block))
+                del self.index[forgotten[-1]]
                 self._free[self._top] = block
                 self._top += 1
+        return forgotten
 
     def lookup(self, hashes: list[bytes]) -> list[int]:
         """The blocks holding the longest leading run of ``hashes`` (held or cached-free):
@@ -139,19 +170,23 @@ class BlockPool:
         if ids:
             self.ref_cnt[ids] += 1
 
-    def register(self, ids: np.ndarray, hashes: list[bytes]) -> None:
+    def register(self, ids: np.ndarray, hashes: list[bytes]) -> list[int]:
         """Name held blocks ``ids`` by ``hashes`` (their full, written-in-order prefix): a
         later ``lookup`` finds them. A hash already in the index keeps its block, and a
-        block already named keeps its name. One hash (bytes) per id."""
+        block already named keeps its name. One hash (bytes) per id. Returns the positions
+        in ``ids`` that were named."""
         ids = _ids(ids, "register")
         self._check_held(ids, "register")
         hashes = checks.ordered(hashes, "hashes", "block hashes, one per id")
         if len(hashes) != ids.size or not all(isinstance(h, bytes) for h in hashes):
             raise ValueError(f"register needs one hash (bytes) per block: {ids.size} blocks, "
                              f"got {checks.show(hashes)}")
-        for block, digest in zip(ids.tolist(), hashes):
+        named = []
+        for i, (block, digest) in enumerate(zip(ids.tolist(), hashes)):
             if digest not in self.index and block not in self.hashes:
                 self.hashes[block], self.index[digest] = digest, block
+                named.append(i)
+        return named
 
     def share(self, ids: np.ndarray) -> None:
         """One more holder for each id (ids may repeat)."""

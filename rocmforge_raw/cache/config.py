@@ -52,7 +52,9 @@ class CacheConfig:
     ``KvCache.batch`` plan attention with the rest of the step; without it the first
     ``attention`` call of a step plans it. ``activation_dtype`` and ``kv_scales`` (one
     ``(k_scale, v_scale)`` pair of positive finite floats per layer) are for fp8 caches (see
-    the module docstring); ``kv_scales`` becomes a tuple of float pairs."""
+    the module docstring); ``kv_scales`` becomes a tuple of float pairs. ``host_blocks``
+    (0: none) reserves that many blocks of pinned host memory below the slab: preempted
+    sequences are swapped out there and freed prefix blocks demoted there (``KvCache``)."""
 
     num_layers: int
     num_kv_heads: int
@@ -63,10 +65,13 @@ class CacheConfig:
     num_q_heads: int | None = None
     activation_dtype: Any = None
     kv_scales: Any = None
+    host_blocks: int = 0
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_kv_heads", "head_dim", "block_size", "num_blocks"):
             object.__setattr__(self, name, _positive(name, getattr(self, name)))
+        object.__setattr__(self, "host_blocks",
+                           checks.integer(self.host_blocks, "host_blocks", 0, MAX_BLOCKS))
         dtype = _dtype(self.dtype)
         if dtype not in DTYPES.values():
             raise ValueError(f"dtype {self.dtype} is not supported: use one of "
@@ -146,6 +151,11 @@ class CacheConfig:
         return self.block_bytes * self.num_blocks
 
     @property
+    def host_bytes(self) -> int:
+        """Bytes of pinned host memory the host tier takes (0 without one)."""
+        return self.block_bytes * self.host_blocks
+
+    @property
     def slab_shape(self) -> tuple[int, ...]:
         """``(num_layers, 2, num_blocks, num_kv_heads, block_size, head_dim)``."""
         return (self.num_layers, 2, self.num_blocks, self.num_kv_heads, self.block_size,
@@ -162,7 +172,7 @@ class CacheConfig:
                    budget_bytes: int | None = None,
                    fraction: float | None = None, device: int | None = None,
                    backend: Any = None, activation_dtype: Any = None,
-                   kv_scales: Any = None) -> CacheConfig:
+                   kv_scales: Any = None, host_blocks: int = 0) -> CacheConfig:
         """The largest cache within ``budget_bytes``, or within ``fraction`` of the device's
         free memory now (exactly one of the two)."""
         if (budget_bytes is None) == (fraction is None):
@@ -182,4 +192,4 @@ class CacheConfig:
             raise ValueError(f"a budget of {budget_bytes} bytes holds {num_blocks} blocks of "
                              f"{probe.block_bytes} bytes; at least 2 are needed")
         return cls(num_layers, num_kv_heads, head_dim, block_size, num_blocks, dtype,
-                   num_q_heads, activation_dtype, kv_scales)
+                   num_q_heads, activation_dtype, kv_scales, host_blocks)

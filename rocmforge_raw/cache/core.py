@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import threading
-from collections.abc import Callable, Hashable, Iterator
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from typing import Any, TypeVar
 
 import numpy as np
@@ -24,7 +24,11 @@ from ..array import DeviceArray
 from ..errors import BufferClosedError, CacheFullError
 from ..stream import Stream, stream_handle
 from .block_pool import BlockPool
+from .chains import TokenChains
 from .config import CacheConfig
+from .events import EventQueue
+from .host_tier import HostTier
+from .order import StreamOrder
 from .rows import SequenceRows
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -32,13 +36,20 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 def operation(method: F) -> F:
     """``method`` run under the cache's lock (one lock around the whole operation: no other
-    thread sees it half done), on an open cache only."""
+    thread sees it half done), on an open cache only. The events it emitted join the
+    cache's queue when it ends (operations do not nest)."""
 
     @functools.wraps(method)
     def run(self: CacheCore, *args: Any, **kwargs: Any) -> Any:
         with self._lock:
             self._check_open()
-            return method(self, *args, **kwargs)
+            try:
+                return method(self, *args, **kwargs)
+            finally:
+                if self._events.pending:
+                    self._events.commit()
+                if self._reached[0] or self._reached[1]:
+                    self._reached = ([], [])
 
     return run  # type: ignore[return-value]
 
@@ -67,6 +78,24 @@ class CacheCore:
     peak_used_blocks: int
     num_prefix_hits: int
     num_prefix_misses: int
+    _events: EventQueue
+    _chains: TokenChains
+    _host: HostTier | None
+    _order: StreamOrder | None
+    # (device, host) blocks this operation's copies wrote: a restore forgets the cached ones
+    _reached: tuple[list[int], list[int]]
+
+    @property
+    def _tier(self) -> HostTier:
+        """The host tier, where the caller knows that the cache has one."""
+        assert self._host is not None, "this cache has no host tier"
+        return self._host
+
+    @property
+    def _ordering(self) -> StreamOrder:
+        """The order of copies between the tiers (a cache with a host tier has one)."""
+        assert self._order is not None, "this cache has no host tier"
+        return self._order
 
     def _check_open(self) -> None:
         if self.slab.buffer.closed:
@@ -112,15 +141,23 @@ class CacheCore:
         """One more slot for each of ``rows``: new blocks where ``grow``, private copies of
         shared last blocks where ``cow`` (``total`` blocks in all, known to be free)."""
         cow_rows = rows[cow]
-        new = self.pool.allocate(total) if total else None
+        saved = None  # a demoting allocation is undone by a restore
+        if cow_rows.size and self._host is not None and total > self.pool.num_plain_free:
+            saved = self._save()
+        new = self._allocate(total, stream) if total else None
         if cow_rows.size:  # the only step that can fail (the copy): before any change
             assert new is not None  # total counts the copies
             src = self._rows.last_block[cow_rows]
             dst = new[total - cow_rows.size :].astype(np.int64)
             try:
+                if self._order is not None:
+                    self._order.used(stream)
                 ops.copy_blocks(self.slab, np.stack([src, dst], 1), stream=stream)
             except BaseException:
-                self.pool.undo_allocate(new)
+                if saved is not None:
+                    self._restore(saved)
+                else:
+                    self.pool.undo_allocate(new)
                 raise
             self.pool.free(src)
             self.num_cow_copies += int(cow_rows.size)
@@ -133,34 +170,65 @@ class CacheCore:
                                       self.config.block_size)[0]
 
     def _make_room(self, need: Callable[[list[Hashable], np.ndarray], int],
-                   batch: list[Hashable]) -> list[Hashable]:
+                   batch: list[Hashable], stream: Stream | None, now: float
+                   ) -> tuple[list[Hashable], list[Hashable]]:
         """Preempt LRU sequences (others first, then members of ``batch``) until
-        ``need(live, ref_cnt)`` blocks are free; returns them. Planned before anything
-        changes: ``CacheFullError`` in strict mode, or when preempting every sequence would
-        not free enough, leaves every sequence in place."""
+        ``need(live, ref_cnt)`` blocks are free; returns them, and those of them swapped
+        out to the host tier (``_preempt``). Planned before anything changes:
+        ``CacheFullError`` in strict mode, or when preempting every sequence would not
+        free enough, leaves every sequence in place."""
         free, ref_cnt = self.pool.num_free, self.pool.ref_cnt
         if need(batch, ref_cnt) <= free:
-            return []
+            return [], []
         if self.strict:
             raise CacheFullError(need(batch, ref_cnt), free, "strict mode")
         victims = self._rows.plan_preemption(need, batch, ref_cnt, free)
         if victims is None:
             raise CacheFullError(need(batch, ref_cnt), free, "nothing left to preempt")
+        swapped = self._preempt(victims, stream, now)
+        self.num_preemptions += len(victims)
+        return victims, swapped
+
+    def _preempt(self, victims: list[Hashable], stream: Stream | None, now: float
+                 ) -> list[Hashable]:
+        """Release ``victims``' blocks; returns those kept elsewhere (here: none)."""
         for victim in victims:
             self._release(victim)
-        self.num_preemptions += len(victims)
-        return victims
+        return []
+
+    def _allocate(self, count: int, stream: Stream | None, taking: Sequence[int] = (),
+                  fill: list[int] | None = None) -> np.ndarray:
+        """``pool.take(taking)``, then ``count`` fresh blocks (see ``PrefixTiers``)."""
+        self.pool.take(list(taking))
+        ids = self.pool.allocate(count)
+        assert ids is not None  # the caller counted them free
+        return ids
 
     def _save(self) -> tuple[Any, ...]:
         """The bookkeeping as it is now, for ``_restore`` (rare paths only: it copies)."""
         return (self._rows.snapshot(), self.pool.snapshot(), self._epoch,
-                self.num_preemptions, self.peak_used_blocks, self.num_cow_copies)
+                self.num_preemptions, self.peak_used_blocks, self.num_cow_copies,
+                self.num_prefix_hits, self.num_prefix_misses, self._chains.snapshot(),
+                None if self._host is None else self._host.snapshot(), self._events.mark())
 
     def _restore(self, saved: tuple[Any, ...]) -> None:
-        rows, pool, self._epoch, self.num_preemptions, self.peak_used_blocks, \
-            self.num_cow_copies = saved
+        """Put back what ``_save`` saw; cached blocks that this operation's copies wrote
+        since forget their prefixes (their contents changed whatever the bookkeeping says:
+        a copy that succeeded before the failure wrote as surely as one that failed)."""
+        (rows, pool, self._epoch, self.num_preemptions, self.peak_used_blocks,
+         self.num_cow_copies, self.num_prefix_hits, self.num_prefix_misses, chains, host,
+         mark) = saved
         self._rows.restore(rows)
         self.pool.restore(pool)
+        self._chains.restore(chains)
+        if host is not None:
+            self._tier.restore(host)
+        self._events.truncate(mark)
+        if self._reached[0] or self._reached[1]:
+            self._forget_reached(*self._reached)
+
+    def _forget_reached(self, device: list[int], host: list[int]) -> None:
+        """Cached blocks among those copies wrote forget their prefixes (``PrefixTiers``)."""
 
     def _add_row(self, seq_id: Hashable, ids: np.ndarray, num_tokens: int, shared_last: bool,
                  now: float) -> None:
@@ -178,6 +246,7 @@ class CacheCore:
         self._changed()
 
     def _release(self, seq_id: Hashable) -> int:
+        self._chains.stop(self._rows.index[seq_id])
         released = self.pool.free(self._rows.release(seq_id))
         self._changed()
         return released

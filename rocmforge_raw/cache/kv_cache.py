@@ -9,7 +9,15 @@ Invariants, checked by ``check_invariants()``: free (cached-free included) + use
 num_blocks - 1, each block's ref count equals the number of sequences holding it, and the
 prefix index names exactly the blocks that keep a hash. A prompt given by its token ids
 (``add_sequence(seq_id, tokens=...)``) shares the full blocks the prefix cache already holds
-(``prefix``). An fp8 cache stores codes with per-layer scales (``CacheConfig``).
+(``prefix``); an ``append`` given the new tokens' ids names each block it fills
+(``chains``), so the next turn of a conversation finds all of it. An fp8 cache stores codes
+with per-layer scales (``CacheConfig``).
+
+With ``CacheConfig(host_blocks=N)`` the cache has a host tier of pinned host memory
+(``host_tier``): preempted sequences are swapped out there instead of dropped, and come
+back with ``swap_in`` (``swap``); freed prefix blocks are demoted there before they are
+reused and promoted back by a later prompt (``tiered``). The invariants then hold for both
+tiers. Prefix changes are announced as events (``events()``: ``events``).
 
 Device work is queued on the cache's ``stream`` (None: the backend's default stream) unless
 a call names another; nothing here waits for the device. The slab starts zeroed (one memset
@@ -26,7 +34,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Hashable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -39,11 +47,16 @@ from ..runtime import get_backend
 from ..stream import Stream, stream_handle
 from . import prefix, transfer
 from .block_pool import BlockPool
+from .chains import TokenChains
 from .config import CacheConfig
-from .core import CacheCore, operation, repeated
+from .core import operation, repeated
+from .events import EventQueue
+from .host_tier import HostTier
+from .order import StreamOrder
 from .records import FinishedRecords
 from .rows import SequenceRows
 from .step import BatchMetadata, StepPlanner
+from .swap import TierOps
 
 
 @dataclass(frozen=True)
@@ -51,23 +64,29 @@ class Reservation:
     """Slots reserved by ``add_sequence``/``append`` (int64, ``-1`` for a sequence that was
     preempted instead), the ids preempted to make room and, for a prompt given by its
     tokens, how many leading tokens the prefix cache already holds (their K/V need not be
-    written: prefill ``slot_mapping[num_cached_tokens:]``)."""
+    written: prefill ``slot_mapping[num_cached_tokens:]``). Of the preempted, ``swapped``
+    lists those swapped out to the host tier (``swap_in`` brings them back as they were);
+    the others were dropped (their tokens must be computed again)."""
 
     slot_mapping: np.ndarray
     preempted: list[Hashable]
     num_cached_tokens: int = 0
+    swapped: list[Hashable] = field(default_factory=list)
 
 
-class KvCache(CacheCore):
+class KvCache(TierOps):
     """A paged KV cache on one device. ``strict=True`` raises ``CacheFullError`` where the
     default would preempt the least-recently-used running sequence. ``stream`` orders the
     cache's device work (copy-on-write copies, uploads, kernels) unless a call names one.
-    ``shareable=True`` puts the slab in memory other processes can map (``IpcTransport``)."""
+    ``shareable=True`` puts the slab in memory other processes can map (``IpcTransport``).
+    With ``config.host_blocks`` the cache has a host tier (``swap``); ``max_events`` bounds
+    the queue of prefix events ``events()`` drains (0: none are recorded)."""
 
     def __init__(self, config: CacheConfig, device: int | None = None, backend: Any = None, *,
                  strict: bool = False, max_finished: int = 1024,
                  finished_ttl_s: float = 600.0, clock: Callable[[], float] = time.monotonic,
-                 stream: Stream | None = None, shareable: bool = False) -> None:
+                 stream: Stream | None = None, shareable: bool = False,
+                 max_events: int = 10_000) -> None:
         if not isinstance(config, CacheConfig):
             raise TypeError(f"config must be a CacheConfig, got {checks.show(config)}")
         strict = checks.flag(strict, "strict")
@@ -78,12 +97,25 @@ class KvCache(CacheCore):
         self.config, self.strict, self.clock, self.stream = config, strict, clock, stream
         self._lock = threading.RLock()
         shareable = checks.flag(shareable, "shareable")
+        self._events = EventQueue(checks.integer(max_events, "max_events", 0))
+        self._reached: tuple[list[int], list[int]] = ([], [])  # see CacheCore
         # checks the size before allocating
         buf = HipBuffer(config.total_bytes, device, backend, shareable=shareable)
         self.slab = DeviceArray(buf, config.dtype, config.slab_shape)
-        buf.fill(0, stream=stream)  # unwritten slots read as zeros; copies never read garbage
+        self._host = self._order = None
+        try:
+            buf.fill(0, stream=stream)  # unwritten slots read as zeros: no copy reads garbage
+            if config.host_blocks:
+                self._order = StreamOrder(backend, device)
+                self._host = HostTier(config, config.host_blocks, self.slab, self._events)
+        except BaseException:
+            if self._order is not None:
+                self._order.close()
+            buf.close()
+            raise
         self.pool = BlockPool(config.num_blocks)
         self._rows = SequenceRows()
+        self._chains = TokenChains(config.block_size)
         self._steps = StepPlanner(config, self.slab)
         self._epoch = 0  # bumped by every change of tables or lengths: plans go stale
         self._finished = finished
@@ -92,11 +124,19 @@ class KvCache(CacheCore):
 
     # --- lifecycle ---------------------------------------------------------------------------
     def close(self) -> None:
-        """Release the slab and the staging memory, after the device has passed the plans'
-        launches. Idempotent; the cache cannot be used afterwards."""
+        """Release the slab, the host tier and the staging memory, after the device has
+        passed the plans' launches and the copies. Idempotent; the cache cannot be used
+        afterwards, but for draining its last ``events()`` (an ``AllCleared`` ends them)."""
         with self._lock:
+            if self.closed:
+                return
             self._steps.close()
+            if self._order is not None:
+                self._order.close()
+                self._tier.close()
             self.slab.buffer.root.close()
+            self._events.cleared()
+            self._events.commit()
 
     @property
     def closed(self) -> bool:
@@ -113,45 +153,17 @@ class KvCache(CacheCore):
         raise TypeError("a KvCache owns device memory and its bookkeeping and cannot be copied "
                         "or pickled")
 
-    @operation
-    def __contains__(self, seq_id: Hashable) -> bool:
-        try:
-            return seq_id in self._rows.index
-        except TypeError:
-            checks.hashable(seq_id, "seq_id")  # says so
-            raise
-
-    @operation
-    def __len__(self) -> int:
-        return len(self._rows.index)
-
-    @operation
-    def seq_ids(self) -> list[Hashable]:
-        """The ids of the sequences the cache holds (in the order they got their rows)."""
-        return list(self._rows.index)
-
-    @operation
-    def seq_len(self, seq_id: Hashable) -> int:
-        """Tokens ``seq_id`` holds (prompt plus appended), including reserved slots."""
-        return int(self._rows.lens[self._rows.row(seq_id)])
-
-    @operation
-    def block_ids(self, seq_id: Hashable) -> np.ndarray:
-        """The blocks of ``seq_id`` in order (a copy)."""
-        rows, row = self._rows, self._rows.row(seq_id)
-        blocks: np.ndarray = rows.tables[row, : rows.nblocks[row]].copy()
-        return blocks
-
-    @operation
-    def times(self, seq_id: Hashable) -> tuple[float, float]:
-        """(created, last accessed) of ``seq_id``, in ``clock`` seconds."""
-        rows, row = self._rows, self._rows.row(seq_id)
-        return float(rows.created[row]), float(rows.accessed[row])
-
     # --- check-then-act ----------------------------------------------------------------------
     @operation
-    def can_allocate(self, num_tokens: int) -> bool:
-        """Whether a prompt of ``num_tokens`` fits in free blocks now, without preempting."""
+    def can_allocate(self, num_tokens: int | None = None, *, tokens: Any = None) -> bool:
+        """Whether a prompt of ``num_tokens``, or of the token ids ``tokens`` (the blocks
+        the device holds by prefix counted as found), fits in free blocks now, without
+        preempting."""
+        if tokens is not None:
+            hashes = prefix.block_hashes(prefix.token_ids(tokens), self.config.block_size)
+            hits = [b for on_host, b in self._lookup(hashes) if not on_host]
+            fresh = self._blocks_for(len(tokens)) - len(hits)
+            return self._needed(fresh, hits, self.pool.ref_cnt) <= self.pool.num_free
         num_tokens = checks.integer(num_tokens, "num_tokens")
         return num_tokens > 0 and self._blocks_for(num_tokens) <= self.pool.num_free
 
@@ -181,65 +193,71 @@ class KvCache(CacheCore):
         is reported uncached so that the caller still computes it (its K/V, written again,
         equal what the block holds; a ``batch()`` write before the next ``append`` skips
         it, as it does after ``fork``). The caller writes the K/V of the uncached tokens on
-        the cache's stream before any later use: a hit is only as good as that write."""
+        the cache's stream before any later use: a hit is only as good as that write.
+        Blocks found on the host tier only are copied into fresh blocks (promoted) and
+        count as hits; the sequence keeps its token chain (``append(..., tokens=)``)."""
         checks.hashable(seq_id, "seq_id")
         if (num_tokens is None) == (tokens is None):
             raise TypeError("give exactly one of num_tokens and tokens")
         hashes: list[bytes] = []
+        ids_of = None
         if tokens is not None:
             ids_of = prefix.token_ids(tokens)
             num_tokens = int(ids_of.size)
             hashes = prefix.block_hashes(ids_of, self.config.block_size)
         num_tokens = checks.integer(num_tokens, "num_tokens", 1)
-        if seq_id in self._rows.index:
+        if seq_id in self._rows.index or self._swapped(seq_id) is not None:
             raise ValueError(f"sequence {seq_id!r} already exists")
         need = self._blocks_for(num_tokens)
         if need > self.config.num_blocks - 1:
             raise CacheFullError(need, self.pool.num_free,
                                  f"a {num_tokens}-token prompt exceeds the whole cache")
         now = self._now()
-        hits = self.pool.lookup(hashes)
-        fresh = need - len(hits)
-
-        def blocks_needed(live: list[Hashable], ref_cnt: np.ndarray) -> int:
-            return fresh + int(np.count_nonzero(ref_cnt[hits] == 0))  # hits off the free list
-
-        preempted = self._make_room(blocks_needed, [])
-        self.pool.take(hits)  # before allocating: the allocation may evict cached-free blocks
-        ids = self.pool.allocate(fresh)
-        assert ids is not None  # _make_room made room
-        self.pool.register(ids[: len(hashes) - len(hits)], hashes[len(hits) :])
-        ids = np.concatenate([np.array(hits, np.int32), ids])
-        self._add_row(seq_id, ids, num_tokens, len(hits) == need, now)
-        self.num_prefix_hits += len(hits)
-        self.num_prefix_misses += len(hashes) - len(hits)
+        ids, found, preempted, swapped = self._prompt_blocks(need, hashes, ids_of, now)
+        self._add_row(seq_id, ids, num_tokens, found == need, now)
+        if ids_of is not None:
+            self._chains.start(self._rows.index[seq_id], (
+                hashes[-1] if hashes else b"", ids_of[len(hashes) * self.config.block_size :]))
+        self.num_prefix_hits += found
+        self.num_prefix_misses += len(hashes) - found
         positions = np.arange(num_tokens)
         bs = self.config.block_size
         slots = ids[positions // bs].astype(np.int64) * bs + positions % bs
-        return Reservation(slots, preempted, min(len(hits) * bs, num_tokens - 1))
+        return Reservation(slots, preempted, min(found * bs, num_tokens - 1), swapped)
 
     @operation
-    def append(self, seq_ids: Iterable[Hashable], stream: Stream | None = None) -> Reservation:
+    def append(self, seq_ids: Iterable[Hashable], stream: Stream | None = None, *,
+               tokens: Any = None) -> Reservation:
         """Reserve one more token slot for each sequence, vectorised. A sequence whose last
         block is shared gets a private copy first (copy-on-write, queued on ``stream``).
         When blocks run out, the least-recently-used other sequences are preempted (then, if
-        need be, those of this call, which get slot -1); with ``strict`` it raises
-        ``CacheFullError`` instead."""
+        need be, those of this call, which get slot -1): swapped out to the host tier where
+        it has room, else dropped; with ``strict`` it raises ``CacheFullError`` instead.
+        ``tokens``: the ids of the new tokens, one per sequence (< 0: unknown, which ends
+        that sequence's chain): each block that fills is named by its prefix hash
+        (``chains``), so a later prompt repeating the sequence hits it."""
         ids = checks.id_list(seq_ids, "seq_ids")
         stream = self._stream(stream)
-        rows = self._rows.rows(ids)
+        rows = self._resident_rows(ids)
         if not self._rows.distinct():
             raise ValueError(f"append lists sequence {repeated(ids)!r} twice")
+        if tokens is not None:
+            tokens = prefix.token_ids(tokens)
+            if tokens.size != len(ids):
+                raise ValueError(f"tokens holds {tokens.size} ids for {len(ids)} sequences")
         now = self._now()
         total, grow, cow = self._append_need(rows)
-        live, preempted, saved = ids, [], None
+        live, saved = ids, None
+        preempted: list[Hashable] = []
+        swapped: list[Hashable] = []
         if total > self.pool.num_free:
             saved = self._save()  # the copy below may fail after preempting: undo all
-            preempted = self._make_room(self._need_of, ids)
+            preempted, swapped = self._make_room(self._need_of, ids, stream, now)
             gone = set(preempted)
             live = [s for s in ids if s not in gone]
             rows = self._rows.rows(live)
             total, grow, cow = self._append_need(rows)
+        lens = self._rows.lens[rows] if self._chains.count else None
         try:
             self._extend(rows, grow, cow, total, stream, now)
         except BaseException:
@@ -247,21 +265,32 @@ class KvCache(CacheCore):
                 self._restore(saved)
             raise
         if not preempted:
+            if lens is not None:
+                self._chain(rows, lens, tokens)
             return Reservation(self._rows.last_slot[rows], preempted)
         slots = np.full(len(ids), -1, np.int64)
         index = {s: i for i, s in enumerate(ids)}
-        slots[[index[s] for s in live]] = self._rows.last_slot[rows]
-        return Reservation(slots, preempted)
+        kept = [index[s] for s in live]
+        slots[kept] = self._rows.last_slot[rows]
+        if lens is not None:
+            self._chain(rows, lens, None if tokens is None else tokens[kept])
+        return Reservation(slots, preempted, 0, swapped)
 
     @operation
     def fork(self, parent_id: Hashable, child_id: Hashable) -> None:
-        """``child_id`` shares every block of ``parent_id`` (ref counts, no copy)."""
+        """``child_id`` shares every block of ``parent_id`` (ref counts, no copy); the child
+        of a swapped-out parent is swapped out too, sharing its host blocks."""
         checks.hashable(child_id, "child_id")
         rows = self._rows
-        parent = rows.row(parent_id)
-        if child_id in rows.index:
+        swapped = self._swapped(parent_id)
+        parent = None if swapped is not None else rows.row(parent_id)
+        if child_id in rows.index or self._swapped(child_id) is not None:
             raise ValueError(f"sequence {child_id!r} already exists")
         now = self._now()
+        if swapped is not None:
+            self._fork_swapped(parent_id, child_id, now)
+            return
+        assert parent is not None  # a sequence on the device
         count = int(rows.nblocks[parent])
         self.pool.share(rows.tables[parent, :count])
         row = rows.add(child_id, count)
@@ -271,36 +300,44 @@ class KvCache(CacheCore):
         rows.last_slot[row] = -1
         rows.created[row] = now
         rows.touch(np.array([parent, row]), now)
+        self._chains.start(row, self._chains.get(parent, int(rows.lens[parent])))
         self._changed()
 
     @operation
     def finish(self, seq_id: Hashable) -> int:
         """Free ``seq_id``'s blocks now and keep a bounded record that it finished. Returns
-        the number of blocks that went back to the pool."""
-        tokens = int(self._rows.lens[self._rows.row(seq_id)])
+        the number of device blocks that went back to the pool (0 for a swapped-out one,
+        whose host blocks go back to the host tier)."""
+        swapped = self._swapped(seq_id)
+        tokens = swapped.num_tokens if swapped else int(self._rows.lens[self._rows.row(seq_id)])
         now = self._now()
-        released = self._release(seq_id)
+        released = self._release_any(seq_id)
         self._finished.add(seq_id, (now, tokens), now)
         return released
 
     @operation
     def remove(self, seq_id: Hashable) -> int:
-        """Free ``seq_id``'s blocks now, keeping no record. Returns the blocks released."""
-        self._rows.row(seq_id)
-        return self._release(seq_id)
+        """Free ``seq_id``'s blocks now, keeping no record. Returns the device blocks
+        released (see ``finish``)."""
+        if self._swapped(seq_id) is None:
+            self._rows.row(seq_id)
+        return self._release_any(seq_id)
 
     @operation
     def batch(self, seq_ids: Iterable[Hashable], stream: Stream | None = None
               ) -> BatchMetadata:
         """The step's plan for ``seq_ids`` (in that order): metadata uploaded to the device
         once, asynchronously on ``stream``, and the step's launches prepared. Current until
-        the cache changes or plans again; the previous plan stops being current."""
+        the cache changes or plans again; the previous plan stops being current. A
+        sequence swapped out to the host tier is refused (``swap_in`` it first)."""
         ids = checks.id_list(seq_ids, "seq_ids")
         stream = self._stream(stream)
         rows_of = self._rows
-        rows = rows_of.rows(ids)
+        rows = self._resident_rows(ids)
         if not rows_of.distinct():
             raise ValueError(f"batch lists sequence {repeated(ids)!r} twice")
+        if self._order is not None:
+            self._order.used(stream)
         now = self._now()
         width = max(int(rows_of.nblocks[rows].max(initial=0)), 1)
         meta = self._steps.plan(
@@ -319,7 +356,9 @@ class KvCache(CacheCore):
     def export_sequence(self, seq_id: Hashable) -> transfer.SequenceDescription:
         """A picklable description of ``seq_id`` for another cache's ``import_sequence``
         (after the K/V queued on the cache's stream are in memory). Keep the sequence, and
-        write nothing more into it, until that import returned."""
+        write nothing more into it, until that import returned. A swapped-out sequence is
+        refused (``swap_in`` it first)."""
+        self._resident_rows([seq_id])
         return transfer.export_sequence(self, seq_id)
 
     @operation
@@ -361,9 +400,11 @@ class KvCache(CacheCore):
                 self._check_open()
                 k, v = self.k_cache(layer), self.v_cache(layer)  # checks the layer
                 k_scale, v_scale = self.config.kv_scales[layer]
-                ops.reshape_and_cache(key, value, k, v, slot_mapping,
-                                      stream=self._stream(stream), k_scale=k_scale,
-                                      v_scale=v_scale)
+                stream = self._stream(stream)
+                if self._order is not None:
+                    self._order.used(stream)
+                ops.reshape_and_cache(key, value, k, v, slot_mapping, stream=stream,
+                                      k_scale=k_scale, v_scale=v_scale)
 
     def attention(self, layer: int, out: DeviceArray, query: DeviceArray,
                   batch: BatchMetadata, scale: float | None = None,
@@ -379,7 +420,12 @@ class KvCache(CacheCore):
         use), bytes per token, sequences, preemptions, copy-on-write copies, peak usage, and
         the prefix cache: full prompt blocks found (hits) and not found (misses), the hit
         rate over them (0.0 before any lookup), and how many free blocks still hold a
-        prefix (``cached_free_blocks``, counted in ``free_blocks``)."""
+        prefix (``cached_free_blocks``, counted in ``free_blocks``). The host tier
+        (``host_*`` zeros without one): its blocks held by swapped-out sequences, cached
+        (prefixes) and free, sequences swapped out, blocks and bytes copied out (swaps and
+        demotions) and in (swaps and promotions), and the prompt blocks it served
+        (``host_hits``, also prefix hits) over those the device did not hold
+        (``host_hit_rate``). Events: queued, and dropped by the bounded queue in all."""
         used, usable = self.pool.num_used, self.config.num_blocks - 1
         tokens, slots = self._rows.tokens_and_slots(self.config.block_size)
         self._finished.prune()
@@ -395,12 +441,18 @@ class KvCache(CacheCore):
             "prefix_hits": self.num_prefix_hits, "prefix_misses": self.num_prefix_misses,
             "prefix_hit_rate": self.num_prefix_hits / lookups if lookups else 0.0,
             "cached_free_blocks": self.pool.num_cached_free,
+            **self._tier_stats(),
+            "events_queued": len(self._events), "events_dropped": self._events.total_dropped,
         }
 
     @operation
     def check_invariants(self) -> None:
-        """Raise ``AssertionError`` naming the first broken invariant."""
+        """Raise ``AssertionError`` naming the first broken invariant, of either tier."""
         self._rows.check(self.pool, self.config.block_size)
+        if self._host is not None:
+            self._host.check()
+            assert not set(self._host.sequences) & set(self._rows.index), (
+                "a sequence is both on the device and swapped out")
 
     # --- internals (lock held) ---------------------------------------------------------------
     def _current(self, meta: Any, stream: Stream | None) -> BatchMetadata:

@@ -46,16 +46,20 @@ def token_ids(tokens: Any, name: str = "tokens") -> np.ndarray:
     return array.astype("<i8", copy=False)
 
 
+def chain_hash(parent: bytes, block: np.ndarray) -> bytes:
+    """The hash of a full block of token ids ``block`` (int64) after the block hashed
+    ``parent`` (``b""`` for a sequence's first block)."""
+    digest = hashlib.blake2b(parent, digest_size=HASH_BYTES)
+    digest.update(np.ascontiguousarray(block, "<i8").tobytes())
+    return digest.digest()
+
+
 def block_hashes(tokens: np.ndarray, block_size: int) -> list[bytes]:
     """The chained hash of each *full* block of ``tokens`` (``token_ids``' array; see the
     module docstring)."""
     block_size = checks.integer(block_size, "block_size", 1)
-    full = tokens.size // block_size
-    data = np.ascontiguousarray(tokens[: full * block_size]).view(np.uint8)
-    step, parent, hashes = block_size * 8, b"", []
-    for i in range(full):
-        digest = hashlib.blake2b(parent, digest_size=HASH_BYTES)
-        digest.update(data[i * step : (i + 1) * step])  # type: ignore[arg-type]  # a buffer
-        parent = digest.digest()
+    parent, hashes = b"", []
+    for i in range(tokens.size // block_size):
+        parent = chain_hash(parent, tokens[i * block_size : (i + 1) * block_size])
         hashes.append(parent)
     return hashes

@@ -1,8 +1,19 @@
 """Request lifecycle on a KvCache: admit, decode, preempt and finish, continuous batching.
 
 A request's KV is freed the moment it finishes; finished-request records are bounded by count
-and age. Preempted requests go back to the front of the queue and are re-admitted later with
-their prompt and the tokens generated so far (recompute).
+and age. Preempted requests go back to the front of the queue: one the cache swapped out to
+its host tier is brought back (``StepPlan.resumed``: nothing to prefill, it decodes from the
+next step), another is re-admitted with its prompt and the tokens generated so far
+(recompute).
+
+Token ids: a ``Request(tokens=ids)`` is admitted by its ids (``add_sequence(tokens=...)``),
+so the blocks the prefix cache holds are shared and only the rest is prefilled
+(``Request.num_cached_tokens``; its prefill slots are those of the uncached tokens).
+``advance(plan, token_ids)`` takes the id each request of the plan generated; the next
+``step`` appends them (``append(..., tokens=...)``), so every block a conversation fills is
+named by its prefix and a follow-up request repeating the conversation hits all of it. An
+id not given is unknown (-1): that request's later blocks are not named, and if it is
+preempted and dropped it is re-admitted by count.
 
 Admission policy (bounded overtaking): each ``step`` admits waiting requests in queue order
 while they fit in free blocks without preempting. A request that does not fit is passed
@@ -33,7 +44,7 @@ import time
 import warnings
 from collections import deque
 from collections.abc import Callable, Hashable, Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
@@ -41,27 +52,46 @@ import numpy as np
 
 from .. import checks
 from ..errors import QueueFullError
+from . import prefix
 from .kv_cache import KvCache
 from .records import FinishedRecords
+
+#: The counts of a Request, checked as integers when it is submitted.
+_COUNTS = ("prompt_tokens", "max_new_tokens", "generated", "preemptions", "overtaken")
 
 
 @dataclass
 class Request:
-    """A generation request: ``prompt_tokens`` in, up to ``max_new_tokens`` out.
-    ``overtaken`` counts the later requests admitted while this one waited (bounded by the
-    scheduler's ``max_overtakes``). Read-only while a scheduler holds it (see the module)."""
+    """A generation request: ``prompt_tokens`` in (or the prompt's ids, ``tokens``: then
+    ``prompt_tokens`` may be left 0), up to ``max_new_tokens`` (>= 1) out. ``overtaken``
+    counts the later requests admitted while this one waited (bounded by the scheduler's
+    ``max_overtakes``). The scheduler keeps the ids generated (``output_tokens``, -1 where
+    unknown), the prompt tokens the prefix cache held at admission (``num_cached_tokens``)
+    and whether the request is swapped out. Read-only while a scheduler holds it (see the
+    module)."""
 
     request_id: Hashable
-    prompt_tokens: int
-    max_new_tokens: int
+    prompt_tokens: int = 0
+    max_new_tokens: int = 0
     generated: int = 0
     preemptions: int = 0
     overtaken: int = 0
+    tokens: Any = None
+    output_tokens: list[int] = field(default_factory=list)
+    num_cached_tokens: int = 0
+    swapped: bool = False
 
     @property
     def context(self) -> int:
         """Tokens whose K/V the cache must hold: prompt plus generated."""
         return self.prompt_tokens + self.generated
+
+    def context_ids(self) -> np.ndarray | None:
+        """The ids of the context (prompt, then generated), or None where not all known."""
+        if self.tokens is None or len(self.output_tokens) != self.generated or (
+                self.generated and min(self.output_tokens) < 0):
+            return None
+        return np.concatenate([self.tokens, np.asarray(self.output_tokens, np.int64)])
 
     @property
     def done(self) -> bool:
@@ -95,10 +125,13 @@ def _set(request: Request, **values: Any) -> None:
 
 @dataclass(frozen=True)
 class StepPlan:
-    """One scheduling step: requests admitted with their prompt slots (prefill), requests
-    decoding one token with their new slots, and requests preempted during the step.
-    ``step`` numbers the plans of one scheduler; only the latest may be advanced, once
-    (the scheduler keeps its own list of what the plan ran)."""
+    """One scheduling step: requests admitted with the slots of their prompt tokens to
+    prefill (of a request admitted by its ids, only the uncached ones: the last
+    ``len(slots)`` tokens of its context), requests decoding one token with their new slots,
+    requests preempted during the step, and requests brought back from the host tier
+    (``resumed``: they run from the next step). ``step`` numbers the plans of one
+    scheduler; only the latest may be advanced, once (the scheduler keeps its own list of
+    what the plan ran)."""
 
     prefill: list[tuple[Request, np.ndarray]] = field(default_factory=list)
     decode: list[Request] = field(default_factory=list)
@@ -106,6 +139,7 @@ class StepPlan:
     preempted: list[Request] = field(default_factory=list)
     step: int = 0
     _owner: Any = field(default=None, repr=False, compare=False)
+    resumed: list[Request] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -142,6 +176,7 @@ class Scheduler:
         self._waiting: deque[Request] = deque()  # read as ``waiting``, ``running``
         self._running: dict[Hashable, Request] = {}
         self._queued: dict[Hashable, Request] = {}  # the requests in ``waiting``, by id
+        self._swapped: set[Hashable] = set()  # ids in ``waiting`` the cache swapped out
         self.num_preemptions = 0
         self._step = 0  # number of the latest plan
         self._pending: int | None = None  # number of the plan not yet advanced
@@ -188,14 +223,14 @@ class Scheduler:
                                  "already holds")
             if len(self._waiting) >= self.max_waiting:
                 return False
-            _set(request, **counts, _owner=self)
+            _set(request, **counts, _owner=self)  # with its ids checked
             self._waiting.append(request)
             self._queued[seq_id] = request
             return True
 
-    def _validate(self, request: Request) -> dict[str, int]:
+    def _validate(self, request: Request) -> dict[str, Any]:
         """Refuse a request the scheduler could never finish, or one a scheduler holds;
-        return its counts as ints."""
+        return its counts as ints (and its token ids, checked, as int64)."""
         if not isinstance(request, Request):
             raise TypeError(f"submit takes a Request, not {type(request).__name__}")
         checks.hashable(request.request_id, "request_id")
@@ -203,9 +238,15 @@ class Scheduler:
             raise ValueError(f"request {request.request_id!r} was submitted already and has "
                              "not finished")
         name = f"request {request.request_id!r}:"
-        counts = {f.name: checks.integer(getattr(request, f.name), f"{name} {f.name}",
-                                         1 if f.name.endswith("tokens") else 0)
-                  for f in fields(Request) if f.name != "request_id"}
+        values: dict[str, Any] = {}
+        if request.tokens is not None:
+            tokens = prefix.token_ids(request.tokens, f"{name} tokens")
+            if request.prompt_tokens not in (0, tokens.size):
+                raise ValueError(f"{name} prompt_tokens {request.prompt_tokens} differs from "
+                                 f"its {tokens.size} token ids")
+            values.update(tokens=tokens, prompt_tokens=int(tokens.size))
+        counts = {c: checks.integer(values.get(c, getattr(request, c)), f"{name} {c}",
+                                    1 if c.endswith("tokens") else 0) for c in _COUNTS}
         prompt, new = counts["prompt_tokens"], counts["max_new_tokens"]
         if counts["generated"] >= new:
             raise ValueError(f"{name} generated {request.generated} of {new} new tokens "
@@ -218,7 +259,7 @@ class Scheduler:
                 f"{name} {prompt} prompt + {new} new tokens need {blocks} blocks of "
                 f"{config.block_size} tokens at their longest, but the whole cache has "
                 f"{config.num_blocks - 1}: it could never finish")
-        return counts
+        return {**values, **counts}
 
     # --- steps -------------------------------------------------------------------------------
     def step(self) -> StepPlan:
@@ -227,7 +268,8 @@ class Scheduler:
         supersedes any earlier one that was not advanced."""
         with self._lock, self.cache._lock:
             held = set(self.cache.seq_ids())
-            clash = next((s for s in self._queued if s in held), None)
+            clash = next((s for s in self._queued if s in held and s not in self._swapped),
+                         None)
             if clash is not None:
                 raise ValueError(f"request {clash!r} is waiting but the cache already holds a "
                                  "sequence of that id (added outside the scheduler)")
@@ -236,16 +278,18 @@ class Scheduler:
             decode, slots = [], np.zeros(0, np.int64)
             prefill: list[tuple[Request, np.ndarray]] = []
             preempted: list[Request] = []
+            resumed: list[Request] = []
             with self.cache._at(now):
                 decoding = list(self._running)
                 if decoding:  # the first change; the cache refuses it atomically
-                    reservation = self.cache.append(decoding)
-                    self._preempted(reservation.preempted, preempted)
+                    reservation = self.cache.append(decoding, tokens=self._last_ids(decoding))
+                    self._preempted(reservation, preempted)
                     keep = reservation.slot_mapping >= 0
                     decode = [self._running[s] for s, k in zip(decoding, keep) if k]
                     slots = reservation.slot_mapping[keep]
-                self._admit(prefill, preempted, changed=bool(decoding))
-            plan = StepPlan(prefill, decode, slots, preempted, self._step + 1, self)
+                self._admit(prefill, preempted, resumed, changed=bool(decoding))
+            plan = StepPlan(prefill, decode, slots, preempted, self._step + 1, self,
+                            resumed)
             self._step = self._pending = plan.step
             self._pending_ran = [r for r, _ in prefill] + decode
             return plan
@@ -258,9 +302,10 @@ class Scheduler:
                            f"outside the scheduler: abort({lost!r}) drops it")
 
     def _admit(self, prefill: list[tuple[Request, np.ndarray]], preempted: list[Request],
-               changed: bool) -> None:
-        """Admit waiting requests in queue order while they fit without preempting; one that
-        does not fit may be overtaken until its ``overtaken`` reaches ``max_overtakes``.
+               resumed: list[Request], changed: bool) -> None:
+        """Admit waiting requests in queue order while they fit without preempting (one the
+        cache swapped out is swapped back in); one that does not fit may be overtaken until
+        its ``overtaken`` reaches ``max_overtakes``.
         With the cache's lock held and its clock read, an admission cannot fail; if it did
         after the step ``changed`` anything, admission stops there (with a warning) and the
         step keeps what it did rather than raise half done."""
@@ -275,18 +320,29 @@ class Scheduler:
                         or smallest == 1):
                     break
                 need = -(-request.context // block_size)
-                if need >= smallest or not self.cache.can_allocate(request.context):
+                ids = request.context_ids()
+                if need >= smallest or not self._fits(request, ids):
                     smallest = min(smallest, need)
                     passed.append((request, len(admitted)))
                     deadline = min(deadline,
                                    len(admitted) + self.max_overtakes - request.overtaken)
                     continue
-                reservation = self.cache.add_sequence(request.request_id, request.context)
+                if request.swapped:  # it fits: swap_in never preempts
+                    self.cache.swap_in([request.request_id])
+                    _set(request, swapped=False)
+                    self._swapped.discard(request.request_id)
+                    resumed.append(request)
+                else:
+                    reservation = (self.cache.add_sequence(request.request_id, tokens=ids)
+                                   if ids is not None else
+                                   self.cache.add_sequence(request.request_id, request.context))
+                    cached = reservation.num_cached_tokens
+                    _set(request, num_cached_tokens=cached)
+                    prefill.append((request, reservation.slot_mapping[cached:]))
+                    self._preempted(reservation, preempted)  # only if the cache lied
                 admitted.append(request)
                 del self._queued[request.request_id]
                 self._running[request.request_id] = request
-                prefill.append((request, reservation.slot_mapping))
-                self._preempted(reservation.preempted, preempted)  # only if the cache lied
         except Exception as exc:
             if not (changed or admitted):
                 raise
@@ -298,10 +354,12 @@ class Scheduler:
                 chosen = {id(r) for r in admitted}
                 self._waiting = deque(r for r in self._waiting if id(r) not in chosen)
 
-    def advance(self, plan: StepPlan) -> list[Request]:
+    def advance(self, plan: StepPlan, token_ids: Any = None) -> list[Request]:
         """Count one generated token for each request the plan ran; finish (and free the KV
         of) those that are done. Returns the requests finished now. Only the latest plan of
-        ``step()`` may be advanced, and only once: any other raises ``ValueError``."""
+        ``step()`` may be advanced, and only once: any other raises ``ValueError``.
+        ``token_ids``: the id each request generated, in the plan's order (its prefill
+        requests, then its decode requests); without them the ids are unknown (-1)."""
         with self._lock, self.cache._lock:
             if not isinstance(plan, StepPlan) or plan._owner is not self:
                 raise ValueError(f"plan must come from this scheduler's step(), not "
@@ -311,7 +369,10 @@ class Scheduler:
                        f"is stale: step {self._step} came after it")
                 raise ValueError(f"plan of step {plan.step} {why}; advance each plan once, "
                                  "before the next step()")
-            ran = [r for r in self._pending_ran if self._running.get(r.request_id) is r]
+            ids = self._generated_ids(token_ids, len(self._pending_ran))
+            kept = [(r, i) for r, i in zip(self._pending_ran, ids)
+                    if self._running.get(r.request_id) is r]
+            ran = [r for r, _ in kept]
             finishing = [r for r in ran if r.generated + 1 >= r.max_new_tokens]
             missing = next((r for r in finishing if r.request_id not in self.cache), None)
             if missing is not None:
@@ -320,8 +381,9 @@ class Scheduler:
             if finishing:  # every clock read before the first change
                 now, cache_now = self._finished.now(), self.cache._now()
             self._pending, self._pending_ran = None, []
-            for request in ran:
+            for request, token in kept:
                 _set(request, generated=request.generated + 1)
+                request.output_tokens.append(token)  # the owner's list, in place
             for request in finishing:
                 with self.cache._at(cache_now):
                     self.cache.finish(request.request_id)
@@ -347,7 +409,10 @@ class Scheduler:
                     self.cache.remove(request_id)  # no clock read, cannot fail now
                 del self._running[request_id]
             else:
+                if request.swapped and request_id in self.cache:
+                    self.cache.remove(request_id)  # its host-tier blocks
                 del self._queued[request_id]
+                self._swapped.discard(request_id)
                 self._waiting = deque(r for r in self._waiting if r is not request)
             return self._retire(request, now, "aborted")
 
@@ -371,11 +436,44 @@ class Scheduler:
         with self._lock:
             return not self._waiting and not self._running
 
-    def _preempted(self, ids: list[Hashable], preempted: list[Request]) -> None:
-        for seq_id in reversed(ids):  # most recent preemption goes to the very front
+    def _fits(self, request: Request, ids: np.ndarray | None) -> bool:
+        """Whether ``request`` can be admitted now without preempting."""
+        if request.swapped:
+            return self.cache.can_swap_in([request.request_id])
+        if ids is not None:
+            return self.cache.can_allocate(tokens=ids)
+        return self.cache.can_allocate(request.context)
+
+    def _last_ids(self, decoding: list[Hashable]) -> np.ndarray | None:
+        """The id of each decoding request's newest token (-1: unknown), for ``append``;
+        None when no request was given by its ids."""
+        requests = [self._running[s] for s in decoding]
+        if all(r.tokens is None for r in requests):
+            return None
+        return np.array([r.output_tokens[-1] if r.tokens is not None and r.output_tokens
+                         else -1 for r in requests], np.int64)
+
+    @staticmethod
+    def _generated_ids(token_ids: Any, count: int) -> list[int]:
+        """``token_ids`` checked as ``count`` ids (None: ``count`` unknown ids, -1)."""
+        if token_ids is None:
+            return [-1] * count
+        ids = np.asarray(token_ids)
+        if ids.shape != (count,) or (count and ids.dtype.kind not in "iu"):
+            raise ValueError(f"token_ids must be {count} integer ids, one per request the plan "
+                             f"ran, got {ids.dtype} of shape {ids.shape}")
+        checked: list[int] = ids.astype(np.int64).tolist()
+        return checked
+
+    def _preempted(self, reservation: Any, preempted: list[Request]) -> None:
+        swapped = set(reservation.swapped)
+        for seq_id in reversed(reservation.preempted):  # most recent goes to the very front
             request = self._running.pop(seq_id, None)
             if request is not None:
-                _set(request, preemptions=request.preemptions + 1)
+                _set(request, preemptions=request.preemptions + 1,
+                     swapped=seq_id in swapped)
+                if seq_id in swapped:
+                    self._swapped.add(seq_id)
                 self.num_preemptions += 1
                 self._waiting.appendleft(request)
                 self._queued[seq_id] = request

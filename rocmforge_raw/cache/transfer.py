@@ -120,7 +120,7 @@ def import_sequence(cache: KvCache, desc: Any, transport: Any,
     if not isinstance(transport, Transport):
         raise TypeError(f"transport must be a Transport, got {checks.show(transport)}")
     seq_id = checks.hashable(desc.seq_id if seq_id is None else seq_id, "seq_id")
-    if seq_id in cache._rows.index:
+    if seq_id in cache._rows.index or cache._swapped(seq_id) is not None:
         raise ValueError(f"sequence {seq_id!r} already exists")
     config = cache.config
     src_ids = _check(desc, config)
@@ -136,25 +136,25 @@ def import_sequence(cache: KvCache, desc: Any, transport: Any,
     needed = fresh + int(np.count_nonzero(pool.ref_cnt[hits] == 0))
     if needed > pool.num_free:
         raise CacheFullError(needed, pool.num_free, "an import never preempts")
-    saved, cached = cache._save(), set(pool.cached_ids().tolist())
+    saved = cache._save()
     new = np.zeros(0, np.int32)
     try:
-        pool.take(hits)
-        allocated = pool.allocate(fresh)
-        assert allocated is not None  # counted free above
-        new = allocated
+        new = cache._allocate(fresh, cache.stream, hits)  # demotes what it reuses, if it can
         spans = block_spans(src_ids[len(hits) :], new, desc.num_blocks, config)
         start = time.perf_counter()
         if len(spans):  # every block a prefix hit: nothing to map, move or wait for
+            if cache._order is not None:
+                cache._order.used(cache.stream)
             transport.read(desc.endpoints[transport.name], cache.slab.buffer, spans,
                            cache.stream)
     except BaseException:
+        cache._reached[0].extend(new.tolist())  # the read's blocks: forgotten if cached
         cache._restore(saved)
-        pool.forget(sorted(cached.intersection(new.tolist())))
         raise
     seconds = time.perf_counter() - start
-    pool.register(new[: len(desc.prefix_hashes) - len(hits)],
-                  list(desc.prefix_hashes[len(hits) :]))
+    hashes = list(desc.prefix_hashes)
+    cache._name(np.concatenate([np.array(hits, np.int32), new]), hashes,
+                list(range(len(hits), len(hashes))), None)
     ids = np.concatenate([np.array(hits, np.int32), new])
     cache._add_row(seq_id, ids, desc.num_tokens, len(hits) == need, now)
     return Imported(seq_id, desc.num_tokens, fresh, len(hits), int(spans[:, 2].sum()), seconds)
