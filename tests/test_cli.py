@@ -417,3 +417,28 @@ def test_info_without_hip_python_still_reports_and_names_the_extra():
     assert result.returncode == 0 and info["warnings"] == []
     assert "pip install 'rocmforge_raw[hip]'" in info["backends"]["hip"]
     assert "pip install 'rocmforge_raw[hip]'" in info["hip_runtime"]["error"]
+
+
+def test_bench_offload_swaps_both_layouts_exactly_against_pinned_copies(capsys):
+    code, result = run_json(capsys, "bench", "--offload", "--backend", "host", "--iters", "2")
+    assert code == 0 and "cache" not in result  # asked for alone
+    consecutive, scattered = result["offload"]
+    for row in (consecutive, scattered):
+        assert row["blocks"] == 128 and row["verified"] and row["memcpy_only"]
+        assert row["bytes"] == 128 * 16 * 8 * 2 * 8 * 128 * 2  # blocks, tokens, layers, K/V, ...
+        for way, copy in (("swap_out", "d2h"), ("swap_in", "h2d")):
+            assert row[f"{way}_gb_per_s"] > 0 and row[f"{copy}_gb_per_s"] > 0
+            assert row[f"{way}_pct"] == pytest.approx(
+                100 * row[f"{way}_gb_per_s"] / row[f"{copy}_gb_per_s"])
+    assert (consecutive["copies"], scattered["copies"]) == (1, 128)
+    code = main(["bench", "--offload", "--backend", "host", "--iters", "1"])
+    assert code == 0 and "memcpy between host buffers" in capsys.readouterr().out
+
+
+def test_demo_reports_multi_turn_prefix_hits_and_swap_traffic(capsys):
+    code, summary = run_json(capsys, "demo", "--backend", "host", "--scale", "0.1",
+                             "--seed", "5")
+    assert code == 0 and summary["turn_checks_passed"] > 0
+    assert summary["follow_up_cached_share"] > 0.5 and summary["turn_host_hits"] > 0
+    assert summary["turn_swapped_out_blocks"] > 0 and summary["turn_resumed"] > 0
+    assert summary["turn_demoted_blocks"] > 0 and summary["turn_copied_bytes"] > 0
