@@ -92,8 +92,10 @@ def test_append_checks_its_ids():
         prompt(cache, "a", np.arange(3))
         with pytest.raises(ValueError, match="tokens holds 2 ids for 1 sequences"):
             cache.append(["a"], tokens=[1, 2])
-        with pytest.raises(TypeError, match="tokens must be integer token ids"):
+        with pytest.raises(TypeError, match=r"tokens\[0\] must be an integer, got 1.5"):
             cache.append(["a"], tokens=[1.5])
+        with pytest.raises(ValueError, match="tokens must be token ids >= -1, got -2"):
+            cache.append(["a"], tokens=[-2])
         assert cache.seq_len("a") == 3
 
 

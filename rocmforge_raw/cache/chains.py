@@ -70,7 +70,7 @@ class TokenChains:
     def push(self, rows: np.ndarray, lens: np.ndarray, tokens: np.ndarray | None
              ) -> list[tuple[int, bytes, bytes, np.ndarray]]:
         """One token more for each of ``rows`` (of ``lens`` tokens before it), whose ids
-        are ``tokens`` (None, or an id < 0: unknown, which ends the chain). Returns, for
+        are ``tokens`` (None, or an id -1: unknown, which ends the chain). Returns, for
         each block that filled, (index into ``rows``, its hash, its parent's hash, its
         token ids)."""
         if not self.count or not rows.size:

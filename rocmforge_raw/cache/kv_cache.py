@@ -233,7 +233,7 @@ class KvCache(TierOps):
         When blocks run out, the least-recently-used other sequences are preempted (then, if
         need be, those of this call, which get slot -1): swapped out to the host tier where
         it has room, else dropped; with ``strict`` it raises ``CacheFullError`` instead.
-        ``tokens``: the ids of the new tokens, one per sequence (< 0: unknown, which ends
+        ``tokens``: the ids of the new tokens, one per sequence (-1: unknown, which ends
         that sequence's chain): each block that fills is named by its prefix hash
         (``chains``), so a later prompt repeating the sequence hits it."""
         ids = checks.id_list(seq_ids, "seq_ids")
@@ -242,7 +242,7 @@ class KvCache(TierOps):
         if not self._rows.distinct():
             raise ValueError(f"append lists sequence {repeated(ids)!r} twice")
         if tokens is not None:
-            tokens = prefix.token_ids(tokens)
+            tokens = prefix.token_ids(tokens, least=-1)
             if tokens.size != len(ids):
                 raise ValueError(f"tokens holds {tokens.size} ids for {len(ids)} sequences")
         now = self._now()

@@ -20,10 +20,10 @@ from .. import checks
 HASH_BYTES = 16
 
 
-def token_ids(tokens: Any, name: str = "tokens") -> np.ndarray:
-    """``tokens`` as a non-empty 1-D little-endian int64 array of ids >= 0 (a copy-free view
-    where it already is one); ``TypeError``/``ValueError`` naming ``name`` and the bad id
-    otherwise."""
+def token_ids(tokens: Any, name: str = "tokens", least: int = 0) -> np.ndarray:
+    """``tokens`` as a non-empty 1-D little-endian int64 array of ids >= ``least`` (a
+    copy-free view where it already is one); ``TypeError``/``ValueError`` naming ``name``
+    and the bad id otherwise. (``least=-1``: -1 stands for an id not known.)"""
     array = np.asarray(tokens)
     if array.ndim != 1 or array.size == 0:
         raise ValueError(f"{name} must be a non-empty 1-D array of token ids, got shape "
@@ -33,15 +33,15 @@ def token_ids(tokens: Any, name: str = "tokens") -> np.ndarray:
         # bad one, or take them all as int64
         listed = list(tokens)
         for i, token in enumerate(listed):
-            checks.integer(token, f"{name}[{i}]", 0, np.iinfo(np.int64).max)
+            checks.integer(token, f"{name}[{i}]", least, np.iinfo(np.int64).max)
         array = np.array(listed, np.int64)
     if array.dtype.kind not in "iu":
         raise TypeError(f"{name} must be integer token ids, got {array.dtype} "
                         f"{checks.show(tokens)}")
     if array.dtype.kind == "u" and int(array.max()) > np.iinfo(np.int64).max:
         raise ValueError(f"{name} holds {int(array.max())}, beyond int64")
-    if array.dtype.kind == "i" and int(array.min()) < 0:
-        raise ValueError(f"{name} must be token ids >= 0, got {int(array.min())} in "
+    if array.dtype.kind == "i" and int(array.min()) < least:
+        raise ValueError(f"{name} must be token ids >= {least}, got {int(array.min())} in "
                          f"{checks.show(tokens)}")
     return array.astype("<i8", copy=False)
 
