@@ -187,3 +187,21 @@ def test_requests_check_their_ids():
             sched.advance(plan, [1, 2])
         sched.advance(plan, None)  # unknown: the conversation is not named further
         assert sched.running["a"].output_tokens == [-1]
+
+
+def test_aborting_a_swapped_out_request_frees_its_host_blocks():
+    with cache_of(num_blocks=6, host_blocks=8) as cache:
+        sched = Scheduler(cache)
+        for start, name in enumerate("ab"):
+            sched.submit(Request(name, tokens=np.arange(2 * BS - 1) + 100 * start,
+                                 max_new_tokens=10))
+        while not cache.swapped_ids():
+            plan = sched.step()
+            for request, slots in plan.prefill:
+                write(cache, slots, request.context_ids()[-len(slots):])
+            ran = [r for r, _ in plan.prefill] + plan.decode
+            sched.advance(plan, [1000 + r.generated for r in ran])
+        (swapped,) = cache.swapped_ids()
+        assert sched.abort(swapped).reason == "aborted"
+        assert swapped not in cache and cache.stats()["host_used_blocks"] == 0
+        cache.check_invariants()
