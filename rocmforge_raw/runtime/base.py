@@ -164,6 +164,33 @@ class Backend(ABC):
     ) -> None:
         """Launch with ``params_addr`` the address of a ``void*[]`` of argument addresses."""
 
+    # graphs: a stream's launches captured once, replayed as one launch
+    def graph_begin(self, stream: Any) -> None:
+        """Start capturing ``stream`` (not the default stream): launches queued on it in
+        this thread are recorded into a graph instead of run, until ``graph_end``."""
+        raise self.no_graphs()
+
+    def graph_end(self, stream: Any) -> Any:
+        """Stop capturing ``stream``; returns the graph of what was recorded."""
+        raise self.no_graphs()
+
+    def graph_instantiate(self, graph: Any) -> Any:
+        """An executable of ``graph`` (its launches' arguments fixed as recorded)."""
+        raise self.no_graphs()
+
+    def graph_launch(self, executable: Any, stream: Any) -> None:
+        """Queue every launch of ``executable`` on ``stream`` (None: the default stream)."""
+        raise self.no_graphs()
+
+    def graph_destroy(self, graph: Any, executable: Any) -> None:
+        """Destroy an executable (None: there is none) and its graph (work already queued
+        still runs)."""
+        raise self.no_graphs()
+
+    def no_graphs(self) -> Exception:
+        """The error of a graph call on a backend without graphs."""
+        return NotImplementedError(f"the {self.name} backend cannot capture or replay graphs")
+
     def allow_shared(self, function: Any, shared_bytes: int) -> None:
         """Let ``function`` use ``shared_bytes`` of dynamic shared memory (a backend whose
         launches need an opt-in past some size does it here); done before C launches."""

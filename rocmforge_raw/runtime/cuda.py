@@ -304,6 +304,24 @@ class CudaBackend(Backend):
             params_addr, 0,
         ))
 
+    def graph_begin(self, stream: Any) -> None:
+        mode = cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL
+        check("cuStreamBeginCapture", cu.cuStreamBeginCapture(stream, mode))
+
+    def graph_end(self, stream: Any) -> Any:
+        return check("cuStreamEndCapture", cu.cuStreamEndCapture(stream))
+
+    def graph_instantiate(self, graph: Any) -> Any:
+        return check("cuGraphInstantiate", cu.cuGraphInstantiate(graph, 0))
+
+    def graph_launch(self, executable: Any, stream: Any) -> None:
+        check("cuGraphLaunch", cu.cuGraphLaunch(executable, 0 if stream is None else stream))
+
+    def graph_destroy(self, graph: Any, executable: Any) -> None:
+        if executable is not None:
+            check("cuGraphExecDestroy", cu.cuGraphExecDestroy(executable))
+        check("cuGraphDestroy", cu.cuGraphDestroy(graph))
+
     def max_active_blocks(self, function: Any, threads: int, shared_bytes: int) -> int:
         self.allow_shared(function, shared_bytes)
         return check("cuOccupancyMaxActiveBlocksPerMultiprocessor",

@@ -264,6 +264,24 @@ class HipBackend(Backend):
             function, *grid, *block, shared_bytes, stream, params_addr, None,
         ))
 
+    def graph_begin(self, stream: Any) -> None:
+        mode = hip.hipStreamCaptureMode.hipStreamCaptureModeThreadLocal
+        check("hipStreamBeginCapture", hip.hipStreamBeginCapture(stream, mode))
+
+    def graph_end(self, stream: Any) -> Any:
+        return check("hipStreamEndCapture", hip.hipStreamEndCapture(stream))
+
+    def graph_instantiate(self, graph: Any) -> Any:
+        return check("hipGraphInstantiateWithFlags", hip.hipGraphInstantiateWithFlags(graph, 0))
+
+    def graph_launch(self, executable: Any, stream: Any) -> None:
+        check("hipGraphLaunch", hip.hipGraphLaunch(executable, stream))
+
+    def graph_destroy(self, graph: Any, executable: Any) -> None:
+        if executable is not None:
+            check("hipGraphExecDestroy", hip.hipGraphExecDestroy(executable))
+        check("hipGraphDestroy", hip.hipGraphDestroy(graph))
+
     def max_active_blocks(self, function: Any, threads: int, shared_bytes: int) -> int:
         return check("hipModuleOccupancyMaxActiveBlocksPerMultiprocessor",
                      hip.hipModuleOccupancyMaxActiveBlocksPerMultiprocessor(

@@ -269,6 +269,11 @@ class HostBackend(Backend):
     def max_active_blocks(self, function: Any, threads: int, shared_bytes: int) -> int:
         return 1
 
+    def no_graphs(self) -> Exception:
+        return NotImplementedError(
+            "the host backend has no graphs: graph capture and replay are a GPU feature "
+            "(CUDA/HIP graphs); on the host, run the step's write and attention calls")
+
     def launch(self, function, grid, block, shared_bytes, stream, params_addr) -> None:
         raise DeviceError("launch", 1, "not supported", "the host backend launches no kernels")
 
