@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 
 from . import checks
+from ._steprows import copy_host
 from .array import DeviceArray
 from .buffer import HipBuffer
 from .runtime import Backend, get_backend
@@ -188,8 +189,11 @@ class Staging:
             offsets = [offset - start for offset in offsets]  # in the old one, kept
             start, total = 0, total - start
         for array, offset in zip(arrays, offsets):
-            target = self._bytes[offset : offset + array.nbytes].view(array.dtype)
-            np.copyto(target.reshape(array.shape), array)
+            if array.flags.c_contiguous:  # in small pieces: see copy_host
+                copy_host(self.host.ptr + offset, array)
+            else:
+                target = self._bytes[offset : offset + array.nbytes].view(array.dtype)
+                np.copyto(target.reshape(array.shape), array)
         if total > start:
             self.backend.upload(self.buffer.ptr + start, self.host.ptr + start, total - start,
                                 None if stream is None else stream.handle)

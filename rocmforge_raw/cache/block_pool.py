@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from .. import checks
+from .._steprows import pop_blocks
 
 NULL_BLOCK = 0
 
@@ -86,7 +87,7 @@ class BlockPool:
         if count > self.num_free:
             return None
         take = min(count, self._top)
-        ids: np.ndarray = self._free[self._top - take : self._top][::-1].copy()
+        ids: np.ndarray = pop_blocks(self._free, self._top, take, self.ref_cnt)
         self._top -= take
         self._evicted = []
         if take < count:
@@ -94,8 +95,9 @@ class BlockPool:
                 block = self._cached.popitem(last=False)[0]
                 self._evicted.append((block, self.hashes.pop(block)))
                 del self.index[self._evicted[-1][1]]
-            ids = np.concatenate([ids, np.array([b for b, _ in self._evicted], np.int32)])
-        self.ref_cnt[ids] = 1
+            evicted = np.array([b for b, _ in self._evicted], np.int32)
+            self.ref_cnt[evicted] = 1
+            ids = np.concatenate([ids, evicted])
         return ids
 
     def peek(self, count: int, taking: Sequence[int] = ()

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 import threading
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from typing import Any, TypeVar
@@ -20,6 +21,7 @@ from typing import Any, TypeVar
 import numpy as np
 
 from .. import checks, ops
+from .._steprows import COW
 from ..array import DeviceArray
 from ..errors import BufferClosedError, CacheFullError
 from ..stream import Stream, stream_handle
@@ -113,7 +115,10 @@ class CacheCore:
         answers nonsense then changes nothing); inside ``_at`` the time it fixed."""
         if self._fixed_now is not None:
             return self._fixed_now
-        return checks.real(self.clock(), "clock()")
+        now = self.clock()
+        if type(now) is float and -math.inf < now < math.inf:  # the usual clock, at once
+            return now
+        return checks.real(now, "clock()")
 
     @contextlib.contextmanager
     def _at(self, now: float) -> Iterator[None]:
@@ -133,20 +138,22 @@ class CacheCore:
     def _blocks_for(self, num_tokens: int) -> int:
         return -(-int(num_tokens) // self.config.block_size)
 
-    def _append_need(self, rows: np.ndarray) -> tuple[int, np.ndarray, np.ndarray]:
+    def _append_need(self, rows: np.ndarray) -> tuple[int, np.ndarray, int]:
         return self._rows.append_need(rows, self.pool.ref_cnt, self.config.block_size)
 
-    def _extend(self, rows: np.ndarray, grow: np.ndarray, cow: np.ndarray, total: int,
-                stream: Stream | None, now: float) -> None:
-        """One more slot for each of ``rows``: new blocks where ``grow``, private copies of
-        shared last blocks where ``cow`` (``total`` blocks in all, known to be free)."""
-        cow_rows = rows[cow]
+    def _extend(self, rows: np.ndarray, need: tuple[int, np.ndarray, int],
+                stream: Stream | None, now: float) -> np.ndarray:
+        """One more slot for each of ``rows`` as ``need`` (``_append_need``) says: new
+        blocks for the GROW kinds, private copies of shared last blocks for the COW ones
+        (``total`` blocks in all, known to be free). Returns the new slots."""
+        total, kinds, copies = need
         saved = None  # a demoting allocation is undone by a restore
-        if cow_rows.size and self._host is not None and total > self.pool.num_plain_free:
+        if copies and self._host is not None and total > self.pool.num_plain_free:
             saved = self._save()
         new = self._allocate(total, stream) if total else None
-        if cow_rows.size:  # the only step that can fail (the copy): before any change
+        if copies:  # the only step that can fail (the copy): before any change
             assert new is not None  # total counts the copies
+            cow_rows = rows[kinds == COW]
             src = self._rows.last_block[cow_rows]
             dst = new[total - cow_rows.size :].astype(np.int64)
             try:
@@ -161,8 +168,9 @@ class CacheCore:
                 raise
             self.pool.free(src)
             self.num_cow_copies += int(cow_rows.size)
-        self._rows.extend(rows, grow, cow, new, self.config.block_size, now)
+        slots = self._rows.extend(rows, kinds, new, self.config.block_size, now)
         self._changed()
+        return slots
 
     def _need_of(self, live: list[Hashable], ref_cnt: np.ndarray) -> int:
         """Blocks that appending a token to each of ``live`` needs, given ``ref_cnt``."""

@@ -2,9 +2,11 @@
 preemption and a per-step plan. Every public operation is atomic under one lock.
 
 Bookkeeping lives in ``SequenceRows`` (persistent NumPy arrays indexed by a sequence's row);
-``append()`` and ``batch()`` work on whole arrays, nothing loops over blocks in Python. A
-decode step is ``append`` (one slot per sequence), ``batch`` (the step's plan: metadata
-uploaded once) and, per layer, ``write`` + ``attention`` (one launch each, see ``step``).
+``append()`` and ``batch()`` run over them in the compiled core (``_steprows``). A decode
+step is ``append`` (one slot per sequence), ``batch`` (the step's plan: metadata uploaded
+once) and, per layer, ``write`` + ``attention`` (one launch each, see ``step``), or all the
+layers as one graph (``step_graph``); a serving loop plans step t + 1 while the device runs
+step t (README).
 Invariants, checked by ``check_invariants()``: free (cached-free included) + used blocks ==
 num_blocks - 1, each block's ref count equals the number of sequences holding it, and the
 prefix index names exactly the blocks that keep a hash. A prompt given by its token ids
@@ -51,6 +53,7 @@ from .chains import TokenChains
 from .config import CacheConfig
 from .core import operation, repeated
 from .events import EventQueue
+from .graph import StepGraph
 from .host_tier import HostTier
 from .order import StreamOrder
 from .records import FinishedRecords
@@ -246,20 +249,20 @@ class KvCache(TierOps):
             if tokens.size != len(ids):
                 raise ValueError(f"tokens holds {tokens.size} ids for {len(ids)} sequences")
         now = self._now()
-        total, grow, cow = self._append_need(rows)
+        need = self._append_need(rows)
         live, saved = ids, None
         preempted: list[Hashable] = []
         swapped: list[Hashable] = []
-        if total > self.pool.num_free:
+        if need[0] > self.pool.num_free:
             saved = self._save()  # the copy below may fail after preempting: undo all
             preempted, swapped = self._make_room(self._need_of, ids, stream, now)
             gone = set(preempted)
             live = [s for s in ids if s not in gone]
             rows = self._rows.rows(live)
-            total, grow, cow = self._append_need(rows)
+            need = self._append_need(rows)
         lens = self._rows.lens[rows] if self._chains.count else None
         try:
-            self._extend(rows, grow, cow, total, stream, now)
+            new_slots = self._extend(rows, need, stream, now)
         except BaseException:
             if saved is not None:
                 self._restore(saved)
@@ -267,11 +270,11 @@ class KvCache(TierOps):
         if not preempted:
             if lens is not None:
                 self._chain(rows, lens, tokens)
-            return Reservation(self._rows.last_slot[rows], preempted)
+            return Reservation(new_slots, preempted)
         slots = np.full(len(ids), -1, np.int64)
         index = {s: i for i, s in enumerate(ids)}
         kept = [index[s] for s in live]
-        slots[kept] = self._rows.last_slot[rows]
+        slots[kept] = new_slots
         if lens is not None:
             self._chain(rows, lens, None if tokens is None else tokens[kept])
         return Reservation(slots, preempted, 0, swapped)
@@ -339,10 +342,9 @@ class KvCache(TierOps):
         if self._order is not None:
             self._order.used(stream)
         now = self._now()
-        width = max(int(rows_of.nblocks[rows].max(initial=0)), 1)
-        meta = self._steps.plan(
-            self, self._epoch, list(ids), rows_of.tables[rows, :width],
-            rows_of.lens[rows].astype(np.int32), rows_of.last_slot[rows], stream)
+        c = self.config
+        tables, lens, slots = rows_of.gather(rows, c.num_blocks, c.block_size)
+        meta = self._steps.plan(self, self._epoch, list(ids), tables, lens, slots, stream)
         rows_of.touch(rows, now)
         return meta
 
@@ -412,6 +414,13 @@ class KvCache(TierOps):
         """Decode attention of ``layer`` for the current ``batch()`` plan: one launch."""
         with self._lock:
             self._steps.attention(self._current(batch, stream), layer, out, query, scale)
+
+    def step_graph(self, headroom: int = 128, scale: float | None = None) -> StepGraph:
+        """A ``StepGraph`` of this cache: a decode step's launches captured once as a
+        CUDA/HIP graph and replayed per step (``graph.run(batch, layers)``), on the cache's
+        stream; a step that outgrows it by ``headroom`` tokens a sequence re-captures."""
+        self._check_open()
+        return StepGraph(self, headroom, scale)
 
     # --- accounting --------------------------------------------------------------------------
     @operation

@@ -4,7 +4,9 @@ Each sequence owns one row: its block table (int32, padded with the null block 0
 tokens, block count, last block, the slot it last reserved (-1: none), creation and
 last-access times (clock seconds) and a recency tick ordering LRU preemption (larger: used
 more recently). Arrays grow by doubling; freed rows are reused. Not locked: the cache's lock
-covers every call. Nothing here loops over blocks in Python.
+covers every call. A decode step's work (``append_need``, ``extend``, ``touch``, ``gather``)
+runs in the compiled core (``_steprows``) over the arrays' memory; nothing here loops over
+blocks or sequences in Python.
 """
 
 from __future__ import annotations
@@ -15,13 +17,16 @@ from typing import Any
 import numpy as np
 
 from .. import checks
+from .._steprows import COW, PLAIN, RowArrays
+from ..planning import check_tables
 from .block_pool import NULL_BLOCK, BlockPool
 
+_NO_BLOCKS = np.zeros(0, np.int32)
 _ARRAYS = ("tables", "lens", "nblocks", "last_slot", "last_block", "created", "accessed",
            "recency")
 
 
-class SequenceRows:
+class SequenceRows(RowArrays):
     """Rows of sequences: ``index`` maps a sequence id to its row."""
 
     def __init__(self, rows: int = 16, width: int = 8) -> None:
@@ -103,12 +108,6 @@ class SequenceRows:
             wider[:, :width] = self.tables
             self.tables = wider
 
-    def touch(self, rows: np.ndarray, now: float) -> None:
-        """Mark ``rows`` used at ``now``, later ones in the list as more recent."""
-        self.accessed[rows] = now
-        self.recency[rows] = np.arange(self.tick + 1, self.tick + 1 + rows.size)
-        self.tick += rows.size
-
     def plan_preemption(self, need: Callable[[list[Hashable], np.ndarray], int],
                         batch: list[Hashable], ref_cnt: np.ndarray, num_free: int
                         ) -> list[Hashable] | None:
@@ -163,29 +162,18 @@ class SequenceRows:
             setattr(self, name, value)
         self.version += 1  # never back: rows remembered since must not match again
 
-    def extend(self, rows: np.ndarray, grow: np.ndarray, cow: np.ndarray,
-               new: np.ndarray | None, block_size: int, now: float) -> None:
-        """One more token for each of ``rows`` (see ``append_need``): ``new`` holds the new
-        blocks of the ``grow`` rows, then the private copies replacing the last block of the
-        ``cow`` rows."""
-        lens = self.lens[rows]
-        n_grow = int(np.count_nonzero(grow))
-        if n_grow:
-            assert new is not None  # a new block for each growing row
-            grow_rows = rows[grow]
-            count = self.nblocks[grow_rows]
-            self.widen(int(count.max()) + 1)
-            self.tables[grow_rows, count] = new[:n_grow]
-            self.nblocks[grow_rows] = count + 1
-            self.last_block[grow_rows] = new[:n_grow]
-        cow_rows = rows[cow]
-        if cow_rows.size:
-            assert new is not None  # a private copy for each shared last block
-            self.tables[cow_rows, self.nblocks[cow_rows] - 1] = new[n_grow:]
-            self.last_block[cow_rows] = new[n_grow:]
-        self.last_slot[rows] = self.last_block[rows] * block_size + (lens & (block_size - 1))
-        self.lens[rows] = lens + 1
-        self.touch(rows, now)
+    def extend(self, rows: np.ndarray, kinds: np.ndarray, new: np.ndarray | None,
+               block_size: int, now: float) -> np.ndarray:
+        """One more token for each of ``rows`` as ``kinds`` says (``append_need``): ``new``
+        holds the new blocks of the GROW rows, then the private copies replacing the last
+        block of the COW rows. Returns each row's new slot (int64)."""
+        slots = np.empty(rows.size, np.int64)
+        new = _NO_BLOCKS if new is None else new
+        width = self.extend_rows(rows, kinds, new, block_size, now, slots)
+        if width:  # a table is full: widen, then extend (nothing changed before)
+            self.widen(width)
+            self.extend_rows(rows, kinds, new, block_size, now, slots)
+        return slots
 
     def tokens_and_slots(self, block_size: int) -> tuple[int, int]:
         """(tokens held, token slots their blocks provide), over every sequence."""
@@ -193,18 +181,37 @@ class SequenceRows:
         return int(self.lens[rows].sum()), int(self.nblocks[rows].sum()) * block_size
 
     def append_need(self, rows: np.ndarray, ref_cnt: np.ndarray, block_size: int
-                    ) -> tuple[int, np.ndarray, np.ndarray]:
-        """(blocks needed, rows needing a new block, rows whose shared last block needs a
-        private copy) for appending one token to each of ``rows``."""
-        last = self.last_block[rows]
-        grow = (self.lens[rows] & (block_size - 1)) == 0
-        cow = ~grow & (ref_cnt[last] > 1)
-        if cow.any():  # when every holder of a block appends now, one keeps the original
-            where = np.flatnonzero(cow)
-            blocks, first, counts = np.unique(last[where], return_index=True,
-                                              return_counts=True)
-            cow[where[first[counts == ref_cnt[blocks]]]] = False
-        return int(np.count_nonzero(grow) + np.count_nonzero(cow)), grow, cow
+                    ) -> tuple[int, np.ndarray, int]:
+        """(blocks needed, kinds, copies) for appending one token to each of ``rows``: GROW
+        for a row needing a new block, COW for one whose shared last block needs a private
+        copy (``copies`` of them), PLAIN otherwise. When every holder of a block appends
+        now, one keeps the original."""
+        total, kinds, copies = self.need(rows, ref_cnt, block_size)
+        if copies:  # rare: the C loop leaves this rule to NumPy
+            where = np.flatnonzero(kinds == COW)
+            blocks, first, counts = np.unique(self.last_block[rows[where]],
+                                              return_index=True, return_counts=True)
+            keep = where[first[counts == ref_cnt[blocks]]]
+            kinds[keep] = PLAIN
+            total, copies = total - keep.size, copies - keep.size
+        return total, kinds, copies
+
+    def gather(self, rows: np.ndarray, num_blocks: int, block_size: int
+               ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """A step's host metadata of ``rows`` (in order): block tables int32 ``[n, width]``
+        (width: the most blocks any holds, at least 1; padded with the null block), lengths
+        int32 and last reserved slots int64. The tables are a snapshot that nothing changes
+        while it is held (a free one is brought up to date: ``RowArrays.gather_rows``). Raises
+        ``ValueError`` saying how if the bookkeeping is broken (a block id out of range, a
+        length past its blocks)."""
+        tables, lens, slots, sound = self.gather_rows(rows, num_blocks, block_size)
+        if not sound:
+            check_tables(tables, lens, rows.size, num_blocks, block_size)  # says how
+            lengths, counts = self.lens[rows], self.nblocks[rows]
+            bad = int(np.flatnonzero(lengths > counts * block_size)[0])
+            raise ValueError(f"row {int(rows[bad])} holds {int(lengths[bad])} tokens in "
+                             f"{int(counts[bad])} blocks of {block_size}")
+        return tables, lens, slots
 
     def check(self, pool: BlockPool, block_size: int) -> None:
         """Raise ``AssertionError`` naming the first invariant the rows and ``pool`` break:

@@ -36,7 +36,6 @@ from ..planning import (
     AttentionPlan,
     WorkSplit,
     attention_kernel,
-    check_tables,
     default_scale,
     kernel_scales,
     plan_work,
@@ -80,7 +79,7 @@ class BatchMetadata:
 
     def __post_init__(self) -> None:
         for array in (self.block_tables, self.seq_lens, self.slot_mapping):
-            array.flags.writeable = False
+            array.setflags(write=False)
 
     def _set(self, **fields: Any) -> None:
         """The planner's change of private fields (the dataclass is frozen to its users)."""
@@ -117,11 +116,9 @@ class StepPlanner:
 
     def plan(self, owner: Any, epoch: int, seq_ids: list[Hashable], tables: np.ndarray,
              lens: np.ndarray, slots: np.ndarray, stream: Stream | None) -> BatchMetadata:
-        """The current plan for these snapshots (``owner``'s state at ``epoch``)."""
+        """The current plan for these snapshots (``owner``'s state at ``epoch``), which
+        ``SequenceRows.gather`` checked."""
         c = self.config
-        if tables.size and (tables.max() >= c.num_blocks or lens.max(initial=0) > tables.shape[
-                1] * c.block_size):  # the bookkeeping is broken (ids are never negative)
-            check_tables(tables, lens, len(seq_ids), c.num_blocks, c.block_size)  # says how
         kv_shape = (len(seq_ids), *self.row_shape)
         meta = BatchMetadata(tuple(seq_ids), tables, lens, slots, stream, owner, epoch,
                              _kv_shape=kv_shape,

@@ -1,0 +1,32 @@
+"""Type stub of the compiled ``_steprows`` module (see ``_steprows.pyx``)."""
+
+import numpy as np
+
+PLAIN: int
+GROW: int
+COW: int
+
+class RowArrays:
+    tables: np.ndarray
+    lens: np.ndarray
+    nblocks: np.ndarray
+    last_slot: np.ndarray
+    last_block: np.ndarray
+    created: np.ndarray
+    accessed: np.ndarray
+    recency: np.ndarray
+    tick: int
+    patched: int
+    def touch(self, rows: np.ndarray, now: float) -> None: ...
+    def need(self, rows: np.ndarray, ref_cnt: np.ndarray, block_size: int
+             ) -> tuple[int, np.ndarray, int]: ...
+    def extend_rows(self, rows: np.ndarray, kinds: np.ndarray, new: np.ndarray,
+                    block_size: int, now: float, slots: np.ndarray) -> int: ...
+    def gather_rows(self, rows: np.ndarray, num_blocks: int, block_size: int
+                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, bool]: ...
+
+def pop_blocks(free: np.ndarray, top: int, count: int, ref_cnt: np.ndarray) -> np.ndarray: ...
+
+COPY_PIECE: int
+
+def copy_host(dst: int, src: object) -> None: ...

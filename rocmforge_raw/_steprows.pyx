@@ -1,0 +1,393 @@
+# cython: language_level=3, boundscheck=False, wraparound=False, initializedcheck=False
+"""A decode step's bookkeeping in C: ``append`` and ``batch`` of a KV cache at B sequences
+are loops over B rows of C arrays, not NumPy calls (each of which costs a microsecond or
+more whatever its size) nor Python objects per sequence.
+
+``RowArrays`` owns the per-sequence arrays of ``cache.rows.SequenceRows`` (NumPy arrays,
+each row one sequence): block tables (int32, padded with the null block 0), lengths and
+block counts, last block and last reserved slot (int64; -1: none), created/accessed times
+(float64 clock seconds) and recency ticks (int64, larger: used more recently). Setting an
+array checks its dtype, shape and layout and rebinds the C pointer, so the C loops always
+see the arrays Python sees; each loop checks every row it is given against the arrays'
+length first (``IndexError``, nothing changed). ``gather_rows`` keeps its last two
+snapshots of the tables and brings a free one up to date instead of copying every block of
+every row. Not locked: the cache's lock covers calls.
+"""
+
+from cpython.buffer cimport PyBUF_C_CONTIGUOUS, PyBuffer_Release, PyObject_GetBuffer
+from cpython.ref cimport PyObject, _Py_REFCNT
+from libc.string cimport memcpy
+from libc.stdint cimport int32_t, int64_t, uint8_t, uint32_t
+
+import numpy as np
+
+cdef enum:  # what ``need`` says of each row (the Python names below)
+    KIND_PLAIN = 0
+    KIND_GROW = 1
+    KIND_COW = 2
+
+#: What ``need`` says of each row: nothing new, a new block, or a private copy of a shared
+#: last block (copy-on-write).
+PLAIN, GROW, COW = KIND_PLAIN, KIND_GROW, KIND_COW
+
+_DTYPES = {"tables": np.int32, "lens": np.int64, "nblocks": np.int64,
+           "last_slot": np.int64, "last_block": np.int64, "created": np.float64,
+           "accessed": np.float64, "recency": np.int64}
+
+
+cdef Py_ssize_t _address(object array, str name, int ndim) except -1:
+    """The data address of ``array`` after checking it is what field ``name`` holds."""
+    if not isinstance(array, np.ndarray):
+        raise TypeError(f"{name} must be a NumPy array, got {type(array).__name__}")
+    if array.dtype != _DTYPES[name] or array.ndim != ndim:
+        raise TypeError(f"{name} must be a {ndim}-d {np.dtype(_DTYPES[name])} array, got "
+                        f"{array.ndim}-d {array.dtype}")
+    if not (array.flags.c_contiguous and array.flags.writeable):
+        raise ValueError(f"{name} must be C-contiguous and writeable")
+    return <Py_ssize_t>array.ctypes.data
+
+
+cdef class RowArrays:
+    """The per-sequence arrays and the C loops of a step over them (module docstring)."""
+
+    cdef object _tables, _lens, _nblocks, _last_slot, _last_block, _created, _accessed
+    cdef object _recency
+    cdef int32_t* c_tables
+    cdef int64_t* c_lens
+    cdef int64_t* c_nblocks
+    cdef int64_t* c_last_slot
+    cdef int64_t* c_last_block
+    cdef double* c_accessed
+    cdef int64_t* c_recency
+    cdef Py_ssize_t width  # entries per block table
+    cdef Py_ssize_t lengths[8]  # rows of each array; a row index must be below them all
+    #: Recency ticks handed out so far (the next ``touch`` continues from here).
+    cdef public long long tick
+    #: Gathers served by bringing a free snapshot up to date (``gather_rows``).
+    cdef public long long patched
+    cdef long long touches  # Python uses of ``tables``: each voids the snapshots
+    cdef list snapshots  # the last two ``_Snapshot``s
+
+    @property
+    def tables(self):
+        self.touches += 1  # it may be written through: snapshots cannot tell
+        return self._tables
+
+    @tables.setter
+    def tables(self, value):
+        self.touches += 1
+        self.c_tables = <int32_t*>_address(value, "tables", 2)
+        self._tables, self.width, self.lengths[0] = value, value.shape[1], value.shape[0]
+
+    @property
+    def lens(self):
+        return self._lens
+
+    @lens.setter
+    def lens(self, value):
+        self.c_lens = <int64_t*>_address(value, "lens", 1)
+        self._lens, self.lengths[1] = value, value.shape[0]
+
+    @property
+    def nblocks(self):
+        return self._nblocks
+
+    @nblocks.setter
+    def nblocks(self, value):
+        self.c_nblocks = <int64_t*>_address(value, "nblocks", 1)
+        self._nblocks, self.lengths[2] = value, value.shape[0]
+
+    @property
+    def last_slot(self):
+        return self._last_slot
+
+    @last_slot.setter
+    def last_slot(self, value):
+        self.c_last_slot = <int64_t*>_address(value, "last_slot", 1)
+        self._last_slot, self.lengths[3] = value, value.shape[0]
+
+    @property
+    def last_block(self):
+        return self._last_block
+
+    @last_block.setter
+    def last_block(self, value):
+        self.c_last_block = <int64_t*>_address(value, "last_block", 1)
+        self._last_block, self.lengths[4] = value, value.shape[0]
+
+    @property
+    def created(self):
+        return self._created
+
+    @created.setter
+    def created(self, value):
+        _address(value, "created", 1)
+        self._created, self.lengths[5] = value, value.shape[0]
+
+    @property
+    def accessed(self):
+        return self._accessed
+
+    @accessed.setter
+    def accessed(self, value):
+        self.c_accessed = <double*>_address(value, "accessed", 1)
+        self._accessed, self.lengths[6] = value, value.shape[0]
+
+    @property
+    def recency(self):
+        return self._recency
+
+    @recency.setter
+    def recency(self, value):
+        self.c_recency = <int64_t*>_address(value, "recency", 1)
+        self._recency, self.lengths[7] = value, value.shape[0]
+
+    def __cinit__(self):
+        self.snapshots = []
+
+    cdef int _check_rows(self, const int64_t[::1] rows) except -1:
+        """Every row index lies inside every array (else ``IndexError``)."""
+        cdef Py_ssize_t i, limit = self.lengths[0]
+        for i in range(1, 8):
+            if self.lengths[i] < limit:
+                limit = self.lengths[i]
+        for i in range(rows.shape[0]):
+            if not 0 <= rows[i] < limit:
+                raise IndexError(f"row {rows[i]} outside the {limit} rows")
+        return 0
+
+    def touch(self, const int64_t[::1] rows, double now):
+        """Mark ``rows`` used at ``now``, later ones in the list as more recent."""
+        self._check_rows(rows)
+        cdef Py_ssize_t i
+        cdef double* accessed = self.c_accessed
+        cdef int64_t* recency = self.c_recency
+        cdef long long tick = self.tick
+        for i in range(rows.shape[0]):
+            tick += 1
+            accessed[rows[i]] = now
+            recency[rows[i]] = tick
+        self.tick = tick
+
+    def need(self, const int64_t[::1] rows, const int32_t[::1] ref_cnt, int64_t block_size):
+        """(blocks needed, kinds, COW rows) for one more token in each of ``rows`` (distinct):
+        ``kinds[i]`` is GROW where row i's last block is full, COW where it has room but
+        other holders, else PLAIN. ``block_size`` is a power of two. The rule that one of
+        several batch members sharing a block keeps it (``SequenceRows.append_need``) is
+        left to the caller: it is rare."""
+        self._check_rows(rows)
+        cdef Py_ssize_t i, n = rows.shape[0], blocks = ref_cnt.shape[0]
+        cdef int64_t row, last, mask = block_size - 1, total = 0, copies = 0
+        kinds = np.empty(n, np.uint8)
+        cdef uint8_t[::1] k = kinds
+        for i in range(n):
+            row = rows[i]
+            if self.c_lens[row] & mask == 0:
+                k[i] = KIND_GROW
+                total += 1
+                continue
+            last = self.c_last_block[row]
+            if not 0 <= last < blocks:
+                raise IndexError(f"row {row}'s last block {last} outside [0, {blocks})")
+            if ref_cnt[last] > 1:
+                k[i] = KIND_COW
+                total += 1
+                copies += 1
+            else:
+                k[i] = KIND_PLAIN
+        return total, kinds, copies
+
+    def extend_rows(self, const int64_t[::1] rows, const uint8_t[::1] kinds,
+                    const int32_t[::1] new,
+               int64_t block_size, double now, int64_t[::1] slots):
+        """One more token for each of ``rows`` as ``kinds`` says (``need``): ``new`` holds
+        the new blocks of the GROW rows, then the private copies replacing the last block
+        of the COW rows, in row order; ``slots[i]`` gets row i's new slot. Returns 0, or,
+        changing nothing, the table width a GROW row needs when the tables are narrower."""
+        self._check_rows(rows)
+        cdef Py_ssize_t i, n = rows.shape[0], grown = 0, copied = 0, num_grow = 0
+        cdef int64_t row, count, length
+        if kinds.shape[0] != n or slots.shape[0] != n:
+            raise ValueError(f"kinds ({kinds.shape[0]}) and slots ({slots.shape[0]}) must "
+                             f"have one entry per row ({n})")
+        for i in range(n):
+            if kinds[i] == KIND_GROW:
+                num_grow += 1
+                if self.c_nblocks[rows[i]] >= self.width:
+                    return self.c_nblocks[rows[i]] + 1
+            elif kinds[i] == KIND_COW:
+                copied += 1
+        if new.shape[0] != num_grow + copied:
+            raise ValueError(f"{num_grow + copied} new blocks needed, {new.shape[0]} given")
+        # locals: a store through one pointer may not alias another, nor the tick
+        cdef int32_t* tables = self.c_tables
+        cdef int64_t* lens = self.c_lens
+        cdef int64_t* nblocks = self.c_nblocks
+        cdef int64_t* last_block = self.c_last_block
+        cdef int64_t* last_slot = self.c_last_slot
+        cdef double* accessed = self.c_accessed
+        cdef int64_t* recency = self.c_recency
+        cdef int64_t width = self.width, mask = block_size - 1, tick = self.tick, block
+        copied = 0
+        for i in range(n):
+            row = rows[i]
+            count = nblocks[row]
+            block = last_block[row]
+            if kinds[i] == KIND_GROW:
+                block = new[grown]
+                tables[row * width + count] = <int32_t>block
+                nblocks[row] = count + 1
+                grown += 1
+            elif kinds[i] == KIND_COW:
+                block = new[num_grow + copied]
+                tables[row * width + count - 1] = <int32_t>block
+                copied += 1
+            last_block[row] = block
+            length = lens[row]
+            last_slot[row] = slots[i] = block * block_size + (length & mask)
+            lens[row] = length + 1
+            tick += 1
+            accessed[row] = now
+            recency[row] = tick
+        self.tick = tick
+        return 0
+
+    def gather_rows(self, object rows, int64_t num_blocks, int64_t block_size):
+        """A step's host metadata of ``rows`` (int64, in order): block tables int32
+        ``[n, width]`` (width: the most blocks a row holds, at least 1), lengths int32
+        ``[n]`` and last slots int64 ``[n]``, and whether they are consistent (every id a
+        length reaches in ``[0, num_blocks)``, every length within its row's blocks).
+
+        The tables are a snapshot, never changed while anyone else holds them. A decode
+        loop asks for the same ``rows`` object step after step, and between two steps only
+        ``extend`` writes the tables, at each row's end: so a snapshot of these rows and
+        this width that nobody holds any more is brought up to date by copying each row's
+        blocks from its last one at the snapshot on (``patched`` counts those), O(rows)
+        instead of O(rows x width). Any Python use of ``tables`` voids every snapshot."""
+        cdef const int64_t[::1] r = rows
+        self._check_rows(r)
+        cdef Py_ssize_t i, n = r.shape[0], width = 1
+        cdef int64_t count
+        for i in range(n):
+            count = self.c_nblocks[r[i]]
+            if count > width:
+                width = count
+        if width > self.width:
+            raise IndexError(f"a row holds {width} blocks, its table {self.width}")
+        cdef _Snapshot snap = None, found = None
+        for snap in self.snapshots:
+            if (snap.rows is rows and snap.touches == self.touches and snap.width == width
+                    and _Py_REFCNT(<PyObject*>snap.view) == 1  # held by snap only, and
+                    and _Py_REFCNT(<PyObject*>snap.base) == 2):  # base by snap and view
+                found = snap
+                break
+        if found is None:
+            found = _Snapshot(rows, n, width, self.touches)
+            if len(self.snapshots) == 2:
+                self.snapshots.pop(0)
+            self.snapshots.append(found)
+        else:
+            self.patched += 1
+        lens = np.empty(n, np.int32)
+        slots = np.empty(n, np.int64)
+        sound = self._fill(r, found, lens, slots, num_blocks, block_size)
+        return found.view, lens, slots, sound
+
+    cdef bint _fill(self, const int64_t[::1] rows, _Snapshot snap, object lens, object slots,
+                    int64_t num_blocks, int64_t block_size) except -1:
+        """Bring ``snap`` up to date for ``rows`` (copying each row's blocks from its count
+        at the snapshot, minus one: the last may have been replaced by a private copy), and
+        fill ``lens`` and ``slots``; whether every length and copied id is in range."""
+        cdef Py_ssize_t i, j, n = rows.shape[0], width = snap.width
+        cdef int32_t[:, ::1] base = snap.base
+        cdef int32_t* t = &base[0, 0] if n else NULL
+        cdef int64_t[::1] counts = snap.counts
+        cdef int32_t[::1] ln = lens
+        cdef int64_t[::1] sl = slots
+        cdef int32_t* src
+        cdef int64_t row, count, length, start, end
+        cdef bint sound = True
+        cdef uint32_t bad = 0, limit = <uint32_t>min(max(num_blocks, 0), 0xFFFFFFFF)
+        for i in range(n):
+            row = rows[i]
+            count = self.c_nblocks[row]
+            length = self.c_lens[row]
+            src = &self.c_tables[row * self.width]
+            start, end = counts[i] - 1, count  # the last block at the snapshot, on
+            if start < 0 or count < counts[i]:  # first gather, or not extend's growth: all
+                start, end = 0, width
+            for j in range(start, count):  # a copy and a range check the compiler vectorizes
+                t[j] = src[j]
+                bad |= <uint32_t>src[j] >= limit  # (a negative id is huge unsigned)
+            for j in range(count, end):  # padding (kept since the snapshot otherwise)
+                t[j] = 0
+            counts[i] = count
+            t += width
+            if not 0 <= length <= count * block_size or length > 0x7FFFFFFF:
+                sound = False
+            ln[i] = <int32_t>length
+            sl[i] = self.c_last_slot[row]
+        return sound and not bad
+
+
+cdef class _Snapshot:
+    """Block tables gathered for one ``rows`` object: ``base`` (owned here, int32
+    ``[n, width]``), ``view`` (what ``gather_rows`` hands out), each row's block count when
+    last gathered (-1 before the first: ``_fill`` then copies all and zero-pads) and the
+    ``touches`` of the tables then."""
+
+    cdef object rows, base, view, counts
+    cdef Py_ssize_t width
+    cdef long long touches
+
+    def __init__(self, rows, Py_ssize_t n, Py_ssize_t width, long long touches):
+        self.rows, self.width, self.touches = rows, width, touches
+        self.base = np.empty((n, width), np.int32)
+        self.view = self.base.view()
+        self.counts = np.full(n, -1, np.int64)
+
+
+def pop_blocks(int32_t[::1] free, Py_ssize_t top, Py_ssize_t count, int32_t[::1] ref_cnt):
+    """``count`` ids off the top of the free stack ``free[:top]`` (the last first), each
+    given ref count 1: ``BlockPool.allocate``'s common case in one call. The caller lowers
+    its top by ``count``."""
+    if not 0 <= count <= top <= free.shape[0]:
+        raise ValueError(f"cannot pop {count} of {top} free blocks")
+    ids = np.empty(count, np.int32)
+    cdef int32_t[::1] out = ids
+    cdef Py_ssize_t i, blocks = ref_cnt.shape[0]
+    cdef int32_t block
+    for i in range(count):
+        block = free[top - 1 - i]
+        if not 0 <= block < blocks:
+            raise IndexError(f"free block {block} outside [0, {blocks})")
+        out[i] = block
+    for i in range(count):
+        ref_cnt[out[i]] = 1
+    return ids
+
+
+cdef enum:
+    COPY_PIECE_BYTES = 2048
+
+#: Bytes ``copy_host`` copies at a time: glibc's memcpy takes ``rep movsb`` past 2-4 KiB,
+#: which some x86 machines (AMD EPYC under a hypervisor, this project's CI among them) run
+#: at 1.5 GB/s up to about 1 MiB; pieces this small keep its vector loop (45 GB/s there).
+COPY_PIECE = COPY_PIECE_BYTES
+
+
+def copy_host(size_t dst, object src):
+    """Copy the bytes of ``src`` (a C-contiguous buffer; else the exporter raises) to
+    host memory at ``dst``, in pieces of ``COPY_PIECE`` bytes. The caller owns the
+    ``len(src)`` bytes at ``dst`` (no check can see them)."""
+    cdef Py_buffer view
+    PyObject_GetBuffer(src, &view, PyBUF_C_CONTIGUOUS)
+    cdef size_t done = 0, step, total = <size_t>view.len
+    cdef const char* source = <const char*>view.buf
+    try:
+        while done < total:
+            step = COPY_PIECE_BYTES if total - done > COPY_PIECE_BYTES else total - done
+            memcpy(<void*>(dst + done), source + done, step)
+            done += step
+    finally:
+        PyBuffer_Release(&view)

@@ -1,0 +1,192 @@
+"""The compiled core of a decode step's bookkeeping (``_steprows``) against NumPy."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from rocmforge_raw._steprows import COW, GROW, PLAIN
+from rocmforge_raw.cache.rows import SequenceRows
+
+
+def _filled(rng, rows=40, width=8, block_size=16, num_blocks=500):
+    """Rows with random lengths and distinct random blocks, as a cache leaves them."""
+    table = SequenceRows(rows, width)
+    ids = rng.permutation(np.arange(1, num_blocks))
+    used = 0
+    for row in range(rows):
+        length = int(rng.integers(1, width * block_size))
+        count = -(-length // block_size)
+        table.tables[row, :count] = ids[used : used + count]
+        table.lens[row], table.nblocks[row] = length, count
+        table.last_block[row] = table.tables[row, count - 1]
+        table.last_slot[row] = -1
+        used += count
+    return table
+
+
+def test_gather_equals_numpy_fancy_indexing(rng):
+    table = _filled(rng)
+    rows = rng.permutation(40)[:25].astype(np.int64)
+    tables, lens, slots = table.gather(rows, 500, 16)
+    width = int(table.nblocks[rows].max())
+    np.testing.assert_array_equal(tables, table.tables[rows, :width])
+    np.testing.assert_array_equal(lens, table.lens[rows].astype(np.int32))
+    np.testing.assert_array_equal(slots, table.last_slot[rows])
+    assert tables.dtype == lens.dtype == np.int32 and slots.dtype == np.int64
+
+
+def test_gather_of_no_rows_is_one_empty_column(rng):
+    tables, lens, slots = _filled(rng).gather(np.zeros(0, np.int64), 500, 16)
+    assert tables.shape == (0, 1) and lens.shape == slots.shape == (0,)
+
+
+@pytest.mark.parametrize("corrupt, message", [
+    (lambda t: t.tables.__setitem__((3, 0), 500), "block id 500 in block_tables is outside"),
+    (lambda t: t.tables.__setitem__((3, 0), -2), "block id -2 in block_tables is outside"),
+    (lambda t: t.lens.__setitem__(3, t.nblocks[3] * 16 + 1), "holds .* tokens in .* blocks of 16"),
+])
+def test_gather_says_how_broken_bookkeeping_is_broken(rng, corrupt, message):
+    table = _filled(rng)
+    corrupt(table)
+    with pytest.raises(ValueError, match=message):
+        table.gather(np.arange(10, dtype=np.int64), 500, 16)
+
+
+def test_need_and_extend_equal_the_rules_in_numpy(rng):
+    table = _filled(rng)
+    ref_cnt = np.ones(500, np.int32)
+    shared = table.last_block[[4, 7]]
+    ref_cnt[shared] = 2  # rows 4 and 7 end in blocks shared with someone outside the batch
+    rows = np.arange(0, 40, 2, dtype=np.int64)
+    before = {name: getattr(table, name).copy() for name in ("tables", "lens", "nblocks")}
+    total, kinds, copies = table.append_need(rows, ref_cnt, 16)
+    full = before["lens"][rows] % 16 == 0
+    want = np.where(full, GROW, np.where(ref_cnt[table.last_block[rows]] > 1, COW, PLAIN))
+    np.testing.assert_array_equal(kinds, want)
+    assert total == int((want != PLAIN).sum()) and copies == int((want == COW).sum())
+    new = np.arange(600, 600 + total, dtype=np.int32)
+    slots = table.extend(rows, kinds, new, 16, 2.5)
+    grown, copied = rows[kinds == GROW], rows[kinds == COW]
+    np.testing.assert_array_equal(table.tables[grown, before["nblocks"][grown]],
+                                  new[: grown.size])
+    np.testing.assert_array_equal(table.tables[copied, before["nblocks"][copied] - 1],
+                                  new[grown.size :])
+    np.testing.assert_array_equal(table.lens[rows], before["lens"][rows] + 1)
+    np.testing.assert_array_equal(slots, table.last_block[rows] * 16 + before["lens"][rows] % 16)
+    assert (table.accessed[rows] == 2.5).all()
+    assert (np.diff(table.recency[rows]) == 1).all()  # later in the list: more recent
+    untouched = np.setdiff1d(np.arange(40), rows)
+    np.testing.assert_array_equal(table.lens[untouched], before["lens"][untouched])
+
+
+def test_extend_widens_full_tables_and_changes_nothing_before(rng):
+    table = SequenceRows(4, 2)
+    table.tables[1, :2] = [5, 6]
+    table.lens[1], table.nblocks[1], table.last_block[1] = 32, 2, 6
+    rows = np.array([1], np.int64)
+    total, kinds, _ = table.append_need(rows, np.ones(10, np.int32), 16)
+    assert total == 1 and kinds.tolist() == [GROW]
+    slots = table.extend(rows, kinds, np.array([9], np.int32), 16, 1.0)
+    assert table.tables.shape[1] == 4 and table.tables[1].tolist() == [5, 6, 9, 0]
+    assert slots.tolist() == [9 * 16] and table.nblocks[1] == 3
+
+
+def test_a_row_outside_the_arrays_is_refused_before_anything_changes():
+    table = SequenceRows(4, 2)
+    lens = table.lens.copy()
+    for call in (lambda: table.touch(np.array([0, 4]), 1.0),
+                 lambda: table.need(np.array([-1]), np.ones(4, np.int32), 16),
+                 lambda: table.gather(np.array([9]), 4, 16)):
+        with pytest.raises(IndexError, match="outside the 4 rows"):
+            call()
+    np.testing.assert_array_equal(table.lens, lens)
+    assert table.tick == 0
+
+
+@pytest.mark.parametrize("name, value, error", [
+    ("lens", np.zeros(4, np.int32), "lens must be a 1-d int64 array"),
+    ("tables", np.zeros(4, np.int32), "tables must be a 2-d int32 array"),
+    ("accessed", [0.0] * 4, "accessed must be a NumPy array"),
+    ("recency", np.zeros(8, np.int64)[::2], "recency must be C-contiguous"),
+])
+def test_the_arrays_take_only_what_the_c_loops_can_read(name, value, error):
+    table = SequenceRows(4, 2)
+    with pytest.raises((TypeError, ValueError), match=error):
+        setattr(table, name, value)
+
+
+def test_snapshots_are_patched_only_when_nobody_holds_them_and_always_equal_the_rows(rng):
+    """A decode loop's snapshots are brought up to date in place (O(rows)), never one a plan
+    still holds; whatever the cache does between steps, each batch's tables equal the rows'
+    (read from a twin cache driven alike: reading them here would void the snapshots) and
+    every held plan's tables stay as they were."""
+    from rocmforge_raw.cache import CacheConfig, KvCache
+
+    config = CacheConfig(1, 1, 64, 16, 600, "float32")
+    with KvCache(config, backend="host") as cache, KvCache(config, backend="host") as twin:
+        ids = [f"s{i}" for i in range(12)]
+        for seq in ids:
+            length = int(rng.integers(1, 60))
+            cache.add_sequence(seq, length)
+            twin.add_sequence(seq, length)
+        held, made = [], 0
+        for step in range(300):
+            action = rng.random()
+            for c in (cache, twin):
+                if action < 0.03 and len(ids) > 3:
+                    c.finish(ids[step % len(ids)])
+                elif action < 0.05:
+                    c.block_ids(ids[0])  # a Python use of the tables
+            if action < 0.03 and len(ids) > 3:
+                ids.remove(ids[step % len(ids)])
+            twin.append(ids)
+            cache.append(ids)
+            if action > 0.9:  # shared last blocks, copied on the next append (patched then)
+                cache.fork(ids[step % len(ids)], f"f{step}")
+                twin.fork(ids[step % len(ids)], f"f{step}")
+            meta = cache.batch(ids)
+            made += 1
+            rows = twin._rows.rows(ids)
+            width = int(twin._rows.nblocks[rows].max())
+            np.testing.assert_array_equal(meta.block_tables, twin._rows.tables[rows, :width])
+            if rng.random() < 0.2:
+                held.append((meta, meta.block_tables.copy()))
+        for meta, tables in held:
+            np.testing.assert_array_equal(meta.block_tables, tables)
+        assert 0 < cache._rows.patched < made
+
+
+def test_a_python_write_to_the_tables_voids_the_snapshots(rng):
+    table = _filled(rng)
+    rows = np.arange(10, dtype=np.int64)
+    for _ in range(3):  # the third gather patches the first's snapshot
+        tables = table.gather(rows, 500, 16)[0]
+    del tables
+    table.tables[2, 0] = 499  # written the way a tier swap or a transfer would
+    tables = table.gather(rows, 500, 16)[0]
+    assert tables[2, 0] == 499
+
+
+@pytest.mark.parametrize("nbytes", [0, 1, 2047, 2048, 2049, 3 * 2048 + 5, 150_000])
+def test_copy_host_copies_every_byte_and_nothing_past_them(rng, nbytes):
+    from rocmforge_raw._steprows import copy_host
+
+    src = rng.integers(0, 256, nbytes, dtype=np.uint8)
+    dst = np.full(nbytes + 64, 0xAB, np.uint8)
+    copy_host(dst.ctypes.data, src)
+    np.testing.assert_array_equal(dst[:nbytes], src)
+    assert (dst[nbytes:] == 0xAB).all()
+
+
+def test_copy_host_takes_any_dtype_and_refuses_strided_arrays():
+    import ml_dtypes
+
+    from rocmforge_raw._steprows import copy_host
+
+    src = np.linspace(-3, 3, 4000).astype(ml_dtypes.bfloat16).reshape(40, 100)
+    dst = np.zeros_like(src)
+    copy_host(dst.ctypes.data, src)
+    assert (dst == src).all()
+    with pytest.raises(ValueError, match="not C-contiguous"):
+        copy_host(dst.ctypes.data, src[:, ::2])
