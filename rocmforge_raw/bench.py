@@ -319,33 +319,41 @@ class AttentionLaunch:
             array.buffer.root.close()
 
 
-#: Target of ``bench_cache``: microseconds of host time per decode step of the cache.
-CACHE_TARGET_US = 50.0
+#: Target of ``bench_cache``: host microseconds of one step's ``append`` + ``batch`` at
+#: B = 256 (issue 29: the device must not wait for the host's bookkeeping).
+CACHE_TARGET_US = 20.0
 
 
 def bench_cache(num_seqs: int = 256, context: int = 2048, block_size: int = 16,
                 steps: int = 300, backend: Any = "host") -> dict[str, Any]:
     """CPU cost of one decode step of the cache: ``append`` one token to each of
-    ``num_seqs`` sequences of about ``context`` tokens, then build the batch metadata."""
+    ``num_seqs`` sequences of about ``context`` tokens, then ``batch`` (the step's metadata,
+    built in the compiled core). Medians and the 90th percentile of their sum, and the
+    median of each, in microseconds."""
     from .cache import CacheConfig, KvCache
 
     rng = np.random.default_rng(7)
     lens = rng.integers(context - context // 16, context + context // 16, num_seqs)
     blocks = int((-(-(lens + steps) // block_size)).sum()) + 2
     config = CacheConfig(1, 1, 64, block_size, blocks, "float16")
+    clock = time.perf_counter_ns
     with KvCache(config, backend=backend, strict=True) as cache:
         for seq_id, n in enumerate(lens):
             cache.add_sequence(seq_id, int(n))
         ids = list(range(num_seqs))
-        samples = []
+        appends, batches = [], []
         for _ in range(steps):
-            start = time.perf_counter_ns()
+            start = clock()
             cache.append(ids)
+            middle = clock()
             cache.batch(ids)
-            samples.append((time.perf_counter_ns() - start) / 1e3)
+            appends.append((middle - start) / 1e3)
+            batches.append((clock() - middle) / 1e3)
         cache.check_invariants()
-    samples.sort()
+    samples = sorted(a + b for a, b in zip(appends, batches))
     return {"num_seqs": num_seqs, "context": context, "block_size": block_size,
             "steps": steps, "median_us": statistics.median(samples),
-            "p90_us": samples[int(0.9 * len(samples))], "target_us": CACHE_TARGET_US,
+            "p90_us": samples[int(0.9 * len(samples))],
+            "append_us": statistics.median(appends), "batch_us": statistics.median(batches),
+            "target_us": CACHE_TARGET_US,
             "met_target": statistics.median(samples) <= CACHE_TARGET_US}

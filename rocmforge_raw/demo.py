@@ -4,14 +4,17 @@ Requests with random prompt and output lengths arrive over time. Admission write
 for the whole prompt through ``reshape_and_cache``; every decode step writes each running
 sequence's new K/V and runs paged attention over the batch, layer by layer; finished requests
 free their KV at once; when the pool fills, the least-recently-used sequences are preempted
-and re-queued. Every ``check_every`` steps one sequence's attention is checked against the
-NumPy reference. Then requests that share a system prompt run on an fp8 (e4m3) cache with
-per-layer K/V scales: their prompts are given by token ids, so the prefix cache serves the
-shared blocks (hit rate in the summary) and only the rest is prefilled; a few decode steps
-follow, and attention is checked against the reference over the dequantized codes. Last,
-multi-turn conversations run on a cache with a host tier (``demo_turns``): the share of
-follow-up prompts found in the prefix cache, host-tier hits and swap traffic. The summary
-ends with the live buffers left after teardown (must be 0).
+and re-queued. The loop plans ahead as a serving loop should (README): each step's
+bookkeeping (the scheduler's appends and admissions, ``batch``) is done while the device
+still runs the step before, whose result is waited for only then. Every ``check_every``
+steps one sequence's attention is checked against the NumPy reference. Then requests that
+share a system prompt run on an fp8 (e4m3) cache with per-layer K/V scales: their prompts
+are given by token ids, so the prefix cache serves the shared blocks (hit rate in the
+summary) and only the rest is prefilled; a few decode steps follow, and attention is
+checked against the reference over the dequantized codes. Last, multi-turn conversations
+run on a cache with a host tier (``demo_turns``): the share of follow-up prompts found in
+the prefix cache, host-tier hits and swap traffic. The summary ends with the live buffers
+left after teardown (must be 0).
 """
 
 from __future__ import annotations
@@ -89,6 +92,7 @@ def run_demo(backend: Backend, device: int = 0, config: DemoConfig | None = None
     with shown, KvCache(cache_cfg, device, backend) as cache:
         sched = Scheduler(cache, max_running=cfg.max_running)
         start_ev, end_ev = Event(device, backend), Event(device, backend)
+        in_flight: _Step | None = None  # the decode step queued and not waited for yet
         submitted = 0
         while submitted < cfg.requests or not sched.idle:
             arrivals = rng.poisson(cfg.arrivals_per_step) if submitted < cfg.requests else 0
@@ -96,37 +100,32 @@ def run_demo(backend: Backend, device: int = 0, config: DemoConfig | None = None
                 sched.submit(Request(submitted, int(prompts[submitted]),
                                      int(outputs[submitted])))
                 submitted += 1
-            plan = sched.step()
+            began = time.perf_counter()
+            plan = sched.step()  # appends, admits: planned while the device runs the last step
             for _, slots in plan.prefill:
                 _write(cache, rng, slots, dtype)
                 stats["prefill_tokens"] += len(slots)
-            if plan.decode:
-                ids = [r.request_id for r in plan.decode]
-                inputs = _step_inputs(cache, rng, len(ids), q_heads, dtype)
-                began = time.perf_counter()
-                meta = cache.batch(ids)
+            meta = cache.batch([r.request_id for r in plan.decode]) if plan.decode else None
+            if in_flight is not None:  # the step before: its result now (a model samples)
+                in_flight.land(cache, stats, start_ev, end_ev)
+                in_flight = None
+            if meta is not None:
+                inputs = _step_inputs(cache, rng, len(plan.decode), q_heads, dtype)
                 start_ev.record()
                 for layer, (key, value, query, out) in enumerate(inputs):
                     cache.write(layer, key, value, meta)
                     cache.attention(layer, out, query, meta)
-                queued = time.perf_counter()
                 end_ev.record()
-                end_ev.synchronize()
-                step_s = time.perf_counter() - began
-                stats["step_ms"].append(1e3 * step_s)
-                stats["host_share"].append((queued - began) / step_s)
-                stats["device_ms"].append(end_ev.elapsed_ms_since(start_ev))
-                stats["decode_tokens"] += len(ids)
-                if stats["steps"] % cfg.check_every == 0:
-                    key, value, query, out = inputs[-1]
-                    _check(cache, meta, query, out, cfg.num_layers - 1, 0)
-                    stats["checks"] += 1
-                for arrays in inputs:
-                    for array in arrays:
-                        array.buffer.root.close()
+                check = stats["steps"] % cfg.check_every == 0
+                in_flight = _Step(meta, inputs, began, time.perf_counter(), check)
+                if check:  # against the cache as this step left it: before later steps
+                    in_flight.land(cache, stats, start_ev, end_ev)
+                    in_flight = None
             sched.advance(plan)
             stats["steps"] += 1
             _show(shown, len(sched.finished()), cache.stats())
+        if in_flight is not None:
+            in_flight.land(cache, stats, start_ev, end_ev)
         cache_stats = cache.stats()
         start_ev.close()
         end_ev.close()
@@ -141,8 +140,9 @@ def run_demo(backend: Backend, device: int = 0, config: DemoConfig | None = None
         "requests": cfg.requests, "finished": len(sched.finished()),
         "prefill_tokens": stats["prefill_tokens"], "generated_tokens": stats["decode_tokens"],
         "steps": stats["steps"], "seconds": elapsed, "steps_per_s": stats["steps"] / elapsed,
-        # a decode step as it runs here: plan (batch) + per layer write and attention, then
-        # the wait for the device; the host's share is its time to plan and queue the step
+        # a decode step as it runs here: plan (append, batch) + per layer write and
+        # attention, the next step planned while the device runs it, then the wait for the
+        # device; the host's share is its time to plan and queue the step
         "decode_step_ms_median": statistics.median(steps_ms),
         **_device_time(backend, stats),
         "cache_blocks": blocks - 1, "peak_blocks": cache_stats["peak_used_blocks"],
@@ -193,6 +193,36 @@ def _shared_prompts_on_fp8(backend: Backend, device: int, cfg: DemoConfig,
             "prefix_hit_rate": stats["prefix_hit_rate"],
             "prefill_tokens_saved": prompt_tokens - prefilled,
             "prefill_tokens_saved_share": 1 - prefilled / prompt_tokens}
+
+
+@dataclass
+class _Step:
+    """A decode step queued on the device and not waited for yet: its plan, per-layer
+    arrays, when its planning began and when its launches were queued (host seconds), and
+    whether its result is checked against the reference."""
+
+    meta: Any
+    inputs: list[tuple[DeviceArray, ...]]
+    began: float
+    queued: float
+    check: bool
+
+    def land(self, cache: KvCache, stats: dict[str, Any], start_ev: Event, end_ev: Event
+             ) -> None:
+        """Wait for the step, record its times, check it if asked, free its arrays."""
+        end_ev.synchronize()
+        step_s = time.perf_counter() - self.began
+        stats["step_ms"].append(1e3 * step_s)
+        stats["host_share"].append((self.queued - self.began) / step_s)
+        stats["device_ms"].append(end_ev.elapsed_ms_since(start_ev))
+        stats["decode_tokens"] += len(self.meta.seq_ids)
+        if self.check:
+            query, out = self.inputs[-1][2:]
+            _check(cache, self.meta, query, out, len(self.inputs) - 1, 0)
+            stats["checks"] += 1
+        for arrays in self.inputs:
+            for array in arrays:
+                array.buffer.root.close()
 
 
 def _step_inputs(cache: KvCache, rng: np.random.Generator, num_seqs: int, q_heads: int,

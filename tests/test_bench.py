@@ -60,3 +60,19 @@ def test_alloc_rows_compare_hipbuffer_with_the_bare_calls(backend):
         assert r["raw_over_bare"] == pytest.approx(r["raw_us"] / r["bare_us"])
         assert all(r[k] > 0 for k in ("bare_us", "c_us", "raw_us", "pooled_us",
                                       "pool_allocate_free_us"))
+
+
+def test_the_cache_row_times_append_and_batch_apart():
+    row = bench.bench_cache(num_seqs=16, context=256, steps=20)
+    assert row["append_us"] > 0 and row["batch_us"] > 0
+    assert row["p90_us"] >= row["median_us"] > 0 and row["target_us"] == 20.0
+
+
+def test_a_step_row_times_each_variant(gpu):
+    from rocmforge_raw.bench_step import VARIANTS, StepShape, bench_step
+
+    row = bench_step(gpu, 0, StepShape(4, 256, layers=2), steps=4, warmup=2)
+    for variant in VARIANTS:
+        assert row[f"{variant}_step_ms"] > 0 and row[f"{variant}_host_us"] > 0
+        assert row[f"{variant}_step_over_kernels"] > 0.5
+    assert row["graph_captures"] == 1 and row["kernels_ms"] > 0
