@@ -95,9 +95,10 @@ NAMED = [
     Mutant("times() reporting creation twice", KV, "float(rows.accessed[row])",
            "float(rows.created[row])",
            (CONTRACTS + "test_times_record_creation_and_every_access",)),
-    Mutant("append not refreshing recency", ROWS, "self.touch(rows, now)", "pass",
+    Mutant("append not refreshing recency", "rocmforge_raw/_steprows.pyx",
+           "recency[row] = tick", "pass",
            (CONTRACTS + "test_append_makes_a_sequence_the_most_recently_used",),
-           "def extend("),
+           "def extend_rows("),
     Mutant("preemption taking batch members first", KV, "least_recent(exclude=batch)",
            "least_recent(exclude=())",
            (CONTRACTS + "test_preemption_takes_sequences_outside_the_append_before_its_"
@@ -261,7 +262,9 @@ OPERATORS = [(" < ", " <= "), (" <= ", " < "), (" > ", " >= "), (" >= ", " > "),
              ("if not ", "if "), ("return True", "return False"), ("return False", "return True")]
 CORE = {"_freelist.pxd": POOL_TESTS, "pool.pyx": POOL_TESTS,
         "_registry.pyx": ("tests/test_buffer.py", "tests/test_core.py", "tests/test_pool.py"),
-        "buffer.pyx": ("tests/test_buffer.py", "tests/test_core.py")}
+        "buffer.pyx": ("tests/test_buffer.py", "tests/test_core.py"),
+        "_steprows.pyx": ("tests/test_steprows.py", "tests/test_cache.py",
+                          "tests/test_cache_contracts.py")}
 
 #: Where a .pxd's inline code is compiled (its .c and .so are put back after a mutant).
 COMPILED_INTO = {"rocmforge_raw/_freelist.pxd": "rocmforge_raw/pool"}
