@@ -190,3 +190,27 @@ def test_copy_host_takes_any_dtype_and_refuses_strided_arrays():
     assert (dst == src).all()
     with pytest.raises(ValueError, match="not C-contiguous"):
         copy_host(dst.ctypes.data, src[:, ::2])
+
+
+def test_a_planned_batch_is_what_its_dataclass_init_makes():
+    import dataclasses
+
+    from rocmforge_raw.cache.step import BatchMetadata
+
+    def arrays():
+        return np.zeros((2, 3), np.int32), np.ones(2, np.int32), np.full(2, -1, np.int64)
+
+    made = BatchMetadata(("a", "b"), *arrays(), None, "owner", 7, _kv_shape=(2, 1, 64))
+    planned = BatchMetadata._planned(seq_ids=("a", "b"), block_tables=arrays()[0],
+                                     seq_lens=arrays()[1], slot_mapping=arrays()[2],
+                                     stream=None, _owner="owner", _epoch=7,
+                                     _kv_shape=(2, 1, 64))
+    for f in dataclasses.fields(BatchMetadata):
+        want, got = getattr(made, f.name), getattr(planned, f.name)
+        if isinstance(want, np.ndarray):
+            np.testing.assert_array_equal(got, want)
+            assert not got.flags.writeable
+        else:
+            assert got == want, f.name
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        planned.seq_ids = ()

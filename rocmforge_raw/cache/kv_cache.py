@@ -344,7 +344,7 @@ class KvCache(TierOps):
         now = self._now()
         c = self.config
         tables, lens, slots = rows_of.gather(rows, c.num_blocks, c.block_size)
-        meta = self._steps.plan(self, self._epoch, list(ids), tables, lens, slots, stream)
+        meta = self._steps.plan(self, self._epoch, ids, tables, lens, slots, stream)
         rows_of.touch(rows, now)
         return meta
 

@@ -15,6 +15,7 @@ passed them all. The slot's workspace is covered by the same fence.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import operator
 from collections.abc import Hashable, Sequence
@@ -86,6 +87,21 @@ class BatchMetadata:
         for name, value in fields.items():
             object.__setattr__(self, name, value)
 
+    @classmethod
+    def _planned(cls, **fields: Any) -> BatchMetadata:
+        """The planner's constructor: what ``BatchMetadata(**fields)`` makes, without the
+        frozen ``__init__``'s ``object.__setattr__`` for each of its 16 fields (most of a
+        step's plan on the host: 5 of 7 us)."""
+        meta = cls.__new__(cls)
+        meta.__dict__.update(_DEFAULTS, **fields)
+        meta.__post_init__()
+        return meta
+
+
+#: The fields of a ``BatchMetadata`` that have defaults, with them (``_planned``).
+_DEFAULTS = {f.name: f.default for f in dataclasses.fields(BatchMetadata)
+             if f.default is not dataclasses.MISSING}
+
 
 class StepPlanner:
     """Plans the steps of one cache and launches their kernels (see the module docstring)."""
@@ -120,9 +136,10 @@ class StepPlanner:
         ``SequenceRows.gather`` checked."""
         c = self.config
         kv_shape = (len(seq_ids), *self.row_shape)
-        meta = BatchMetadata(tuple(seq_ids), tables, lens, slots, stream, owner, epoch,
-                             _kv_shape=kv_shape,
-                             _kv_bytes=math.prod(kv_shape) * self.act.itemsize)
+        meta = BatchMetadata._planned(
+            seq_ids=tuple(seq_ids), block_tables=tables, seq_lens=lens, slot_mapping=slots,
+            stream=stream, _owner=owner, _epoch=epoch, _kv_shape=kv_shape,
+            _kv_bytes=math.prod(kv_shape) * self.act.itemsize)
         try:
             work: WorkSplit | None = None
             work_addresses: list[int] = []
