@@ -101,8 +101,13 @@ def cache_state(cache: KvCache) -> dict:
         "ref_cnt": cache.pool.ref_cnt.tolist(), "free": cache.pool.free_ids().tolist(),
         "cached": cache.pool.cached_ids().tolist(), "index": sorted(cache.pool.index.items()),
         "stats": cache.stats(), "finished": cache.finished(), "epoch": cache._epoch,
-        "plan": cache._steps.current, "slab": hashlib.sha1(host_view(cache.slab)).digest(),
+        "plan": cache._steps.current, "slab": hashlib.sha1(slab_bytes(cache.slab)).digest(),
     }
+
+
+def slab_bytes(slab: DeviceArray) -> np.ndarray:
+    """The slab's contents: a view of host memory, a synchronizing copy of a GPU's."""
+    return host_view(slab) if slab.backend.name == "host" else slab.to_numpy()
 
 
 #: Prompts that share leading blocks (block size 8): the prefix cache hits between them.

@@ -144,11 +144,12 @@ def export_and_wait(backend: str, conn: Any) -> None:
 
 
 def share_once(backend: str, conn: Any) -> None:
-    """Allocate a shareable buffer (which sweeps what dead processes left) and send the
-    names of this package's files in /dev/shm."""
+    """Export a shareable buffer (the first export sweeps what dead processes left) and send
+    the names of this package's files in /dev/shm."""
     from rocmforge_raw import HipBuffer, procs
 
-    with HipBuffer(64, backend=backend, shareable=True):
+    with HipBuffer(64, backend=backend, shareable=True) as buf:
+        buf.ipc_handle()
         conn.send(sorted(n for n in os.listdir(procs.SHM_DIR) if n.startswith(procs.PREFIX)))
 
 
