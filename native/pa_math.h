@@ -3,7 +3,7 @@
 // interface, chosen per target, dtype and group size by rf_pa_math:
 //   rf_pa_core    CUDA cores / VALU: TPT threads per token score q from shared memory, each
 //                 lane accumulates V for its chunks of the row (any dtype, any G, any target);
-//   rf_pa_mma     NVIDIA tensor cores (mma.sync, sm_80+), 16-bit caches, G >= 4;
+//   rf_pa_mma     NVIDIA tensor cores (mma.sync, sm_80+), 16-bit and fp8 caches, any G;
 //   rf_pa_matrix  AMD matrix cores (MFMA on gfx90a/gfx94x, WMMA on gfx11), 16-bit, G >= 4.
 // Interface (every call warp-uniform): load_queries (then a CTA barrier if QUERIES_SHARED),
 // reset, tile (one tile's rows of this warp, tokens [t0, end) of the piece valid), publish
