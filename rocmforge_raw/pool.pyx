@@ -273,6 +273,8 @@ cdef class MemoryPool(Allocator):
         if lane.freed == lane.fenced or not _is_open(lane.stream):
             return 0
         handle = None if lane.stream is None else lane.stream.handle
+        if handle is None:  # the default stream is the active device's: this pool's
+            self.backend.activate(self.device)
         with self.lock:
             seq = lane.freed  # read under the lock: fences are recorded in seq order
             if len(lane.fences) >= MAX_FENCES:  # move the newest forward, then say so
