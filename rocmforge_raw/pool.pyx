@@ -267,25 +267,32 @@ cdef class MemoryPool(Allocator):
                 pass
         return 0
 
+    cdef record(self, event, handle):
+        """Record ``event`` on the stream ``handle`` (None: the default stream of this pool's
+        device, which a free in a finalizer may find inactive: it stays as it was)."""
+        if handle is None:
+            self.backend.restoring(self.device,
+                                   lambda: self.backend.event_record(event, None))
+        else:
+            self.backend.event_record(event, handle)
+
     cdef int fence(self, _Lane lane) except -1:
         """Record an event on ``lane``'s stream after every free so far on it."""
         cdef unsigned long long seq
         if lane.freed == lane.fenced or not _is_open(lane.stream):
             return 0
         handle = None if lane.stream is None else lane.stream.handle
-        if handle is None:  # the default stream is the active device's: this pool's
-            self.backend.activate(self.device)
         with self.lock:
             seq = lane.freed  # read under the lock: fences are recorded in seq order
             if len(lane.fences) >= MAX_FENCES:  # move the newest forward, then say so
                 event = lane.fences[-1][1]
-                self.backend.event_record(event, handle)
+                self.record(event, handle)
                 lane.fences[-1] = (seq, event)
             else:
                 event = self.spare_events.pop() if self.spare_events else (
                     self.backend.event_create(self.device))
                 try:
-                    self.backend.event_record(event, handle)
+                    self.record(event, handle)
                 except BaseException:
                     self.spare_events.append(event)
                     raise

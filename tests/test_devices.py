@@ -88,6 +88,7 @@ def test_finalizers_of_one_devices_memory_run_while_the_other_is_current(two_dev
     del doomed  # every finalizer runs here and now, in this thread
     assert rf.memory_stats()["live_buffers"] == live
     assert backend.get_device() == 1
+    assert backend._local.device == 1  # the binding's active device: as it was
     fallbacks = backend.allocator.fallbacks
     with rf.HipBuffer(MiB, backend=backend) as buf:
         assert buf.device == 1
@@ -96,12 +97,30 @@ def test_finalizers_of_one_devices_memory_run_while_the_other_is_current(two_dev
     pool.close()
 
 
+def test_work_ordered_on_a_stream_runs_with_the_streams_device_active(two_devices, rng):
+    """An event recorded, a copy and a fill queued on device 0's stream while device 1 is
+    the thread's device: each runs with device 0 active (a CUDA stream is its context's),
+    and the thread's device stays 1."""
+    backend = two_devices
+    data = rng.integers(0, 255, 4096, np.uint8)
+    with rf.Stream(0, backend) as stream, rf.Event(0, backend) as event, \
+            rf.HipBuffer(4096, 0, backend) as buf:
+        for work in (lambda: event.record(stream),
+                     lambda: buf.copy_from_host(data, stream=stream),
+                     lambda: buf.fill(3, 0, 8, stream=stream)):
+            backend.set_device(1)
+            work()
+            assert (backend._local.device, backend.get_device()) == (0, 1)
+        stream.synchronize()
+        assert buf.to_numpy().tolist() == [3] * 8 + data[8:].tolist()
+
+
 def test_a_pool_serves_its_own_device_only(two_devices):
     backend = two_devices
     pool = rf.MemoryPool(0, backend)
     with rf.Stream(1, backend) as there, rf.HipBuffer(64, 1, backend) as other:
         with pytest.raises(ValueError,
-                           match=r"MemoryPool \w+:0 .*cannot allocate on backend \w+ device 1"):
+                           match=r"MemoryPool \w+:0 .*cannot allocate on backend .* device 1"):
             rf.HipBuffer(64, 1, backend, pool=pool)
         with pytest.raises(ValueError, match=r"stream is on \w+:1, this pool on \w+:0"):
             pool.on(there)
@@ -118,6 +137,22 @@ def test_a_pool_serves_its_own_device_only(two_devices):
         finally:
             rf.set_allocator(None)
         assert pool.stats()["cached_bytes"] == 4096  # only device 0's buffer came from it
+    pool.close()
+
+
+def test_a_pool_fences_its_default_stream_on_its_own_device(two_devices):
+    """A block device 0's pool lent on the default stream and freed is handed to a stream
+    of device 0 while device 1 is the thread's and the binding's device: the fence on
+    device 0's default stream is recorded there, and device 1 stays active."""
+    backend = two_devices
+    pool = rf.MemoryPool(0, backend)
+    with rf.Stream(0, backend) as stream:
+        rf.HipBuffer(4096, pool=pool).close()  # freed on the default stream: not fenced yet
+        backend.set_device(1)
+        with rf.HipBuffer(4096, pool=pool.on(stream)) as buf:
+            assert buf.device == 0
+        assert (backend._local.device, backend.get_device()) == (1, 1)
+        assert pool.stats()["hits"] + pool.stats()["misses"] == 2
     pool.close()
 
 

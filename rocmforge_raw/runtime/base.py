@@ -40,6 +40,9 @@ class DeviceProperties:
 MAX_PITCH = (1 << 31) - 1
 
 
+_T = TypeVar("_T")
+
+
 class Backend(ABC):
     """One runtime. Implementations are short: each method is one or two binding calls."""
 
@@ -63,6 +66,12 @@ class Backend(ABC):
         entry points) address in this thread, leaving ``get_device()`` as it is. Each method
         that takes a device does this itself."""
         return None
+
+    def restoring(self, device: int, call: Callable[[], _T]) -> _T:
+        """``call()`` with ``device`` active, then the thread's earlier active device again
+        (``activate``): what finalizers call leaves the calling thread as it found it."""
+        self.activate(device)
+        return call()
 
     @abstractmethod
     def peer_access(self, device: int, peer: int) -> bool:
@@ -275,9 +284,6 @@ class Backend(ABC):
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name}>"
-
-
-_T = TypeVar("_T")
 
 
 class ThreadDevices:
