@@ -109,7 +109,8 @@ class DeviceArray:
 
     # --- interop -----------------------------------------------------------------------------
     def __dlpack_device__(self) -> tuple[int, int]:
-        return self.backend.dlpack_device_type, self.device
+        where: tuple[int, int] = self.backend.dlpack_device(self.device)
+        return where
 
     def __dlpack__(self, *, stream: Any = None, max_version: Any = None, dl_device: Any = None,
                    copy: bool | None = None) -> Any:
@@ -124,8 +125,7 @@ class DeviceArray:
         release = self.buffer._export()
         try:
             return dlpack.to_capsule(self, self.ptr, self.dtype, self.shape,
-                                     self.backend.dlpack_device_type, self.device, version,
-                                     release)
+                                     *self.__dlpack_device__(), version, release)
         except BaseException:
             release()
             raise

@@ -11,6 +11,14 @@ within the receiving slab otherwise): what a transport on this host approaches. 
 the bytes moved (not read plus written, as ``bench --attention``'s copy does). Two rows:
 the sequence's blocks consecutive on both sides (one span per layer and K/V plane) and
 scattered (every block its own span). The slab is random data, never zeros.
+
+With the sender on another device of the host (``sender_device``, ``--from-device``), the
+transport's copies are peer copies (through NVLink, xGMI or PCIe where the two devices have
+peer access, staged through host memory by the runtime where not: ``peer_access`` says
+which), and two more rows move the sequence between two caches of this one process
+(transport ``peer``, ``PeerTransport``); the copy of each row is then a raw peer copy of the
+same bytes from the sender's slab (``memcpy_peer``), the device pair's measured peer copy
+bandwidth.
 """
 
 from __future__ import annotations
@@ -59,19 +67,31 @@ def _sender(backend: str, device: int, transport: str, scattered: bool, conn: An
 
 def _serve(backend: str, device: int, transport: str, scattered: bool, conn: Any) -> None:
     config = transfer_config(_backend(backend))
-    tokens = (config.num_blocks - 2) // 2 * config.block_size
     with _link(transport) as link, KvCache(config, device, backend, strict=True,
                                            shareable=transport == "ipc") as cache:
-        fill_random(cache.slab.buffer, np.random.default_rng(0), config.dtype)
-        link.publish(cache.slab)
-        if scattered:  # one-block fillers, every other one removed: the free blocks alternate
-            for i in range(config.num_blocks - 1):
-                cache.add_sequence(i, num_tokens=config.block_size)
-            for i in range(0, config.num_blocks - 1, 2):
-                cache.remove(i)
-        cache.add_sequence("prompt", num_tokens=tokens)
-        conn.send(cache.export_sequence("prompt"))
+        conn.send(_hold_prompt(cache, link, scattered))
         conn.poll(TIMEOUT)
+
+
+def _hold_prompt(cache: KvCache, link: Any, scattered: bool) -> Any:
+    """The sender's side: random data published through ``link``, a sequence filling half
+    the cache (scattered or not); its description."""
+    fill_random(cache.slab.buffer, np.random.default_rng(0), cache.config.dtype)
+    link.publish(cache.slab)
+    if scattered:
+        _scatter(cache)
+    tokens = (cache.config.num_blocks - 2) // 2 * cache.config.block_size
+    cache.add_sequence("prompt", num_tokens=tokens)
+    return cache.export_sequence("prompt")
+
+
+def _scatter(cache: KvCache) -> None:
+    """One-block fillers, every other one removed: the free blocks alternate."""
+    config = cache.config
+    for i in range(config.num_blocks - 1):
+        cache.add_sequence(i, num_tokens=config.block_size)
+    for i in range(0, config.num_blocks - 1, 2):
+        cache.remove(i)
 
 
 def _backend(name: str) -> Backend:
@@ -80,45 +100,37 @@ def _backend(name: str) -> Backend:
     return get_backend(name)
 
 
-def bench_transfer(backend: Backend, device: int, transport: str = "ipc",
-                   iters: int = 10) -> list[dict[str, Any]]:
-    """One row per block layout: bytes, spans, transfer and import GB/s, copy GB/s, ratio."""
-    return [_row(backend, device, transport, scattered, iters) for scattered in (False, True)]
+def bench_transfer(backend: Backend, device: int, transport: str = "ipc", iters: int = 10,
+                   sender_device: int | None = None) -> list[dict[str, Any]]:
+    """One row per block layout: bytes, spans, transfer and import GB/s, copy GB/s, ratio,
+    the sequence moving from a sender process on ``sender_device`` (default: ``device``)
+    into a cache on ``device``. Across two devices, also one row per layout of the two
+    caches in this one process (transport ``peer``: peer copies), against a raw peer copy
+    of the same bytes."""
+    sender = device if sender_device is None else backend.resolve_device(sender_device)
+    rows = [_row(backend, device, sender, transport, scattered, iters)
+            for scattered in (False, True)]
+    if sender != device:
+        rows += [_peer_row(backend, device, sender, scattered, iters)
+                 for scattered in (False, True)]
+    return rows
 
 
-def _row(backend: Backend, device: int, transport: str, scattered: bool,
+def _row(backend: Backend, device: int, sender_device: int, transport: str, scattered: bool,
          iters: int) -> dict[str, Any]:
     ctx = mp.get_context("spawn")
     conn, child = ctx.Pipe()
-    sender = ctx.Process(target=_sender, args=(backend.name, device, transport, scattered, child),
-                         daemon=True)
+    sender = ctx.Process(target=_sender, args=(backend.name, sender_device, transport,
+                                               scattered, child), daemon=True)
     sender.start()
     child.close()  # the sender's end is the sender's alone: its exit reads as end of file
     try:
         desc = _receive(conn, sender)
-        config = transfer_config(backend)
-        with _link(transport) as link, KvCache(config, device, backend, strict=True) as cache:
-            if scattered:  # the receiving side scattered too
-                for i in range(config.num_blocks - 1):
-                    cache.add_sequence(i, num_tokens=config.block_size)
-                for i in range(0, config.num_blocks - 1, 2):
-                    cache.remove(i)
-            reads, imports = [], []
-            for _ in range(iters + 1):  # the first one maps or connects: left out
-                start = time.perf_counter()
-                done = cache.import_sequence(desc, link, "copy")
-                imports.append(time.perf_counter() - start)
-                reads.append(done.seconds)
-                cache.remove("copy")
-            copy_s = _copy_seconds(link, desc, cache, done.nbytes, iters)
-        nbytes = done.nbytes
-        transfer, whole = statistics.median(reads[1:]), statistics.median(imports[1:])
-        copy_gbs = nbytes / copy_s / 1e9
-        return {"transport": transport, "layout": "scattered" if scattered else "consecutive",
-                "bytes": nbytes, "blocks": done.blocks_moved,
-                "spans": _spans(desc, cache.config), "transfer_gb_per_s": nbytes / transfer / 1e9,
-                "import_gb_per_s": nbytes / whole / 1e9, "copy_gb_per_s": copy_gbs,
-                "pct_of_copy": 100.0 * copy_s / transfer}
+        with _link(transport) as link, \
+                KvCache(transfer_config(backend), device, backend, strict=True) as cache:
+            ipc = desc.endpoints.get("ipc")  # the copy: from the sender's slab mapped here
+            source = cache.slab.buffer if ipc is None else link.mapping(ipc)
+            return _measure(transport, scattered, cache, link, desc, source, iters)
     finally:
         with contextlib.suppress(OSError):  # a sender that failed has gone
             conn.send("end")
@@ -126,6 +138,46 @@ def _row(backend: Backend, device: int, transport: str, scattered: bool,
         if sender.is_alive():
             sender.kill()
             sender.join()
+
+
+def _peer_row(backend: Backend, device: int, sender_device: int, scattered: bool,
+              iters: int) -> dict[str, Any]:
+    """The sequence moved between two caches of this process on two devices."""
+    from .transport import PeerTransport
+
+    config = transfer_config(backend)
+    with PeerTransport() as link, \
+            KvCache(config, sender_device, backend, strict=True) as sender, \
+            KvCache(config, device, backend, strict=True) as cache:
+        desc = _hold_prompt(sender, link, scattered)
+        return _measure("peer", scattered, cache, link, desc, sender.slab.buffer, iters)
+
+
+def _measure(transport: str, scattered: bool, cache: KvCache, link: Any, desc: Any,
+             source: Any, iters: int) -> dict[str, Any]:
+    """Import ``desc`` into ``cache`` (scattered too when ``scattered``) ``iters`` times,
+    then copy as many bytes from ``source`` into the receiving slab: the row."""
+    if scattered:  # the receiving side scattered too
+        _scatter(cache)
+    reads, imports = [], []
+    for _ in range(iters + 1):  # the first one maps, connects or enables peer access
+        start = time.perf_counter()
+        done = cache.import_sequence(desc, link, "copy")
+        imports.append(time.perf_counter() - start)
+        reads.append(done.seconds)
+        cache.remove("copy")
+    dst = cache.slab.buffer
+    nbytes = done.nbytes
+    copy_s = _copy_seconds(source, dst, nbytes, iters)
+    transfer, whole = statistics.median(reads[1:]), statistics.median(imports[1:])
+    backend, peer = dst.backend, source.device != dst.device
+    return {"transport": transport, "layout": "scattered" if scattered else "consecutive",
+            "sender_device": source.device, "receiver_device": dst.device,
+            "peer_access": backend.peer_access(dst.device, source.device) if peer else None,
+            "bytes": nbytes, "blocks": done.blocks_moved, "spans": _spans(desc, cache.config),
+            "transfer_gb_per_s": nbytes / transfer / 1e9,
+            "import_gb_per_s": nbytes / whole / 1e9, "copy_gb_per_s": nbytes / copy_s / 1e9,
+            "pct_of_copy": 100.0 * copy_s / transfer}
 
 
 def _receive(conn: Any, sender: Any) -> Any:
@@ -149,12 +201,9 @@ def _spans(desc: Any, config: CacheConfig) -> int:
     return runs * 2 * config.num_layers
 
 
-def _copy_seconds(link: Any, desc: Any, cache: KvCache, nbytes: int, iters: int) -> float:
-    """Median seconds of one copy of ``nbytes`` into the receiving slab, from the sender's
-    slab mapped here (IPC) or from the receiving slab itself, waited for."""
-    dst = cache.slab.buffer
-    ipc = desc.endpoints.get("ipc")
-    src = dst if ipc is None else link.mapping(ipc)
+def _copy_seconds(src: Any, dst: Any, nbytes: int, iters: int) -> float:
+    """Median seconds of one copy of ``nbytes`` from the end of ``src`` into ``dst`` (a
+    device copy, or a peer copy from another device), waited for."""
     backend, device = dst.backend, dst.device
     times = []
     for _ in range(iters + 1):
@@ -167,4 +216,3 @@ def _copy_seconds(link: Any, desc: Any, cache: KvCache, nbytes: int, iters: int)
         backend.synchronize(device)
         times.append(time.perf_counter() - start)
     return statistics.median(times[1:])
-

@@ -64,7 +64,7 @@ cdef class HipBuffer:
 
     ``HipBuffer(nbytes, device=None, backend=None, *, pool=None, shareable=False)``
     allocates through ``pool``, the pool ``set_allocator`` installed for that backend and
-    device, or the backend's raw malloc; ``shareable=True`` allocates memory that other
+    device (``device=None``: the thread's device), or the backend's raw malloc; ``shareable=True`` allocates memory that other
     processes can map (``ipc_handle()``, ``from_ipc``; see ``rocmforge_raw.ipc``), never from a
     pool. ``ptr`` is the device address as an ``int``; ``nbytes`` is fixed; ``device`` and
     ``backend`` say where the memory lives. Using a closed buffer, or a view of one, raises
@@ -94,7 +94,9 @@ cdef class HipBuffer:
                              "close()): allocate with shareable=True and no pool")
         if pool is None:
             if (not shareable and _default_pool is not None
-                    and _default_pool.serves(backend, device)):
+                    and _default_pool.serves(backend, device)
+                    and (device is not None  # else: the thread's device must be the pool's
+                         or _default_pool.backend.get_device() == _default_pool.device)):
                 pool = _default_pool
         elif (backend is not None or device is not None) and not pool.serves(backend, device):
             raise ValueError(f"{pool!r} cannot allocate on backend {backend} device {device}")

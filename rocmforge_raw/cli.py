@@ -219,6 +219,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from . import cli_bench
 
     backend, device = _target(args)
+    if args.from_device is not None:  # a device of the backend, before anything runs
+        backend.resolve_device(args.from_device)
     result, lines = cli_bench.run(args, backend, device, where(backend, device, args.backend))
     _emit(args, result, "\n".join(lines))
     return 0
@@ -289,6 +291,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="swapping a sequence to the host tier and back vs pinned copies")
     bench.add_argument("--transport", choices=["ipc", "mooncake"], default="ipc",
                        help="with --transfer: IPC handles or Mooncake's engine (TCP loopback)")
+    bench.add_argument("--from-device", type=flags.count(0, MAX_DEVICE), default=None,
+                       metavar="N",
+                       help="with --transfer: the sender's device (default: --device); "
+                            "another device adds peer copies and in-process peer rows")
     bench.add_argument("--iters", type=flags.count(1, MAX_ITERS), default=50,
                        help=f"timed runs per measurement, in [1, {MAX_ITERS}]")
     bench.set_defaults(run=cmd_bench)

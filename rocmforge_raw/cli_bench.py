@@ -90,15 +90,21 @@ def _cache(result: dict[str, Any]) -> list[str]:
 
 
 def _transfer(backend: Backend, device: int, transport: str, iters: int,
-              result: dict[str, Any]) -> list[str]:
+              sender_device: int | None, result: dict[str, Any]) -> list[str]:
     from .bench_transfer import bench_transfer
 
-    rows = result["transfer"] = bench_transfer(backend, device, transport, min(iters, 20))
-    lines = [f"a sequence's KV between two processes over {transport} "
-             "(median; copy: the same bytes through the same copy engine)",
-             f"{'blocks':>11} {'MiB':>7} {'spans':>6} {'transfer GB/s':>14} "
-             f"{'import GB/s':>12} {'copy GB/s':>10} {'% copy':>7}"]
-    return lines + [f"{r['layout']:>11} {r['bytes'] / 2**20:7.0f} {r['spans']:6} "
+    rows = result["transfer"] = bench_transfer(backend, device, transport, min(iters, 20),
+                                               sender_device)
+    lines = [f"a sequence's KV between two processes over {transport}, or two caches of one "
+             "process (peer) (median; copy: the same bytes through the same copy engine, a "
+             "peer copy across devices)",
+             f"{'transport':>9} {'devices':>7} {'peer':>5} {'blocks':>11} {'MiB':>7} "
+             f"{'spans':>6} {'transfer GB/s':>14} {'import GB/s':>12} {'copy GB/s':>10} "
+             f"{'% copy':>7}"]
+    peer = {None: "-", True: "on", False: "off"}
+    return lines + [f"{r['transport']:>9} {r['sender_device']:>3}->{r['receiver_device']:<2} "
+                    f"{peer[r['peer_access']]:>5} {r['layout']:>11} "
+                    f"{r['bytes'] / 2**20:7.0f} {r['spans']:6} "
                     f"{r['transfer_gb_per_s']:14.2f} {r['import_gb_per_s']:12.2f} "
                     f"{r['copy_gb_per_s']:10.2f} {r['pct_of_copy']:6.1f}%" for r in rows]
 
@@ -148,7 +154,7 @@ def run(args: argparse.Namespace, backend: Backend, device: int, where: str
     if args.cache or everything:
         lines += _cache(result)
     if args.transfer:
-        lines += _transfer(backend, device, args.transport, args.iters, result)
+        lines += _transfer(backend, device, args.transport, args.iters, args.from_device, result)
     if args.offload:
         lines += _offload(backend, device, args.iters, result)
     return result, lines

@@ -118,9 +118,6 @@ class LaunchConfig:
                            checks.integer(self.shared_bytes, "shared_bytes", 0, (1 << 32) - 1))
         stream_handle(self.stream)  # an open Stream or None
 
-    @property
-    def stream_handle(self) -> Any:
-        return stream_handle(self.stream)
 
 
 def _dims(value: Any, name: str) -> tuple[int, int, int]:
@@ -151,9 +148,10 @@ class Kernel:
                shared_bytes: int = 0, stream: Stream | None = None) -> None:
         config = LaunchConfig(grid, block, shared_bytes, stream)  # type: ignore[arg-type]
         self.module._check_open()
+        handle = self.module.stream_of(stream)
         self.module.backend.launch(
-            self.handle, config.grid, config.block, config.shared_bytes,
-            config.stream_handle, pack_args(args).address,
+            self.handle, config.grid, config.block, config.shared_bytes, handle,
+            pack_args(args).address,
         )
 
     __call__ = launch
@@ -168,7 +166,7 @@ class Kernel:
         self.module._check_open()
         packed = pack_args(args).slots.raw[: 8 * len(args)]
         return Launch(self.module, self.handle, config.grid, config.block, config.shared_bytes,
-                      config.stream_handle, packed, patch)
+                      self.module.stream_of(stream), packed, patch)
 
 
 class Module:
@@ -195,6 +193,11 @@ class Module:
     def _check_open(self) -> None:
         if not self._finalizer.alive:
             raise KernelNotAvailableError("the module was unloaded")
+
+    def stream_of(self, stream: Stream | None) -> Any:
+        """The handle of ``stream``, a ``Stream`` of this module's device or None (then the
+        device is activated: a launch on the default stream goes to its default stream)."""
+        return stream_handle(stream, "stream", self.backend, self.device)
 
     def function(self, name: str) -> Kernel:
         """The kernel called ``name`` (cached)."""

@@ -267,6 +267,15 @@ cdef class MemoryPool(Allocator):
                 pass
         return 0
 
+    cdef record(self, event, handle):
+        """Record ``event`` on the stream ``handle`` (None: the default stream of this pool's
+        device, which a free in a finalizer may find inactive: it stays as it was)."""
+        if handle is None:
+            self.backend.restoring(self.device,
+                                   lambda: self.backend.event_record(event, None))
+        else:
+            self.backend.event_record(event, handle)
+
     cdef int fence(self, _Lane lane) except -1:
         """Record an event on ``lane``'s stream after every free so far on it."""
         cdef unsigned long long seq
@@ -277,13 +286,13 @@ cdef class MemoryPool(Allocator):
             seq = lane.freed  # read under the lock: fences are recorded in seq order
             if len(lane.fences) >= MAX_FENCES:  # move the newest forward, then say so
                 event = lane.fences[-1][1]
-                self.backend.event_record(event, handle)
+                self.record(event, handle)
                 lane.fences[-1] = (seq, event)
             else:
                 event = self.spare_events.pop() if self.spare_events else (
                     self.backend.event_create(self.device))
                 try:
-                    self.backend.event_record(event, handle)
+                    self.record(event, handle)
                 except BaseException:
                     self.spare_events.append(event)
                     raise

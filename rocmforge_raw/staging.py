@@ -196,7 +196,7 @@ class Staging:
                 np.copyto(target.reshape(array.shape), array)
         if total > start:
             self.backend.upload(self.buffer.ptr + start, self.host.ptr + start, total - start,
-                                None if stream is None else stream.handle)
+                                stream_handle(stream, "stream", self.backend, self.device))
         self._used = total
         base = self.buffer.ptr
         return [base + offset for offset in offsets]

@@ -30,14 +30,21 @@ def _destroy(destroy: Any, handle: Any, device: int, pid: int) -> None:
 def stream_handle(stream: Any, name: str = "stream", backend: Backend | None = None,
                   device: int | None = None) -> Any:
     """The runtime handle of ``stream`` (None: the default stream, None); a clear error for
-    anything but an open ``Stream`` (of ``device`` of ``backend``, when they are given)."""
+    anything but an open ``Stream`` (of ``device`` of ``backend``, when they are given).
+    Given a ``device``, that device is activated (``Backend.activate``) for the call the
+    handle is for: the binding's default stream is the active device's, and a stream is
+    used with its own device active."""
     if stream is None:
+        if backend is not None and device is not None:
+            backend.activate(device)
         return None
     if not isinstance(stream, Stream):
         raise TypeError(f"{name} must be a Stream or None, got {checks.show(stream)}")
     if backend is not None and (stream.backend is not backend or stream.device != device):
         checks.colocated(name, stream.backend, stream.device, "the work it would order",
                          backend, device)
+    if backend is not None and device is not None:
+        backend.activate(device)
     return stream.handle
 
 

@@ -1,8 +1,19 @@
-"""Every test runs on the host backend; GPU tests also run on each GPU backend that answers."""
+"""Every test runs on the host backend; GPU tests also run on each GPU backend that answers.
+
+The host backend runs with two logical devices here (``RF_HOST_DEVICES=2`` unless set, also
+for the processes tests start), so the tests of several devices run on every machine, a
+two-GPU one adding its GPUs. ``RF_DEVICE=N`` runs every test on device N of each backend
+instead of device 0: each test starts with N as its thread's device (``set_device``), so
+whatever a test makes without naming a device is made there. Every backend that answers
+must have that device; a backend without it ends the run at once.
+"""
 
 from __future__ import annotations
 
+import os
 import zlib
+
+os.environ.setdefault("RF_HOST_DEVICES", "2")  # before any backend starts
 
 import numpy as np
 import pytest
@@ -12,6 +23,11 @@ from rocmforge_raw.runtime import BACKEND_NAMES, get_backend
 
 AVAILABLE = [name for name, status in rf.available_backends().items() if status == "ok"]
 GPU_BACKENDS = [name for name in AVAILABLE if name != "host"]
+#: Backends with two devices or more here: the host (two logical devices) and the GPUs of a
+#: machine with several.
+MULTI_DEVICE = [name for name in AVAILABLE if get_backend(name).num_devices >= 2]
+#: The device every test runs on (``RF_DEVICE``, default 0), of every backend.
+DEVICE = int(os.environ["RF_DEVICE"]) if os.environ.get("RF_DEVICE", "").isdigit() else 0
 
 
 def pytest_addoption(parser):
@@ -19,16 +35,42 @@ def pytest_addoption(parser):
                      help="also run the tests marked slow (minutes each: calibrations)")
 
 
+def pytest_configure(config):
+    """``RF_DEVICE`` must name a device of every backend that answers."""
+    value = os.environ.get("RF_DEVICE", "")
+    if value and not value.isdigit():
+        raise pytest.UsageError(f"RF_DEVICE must be a device ordinal (0, 1, ...), got {value!r}")
+    for name in AVAILABLE:
+        count = get_backend(name).num_devices
+        if count <= DEVICE:
+            hint = " (RF_HOST_DEVICES=N gives it N)" if name == "host" else ""
+            raise pytest.UsageError(f"RF_DEVICE={DEVICE}: the {name} backend has {count} "
+                                    f"device(s){hint}")
+
+
+def pytest_report_header(config):
+    return f"rocmforge_raw: every test on device {DEVICE} of {', '.join(AVAILABLE)} (RF_DEVICE)"
+
+
+@pytest.fixture(autouse=True)
+def on_the_chosen_device():
+    """Each test starts with ``DEVICE`` as its thread's device, on every backend."""
+    for name in AVAILABLE:
+        get_backend(name).set_device(DEVICE)
+
+
 def pytest_collection_modifyitems(config, items):
-    """Mark each test that runs on a GPU backend (through ``gpu`` or ``backend``) ``gpu``, so
-    ``pytest -m gpu`` selects the GPU suite (tools/sanitize.sh does); skip the tests marked
-    ``slow`` unless ``--slow`` is given (each has a faster variant that always runs)."""
+    """Mark each test that runs on a GPU backend (through ``gpu``, ``backend`` or
+    ``two_devices``) ``gpu``, so ``pytest -m gpu`` selects the GPU suite (tools/sanitize.sh
+    does); skip the tests marked ``slow`` unless ``--slow`` is given (each has a faster
+    variant that always runs)."""
     skip_slow = pytest.mark.skip(reason="slow (minutes): run with `pytest --slow`")
     for item in items:
         if "slow" in item.keywords and not config.getoption("--slow"):
             item.add_marker(skip_slow)
         params = getattr(item, "callspec", None)
-        if params and any(params.params.get(f) in GPU_BACKENDS for f in ("gpu", "backend")):
+        if params and any(params.params.get(f) in GPU_BACKENDS
+                          for f in ("gpu", "backend", "two_devices")):
             item.add_marker(pytest.mark.gpu)
 
 
@@ -42,6 +84,13 @@ def backend(request):
     reason="no GPU backend answers here"))])
 def gpu(request):
     """Each GPU backend that answers here."""
+    return get_backend(request.param)
+
+
+@pytest.fixture(params=MULTI_DEVICE or [pytest.param(None, marks=pytest.mark.skip(
+    reason="no backend has two devices here (RF_HOST_DEVICES=1, and one GPU or none)"))])
+def two_devices(request):
+    """Each backend that has two devices or more here."""
     return get_backend(request.param)
 
 
@@ -85,4 +134,4 @@ def hip_runtime_without_device():
         pytest.skip("an AMD GPU answers here")
 
 
-__all__ = ["AVAILABLE", "BACKEND_NAMES", "GPU_BACKENDS"]
+__all__ = ["AVAILABLE", "BACKEND_NAMES", "DEVICE", "GPU_BACKENDS", "MULTI_DEVICE"]

@@ -4,6 +4,7 @@ references, a shape row."""
 import time
 
 import pytest
+from conftest import DEVICE
 
 from rocmforge_raw import bench
 
@@ -14,14 +15,14 @@ MiB = 1 << 20
 def test_device_time_excludes_the_hosts_enqueue_time(gpu):
     # 3 ms of host work and no device work: the hold kernel covers the host time, so the
     # events around the region see (almost) nothing, and host_us sees the 3 ms
-    timing = bench.time_ms(gpu, 0, lambda: time.sleep(0.003), iters=5, warmup=2)
+    timing = bench.time_ms(gpu, DEVICE, lambda: time.sleep(0.003), iters=5, warmup=2)
     assert timing.ms < 0.5 and timing.host_us > 2500
 
 
 @pytest.mark.timing
 def test_read_and_copy_bandwidths_are_consistent(gpu):
-    read = bench.read_bandwidth(gpu, 0, nbytes=256 * MiB, iters=5)
-    copy = bench.copy_bandwidth(gpu, 0, nbytes=256 * MiB, iters=5)
+    read = bench.read_bandwidth(gpu, DEVICE, nbytes=256 * MiB, iters=5)
+    copy = bench.copy_bandwidth(gpu, DEVICE, nbytes=256 * MiB, iters=5)
     # a read kernel that skipped its loads would be far above any copy; one that read a
     # byte at a time far below
     assert 0.3 * copy < read < 3 * copy
@@ -29,7 +30,7 @@ def test_read_and_copy_bandwidths_are_consistent(gpu):
 
 def test_an_attention_row_counts_the_bytes_it_read(gpu):
     shape = bench.Shape("T", 3, 300, 8, 2, "f16")
-    (row,) = bench.bench_attention(gpu, 0, copy_gbs=1000.0, iters=3, shapes=(shape,),
+    (row,) = bench.bench_attention(gpu, DEVICE, copy_gbs=1000.0, iters=3, shapes=(shape,),
                                    read_gbs=2000.0)
     kv_bytes = 3 * 300 * 2 * 128 * 2 * 2  # tokens x kv heads x head_dim x 2 bytes x (K, V)
     assert row["bytes"] == kv_bytes + 2 * 3 * 8 * 128 * 2
@@ -71,7 +72,7 @@ def test_the_cache_row_times_append_and_batch_apart():
 def test_a_step_row_times_each_variant(gpu):
     from rocmforge_raw.bench_step import VARIANTS, StepShape, bench_step
 
-    row = bench_step(gpu, 0, StepShape(4, 256, layers=2), steps=4, warmup=2)
+    row = bench_step(gpu, DEVICE, StepShape(4, 256, layers=2), steps=4, warmup=2)
     for variant in VARIANTS:
         assert row[f"{variant}_step_ms"] > 0 and row[f"{variant}_host_us"] > 0
         assert row[f"{variant}_step_over_kernels"] > 0.5

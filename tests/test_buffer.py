@@ -10,6 +10,7 @@ import textwrap
 
 import numpy as np
 import pytest
+from conftest import DEVICE
 
 import rocmforge_raw as rf
 from rocmforge_raw.errors import BackendUnavailableError, BufferClosedError, OutOfMemoryError
@@ -119,12 +120,12 @@ def test_dropped_buffer_returns_its_bytes(backend):
 
 def test_dropped_buffer_returns_device_memory(gpu):
     size = 512 * MiB
-    free_before, _ = gpu.mem_info(0)
+    free_before, _ = gpu.mem_info(DEVICE)
     buf = rf.HipBuffer(size, backend=gpu)
-    assert gpu.mem_info(0)[0] <= free_before - size
+    assert gpu.mem_info(DEVICE)[0] <= free_before - size
     del buf
     gc.collect()
-    assert gpu.mem_info(0)[0] >= free_before - 64 * MiB
+    assert gpu.mem_info(DEVICE)[0] >= free_before - 64 * MiB
 
 
 def test_ten_thousand_alloc_free_cycles_leave_nothing_live(backend):
@@ -223,7 +224,7 @@ def test_bad_sizes_raise_and_leak_nothing(backend, size, error, words):
 
 
 def test_request_larger_than_the_device_names_the_numbers(backend):
-    total = backend.properties(0).total_bytes
+    total = backend.properties(DEVICE).total_bytes
     before = rf.memory_stats()
     with pytest.raises(OutOfMemoryError) as info:
         rf.HipBuffer(total * 4, backend=backend)

@@ -10,6 +10,7 @@ import time
 import ml_dtypes
 import numpy as np
 import pytest
+from conftest import DEVICE
 
 import rocmforge_raw as rf
 from rocmforge_raw import reference
@@ -143,7 +144,7 @@ def test_bad_configs_are_rejected(kwargs, error, words):
 
 
 def test_config_larger_than_the_device_is_rejected_before_allocating(backend):
-    total = backend.properties(0).total_bytes
+    total = backend.properties(DEVICE).total_bytes
     config = CacheConfig(80, 8, 128, 16, 2 * total // (80 * 2 * 8 * 128 * 16 * 2) + 2)
     before = rf.memory_stats()
     with pytest.raises(rf.OutOfMemoryError, match=str(config.total_bytes)):
@@ -163,9 +164,9 @@ def test_sizes_scale_with_kv_heads_and_layers(layers, heads):
 
 def test_for_memory_uses_a_fraction_of_free_device_memory(backend):
     # free memory may change while the config reads it (other processes): bracket its read
-    before, _ = backend.mem_info(0)
+    before, _ = backend.mem_info(DEVICE)
     config = CacheConfig.for_memory(2, 2, 64, 16, "float16", fraction=0.01, backend=backend)
-    after, _ = backend.mem_info(0)
+    after, _ = backend.mem_info(DEVICE)
     low, high = sorted((before, after))
     assert 0 < config.total_bytes <= high * 0.01
     assert low * 0.01 < config.total_bytes + config.block_bytes

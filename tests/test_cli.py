@@ -11,6 +11,7 @@ from importlib import metadata
 from pathlib import Path
 
 import pytest
+from conftest import DEVICE
 
 from rocmforge_raw.cli import main
 from rocmforge_raw.errors import BackendUnavailableError
@@ -236,6 +237,8 @@ def test_bench_transfer_reports_both_layouts_against_the_copy(capsys):
     consecutive, scattered = result["transfer"]
     for row in (consecutive, scattered):
         assert row["transport"] == "ipc" and row["blocks"] == 128
+        assert (row["sender_device"], row["receiver_device"], row["peer_access"]) == (
+            DEVICE, DEVICE, None)
         assert row["bytes"] == 128 * 16 * 8 * 2 * 8 * 128 * 2  # blocks, tokens, layers, K/V, ...
         assert row["transfer_gb_per_s"] > 0 and row["copy_gb_per_s"] > 0
         assert row["import_gb_per_s"] <= row["transfer_gb_per_s"]
@@ -244,14 +247,34 @@ def test_bench_transfer_reports_both_layouts_against_the_copy(capsys):
     assert (consecutive["spans"], scattered["spans"]) == (2 * 8, 128 * 2 * 8)
 
 
+def test_bench_transfer_from_another_device_adds_peer_rows_against_a_peer_copy(capsys):
+    """The host backend's two logical devices: the sender process on device 1, the
+    receiver on device 0, then two caches of this process; each row's copy is a peer copy
+    of the same bytes."""
+    code, result = run_json(capsys, "bench", "--transfer", "--backend", "host", "--iters", "1",
+                            "--device", "0", "--from-device", "1")
+    assert code == 0
+    rows = result["transfer"]
+    assert [(r["transport"], r["layout"]) for r in rows] == [
+        ("ipc", "consecutive"), ("ipc", "scattered"), ("peer", "consecutive"),
+        ("peer", "scattered")]
+    for row in rows:
+        assert (row["sender_device"], row["receiver_device"], row["peer_access"]) == (1, 0, True)
+        assert row["blocks"] == 128 and row["copy_gb_per_s"] > 0
+        assert row["pct_of_copy"] == pytest.approx(
+            100 * row["transfer_gb_per_s"] / row["copy_gb_per_s"])
+    assert rows[2]["spans"] == 2 * 8 and rows[3]["spans"] == 128 * 2 * 8
+
+
 def test_bench_transfer_ends_with_the_error_its_sender_process_raised():
     """A sender that fails (here: a device the host backend lacks) ends the run at once,
     naming its error, instead of leaving the receiver waiting for the benchmark's timeout."""
     from rocmforge_raw.bench_transfer import bench_transfer
     from rocmforge_raw.runtime import get_backend
 
-    with pytest.raises(RuntimeError, match=r"(?s)the sender process failed.*device 1 does"):
-        bench_transfer(get_backend("host"), 1, "ipc", 1)
+    absent = get_backend("host").num_devices  # the sender's, in its own process: the same
+    with pytest.raises(RuntimeError, match=rf"(?s)the sender process failed.*device {absent}"):
+        bench_transfer(get_backend("host"), absent, "ipc", 1)
 
 
 # --- what a new user meets first ---------------------------------------------------------------

@@ -11,6 +11,7 @@ import threading
 
 import numpy as np
 import pytest
+from conftest import DEVICE
 
 import rocmforge_raw as rf
 from rocmforge_raw.runtime._alloc import CudaAllocator, HipAllocator
@@ -92,10 +93,10 @@ def test_cuda_allocation_in_a_thread_with_no_current_context(gpu):
 
     def work() -> None:
         fallbacks = gpu.allocator.fallbacks
-        with rf.HipBuffer.from_numpy(np.arange(1000, dtype=np.int32), backend=gpu) as buf:
+        with rf.HipBuffer.from_numpy(np.arange(1000, dtype=np.int32), DEVICE, gpu) as buf:
             result["data"] = buf.to_numpy(np.int32)
         result["first"] = gpu.allocator.fallbacks - fallbacks
-        gpu.allocator.round_trip(1 << 20, 0)  # now current: served in C
+        gpu.allocator.round_trip(1 << 20, DEVICE)  # now current: served in C
         result["then"] = gpu.allocator.fallbacks - fallbacks
 
     thread = threading.Thread(target=work)

@@ -76,8 +76,8 @@ def test_a_capture_is_replayed_only_for_its_members_activations_width_and_work()
 def test_graphs_on_the_host_backend_are_a_clear_error(rng):
     host = rf.get_backend("host")
     for call in (lambda: host.graph_begin(None), lambda: host.graph_end(None),
-                 lambda: host.graph_instantiate(None), lambda: host.graph_launch(None, None),
-                 lambda: host.graph_destroy(None, None)):
+                 lambda: host.graph_instantiate(None, 0), lambda: host.graph_launch(None, None),
+                 lambda: host.graph_destroy(None, None, 0)):
         with pytest.raises(NotImplementedError, match=r"host backend has no graphs.*GPU"):
             call()
     model = Decoder(host, rng, lens=(5, 16))

@@ -8,6 +8,7 @@ import shutil
 import numpy as np
 import pytest
 from code_objects import KERNELS, check_code_object
+from conftest import DEVICE
 
 import rocmforge_raw as rf
 from rocmforge_raw import module
@@ -85,7 +86,7 @@ def test_tiny_kernels_run_on_gpu(gpu, rng):
 
 
 def test_module_load_unload_from_bytes_and_runtime_compile(gpu, tmp_path, monkeypatch, rng):
-    arch = gpu.properties(0).arch
+    arch = gpu.properties(DEVICE).arch
     monkeypatch.setenv("RF_CACHE_DIR", str(tmp_path))
     image = module._compile(gpu, "basic", arch).image
     assert list(tmp_path.rglob("basic.*.bin"))

@@ -8,6 +8,7 @@ import math
 import ml_dtypes
 import numpy as np
 import pytest
+from conftest import DEVICE
 
 import rocmforge_raw as rf
 from rocmforge_raw import ops, planning, reference
@@ -149,15 +150,15 @@ def test_fp8_instances_plan_two_stages_of_codes_at_most_128_tokens_each():
 
 
 def test_each_cuda_attention_instance_fits_the_ctas_its_registers_are_fitted_to(gpu):
-    if gpu.name != "cuda" or gpu.cached_properties(0).arch != "sm_90":
+    if gpu.name != "cuda" or gpu.cached_properties(DEVICE).arch != "sm_90":
         pytest.skip("the CTAs per SM rf_pa_stage fits on sm_90's 228 KiB of shared memory")
-    sms = gpu.cached_properties(0).multiprocessors
+    sms = gpu.cached_properties(DEVICE).multiprocessors
     fp8 = ml_dtypes.float8_e4m3fn
     for dtype, head_dim, group, cache in itertools.product(
             DTYPES, ops.HEAD_DIMS, ops.GROUP_SIZES, (None, fp8)):
         if cache is not None and dtype is np.float32:
             continue  # fp8 caches serve 16-bit activations only
-        found = planning.attention_kernel(gpu, 0, np.dtype(dtype), head_dim, group,
+        found = planning.attention_kernel(gpu, DEVICE, np.dtype(dtype), head_dim, group,
                                           None if cache is None else np.dtype(cache))
         narrow = (cache is None and head_dim * np.dtype(dtype).itemsize ==
                   planning.NARROW_ROW_BYTES and group < ops.GROUP_SIZES[-1])

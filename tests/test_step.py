@@ -26,7 +26,7 @@ def _random(rng, shape, dtype, backend):
 
 def _hold(backend, ms, stream=None):
     """Keep ``stream``'s device busy for ``ms`` milliseconds (queued, not waited for)."""
-    load_kernels("basic", 0, backend).function("rf_hold_ns").launch(
+    load_kernels("basic", backend=backend).function("rf_hold_ns").launch(
         1, 32, np.uint64(int(ms * 1e6)), stream=stream)
 
 
@@ -353,7 +353,7 @@ def test_a_staging_ring_grows_while_the_device_lags_and_waits_past_its_depth(gpu
 
 
 def test_a_prepared_launch_patches_pointers_and_floats_per_call(gpu):
-    kernel = load_kernels("basic", 0, gpu).function("rf_fill_f32")
+    kernel = load_kernels("basic", backend=gpu).function("rf_fill_f32")
     with rf.HipBuffer(4096, backend=gpu) as a, rf.HipBuffer(4096, backend=gpu) as b:
         launch = kernel.prepare(4, 256, 0, 2.5, np.uint64(1024), patch=(0,))
         launch(a.ptr)

@@ -14,6 +14,7 @@ import weakref
 
 import numpy as np
 import pytest
+from conftest import DEVICE
 from test_atomicity import cache_state
 from workers import kv, prefill, spawned
 
@@ -33,22 +34,23 @@ def config(num_blocks=32, **changes):
     return CacheConfig(**{**CONFIG, "num_blocks": num_blocks, **changes})
 
 
-def write_prompt(cache, seq_id, tokens, seed):
-    """Prefill: the K/V of ``kv(seed + layer)`` written at the prompt's slots, each layer."""
+def write_prompt(cache, seq_id, tokens, seed, stream=None):
+    """Prefill: the K/V of ``kv(seed + layer)`` written at the prompt's slots, each layer
+    (on ``stream``: None, the cache's)."""
     slots = cache.add_sequence(seq_id, tokens=tokens).slot_mapping
     backend, device = cache.slab.backend, cache.slab.device
     for layer in range(cache.config.num_layers):
         k, v = (DeviceArray.from_numpy(x, device, backend)
                 for x in kv(seed + layer, len(tokens), cache.config))
-        cache.write(layer, k, v, slots)
+        cache.write(layer, k, v, slots, stream=stream)
         k.buffer.close()
         v.buffer.close()
 
 
-def decode_and_check(cache, seq_id, num_tokens, seed):
+def decode_and_check(cache, seq_id, num_tokens, seed, stream=None):
     """One decode step of ``seq_id`` on ``cache`` (a new token, then attention in every
-    layer), each layer's output checked against the reference over the prompt's K/V (from
-    ``kv``) and the new token's."""
+    layer, planned on ``stream``), each layer's output checked against the reference over
+    the prompt's K/V (from ``kv``) and the new token's."""
     c, rng = cache.config, np.random.default_rng(seed + 99)
     backend, device = cache.slab.backend, cache.slab.device
     new = rng.standard_normal((1, c.num_kv_heads, c.head_dim), np.float32)
@@ -58,13 +60,13 @@ def decode_and_check(cache, seq_id, num_tokens, seed):
     dq, dnew = (DeviceArray.from_numpy(x, device, backend) for x in (q, new))
     out = DeviceArray.empty(q.shape, c.activation_dtype, device, backend)
     cache.append([seq_id])
-    plan = cache.batch([seq_id])
+    plan = cache.batch([seq_id], stream=stream)
     for layer in range(c.num_layers):
         cache.write(layer, dnew, dnew, plan)
         cache.attention(layer, out, dq, plan)
         k, v = (np.concatenate([x, new]) for x in kv(seed + layer, num_tokens, c))
         want = _reference(q, k, v, c, layer)
-        got = out.to_numpy().astype(np.float64)
+        got = out.to_numpy(stream=stream).astype(np.float64)
         assert np.linalg.norm(got - want) / np.linalg.norm(want) < 1e-2, layer
     for array in (dq, dnew, out):
         array.buffer.close()
@@ -285,7 +287,7 @@ def test_a_prefill_process_hands_a_sequence_to_a_decode_process(backend, transpo
         link = IpcTransport()
     cfg = config(dtype="bfloat16")
     with link, KvCache(cfg, backend=backend) as cache, \
-            spawned(prefill, backend.name, transport, cfg, 90, 11) as worker:
+            spawned(prefill, backend.name, DEVICE, transport, cfg, 90, 11) as worker:
         desc = worker.receive()
         assert desc.block_ids[0] == 4  # after the prefill side's 3 warm-up blocks
         done = cache.import_sequence(desc, link)
@@ -387,14 +389,59 @@ def test_the_installed_mooncake_build_says_which_memory_it_reaches():
     assert got == reaches[dist]
 
 
-def test_a_sequence_moves_between_caches_on_two_devices(gpu):
-    """Peer copies between two GPUs (staged through host memory by the runtime where the two
-    have no peer access)."""
-    if gpu.num_devices < 2:
-        pytest.skip(f"the {gpu.name} backend has one device")
-    with KvCache(config(), 0, gpu) as src, KvCache(config(), 1, gpu) as dst, \
+@pytest.mark.parametrize("fp8", [False, True], ids=["float16", "fp8"])
+@pytest.mark.parametrize("sender, receiver", [(0, 1), (1, 0)], ids=["0to1", "1to0"])
+def test_a_sequence_moves_between_caches_on_two_devices(two_devices, sender, receiver, fp8):
+    """Peer copies between two devices, on the receiving cache's own stream (direct where
+    the devices have peer access, staged through host memory by the runtime where not):
+    the receiver decodes like the reference, the sender too, and a second prompt sharing
+    the first's prefix moves only what the receiver lacks."""
+    backend, extra = two_devices, FP8 if fp8 else {}
+    with rf.Stream(receiver, backend) as stream, \
+            KvCache(config(**extra), sender, backend) as src, \
+            KvCache(config(num_blocks=20, **extra), receiver, backend, stream=stream) as dst, \
             PeerTransport() as link:
         link.publish(src.slab)
+        src.add_sequence("other", num_tokens=40)  # the blocks' ids differ on the two sides
         write_prompt(src, "prompt", np.arange(70), seed=2)
-        assert dst.import_sequence(src.export_sequence("prompt"), link).blocks_moved == 5
+        done = dst.import_sequence(src.export_sequence("prompt"), link)
+        assert (done.blocks_moved, done.nbytes) == (5, 5 * src.config.block_bytes)
+        assert isinstance(backend.peer_access(receiver, sender), bool)
         decode_and_check(dst, "prompt", 70, seed=2)
+        decode_and_check(src, "prompt", 70, seed=2)
+        src.add_sequence("again", tokens=np.concatenate([np.arange(48), [9] * 10]))
+        done = dst.import_sequence(src.export_sequence("again"), link)
+        assert (done.blocks_shared, done.blocks_moved) == (3, 1)  # 48 shared tokens
+        dst.check_invariants()
+        assert (src.slab.device, dst.slab.device) == (sender, receiver)
+
+
+@pytest.mark.parametrize("sender, receiver", [(0, 1), (1, 0)], ids=["0to1", "1to0"])
+def test_a_prefill_process_on_one_device_hands_a_sequence_to_a_decoder_on_another(
+        two_devices, sender, receiver):
+    """IPC between two processes on two devices: the decoder maps the prefill side's slab
+    (on its device) and peer-copies the blocks into its own; they attend like the
+    reference."""
+    from rocmforge_raw.transport import IpcTransport
+
+    backend, cfg = two_devices, config(dtype="bfloat16")
+    with IpcTransport() as link, KvCache(cfg, receiver, backend) as cache, \
+            spawned(prefill, backend.name, sender, "ipc", cfg, 90, 11) as worker:
+        desc = worker.receive()
+        assert desc.endpoints["ipc"].device == sender
+        done = cache.import_sequence(desc, link)
+        assert done.blocks_moved == 6
+        worker.send("done")
+        assert worker.receive() == 3
+        decode_and_check(cache, "prompt", 90, seed=11)
+        cache.check_invariants()
+
+
+def test_peer_access_is_asked_once_per_pair_and_is_true_within_a_device(two_devices):
+    backend = two_devices
+    for device in (0, 1):
+        assert backend.peer_access(device, device) is True
+    first = backend.peer_access(0, 1)
+    assert backend.peer_access(0, 1) is first and isinstance(first, bool)
+    with pytest.raises(rf.BackendUnavailableError, match="device 64"):
+        backend.peer_access(0, 64)

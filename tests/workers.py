@@ -60,10 +60,23 @@ def spawned(target: Any, *args: Any) -> Iterator[Worker]:
 
 def _guarded(target: Any, args: tuple, conn: Any) -> None:
     try:
+        _on_the_suites_device()
         target(*args, conn)
     except BaseException:
         conn.send(("error", traceback.format_exc()))
         raise
+
+
+def _on_the_suites_device() -> None:
+    """A worker makes what names no device on the suite's device (``RF_DEVICE``, as
+    conftest does for the tests): each backend that answers starts there."""
+    device = os.environ.get("RF_DEVICE", "")
+    if device.isdigit() and int(device):
+        from rocmforge_raw import available_backends, get_backend
+
+        for name, status in available_backends().items():
+            if status == "ok":
+                get_backend(name).set_device(int(device))
 
 
 # --- IPC ---------------------------------------------------------------------------------------
@@ -163,22 +176,23 @@ def kv(seed: int, num_tokens: int, config: Any) -> tuple[np.ndarray, np.ndarray]
                  for _ in range(2))
 
 
-def prefill(backend: str, transport: str, config: Any, num_tokens: int, seed: int,
-            conn: Any) -> None:
-    """The prefill side: a cache whose slab is published through ``transport``, a prompt
-    written layer by layer (K/V from ``kv(seed + layer)``), its description sent; then it
-    waits for "done" to finish the sequence, close the cache and stop the transport."""
+def prefill(backend: str, device: int, transport: str, config: Any, num_tokens: int,
+            seed: int, conn: Any) -> None:
+    """The prefill side: a cache on ``device`` whose slab is published through
+    ``transport``, a prompt written layer by layer (K/V from ``kv(seed + layer)``), its
+    description sent; then it waits for "done" to finish the sequence, close the cache and
+    stop the transport."""
     from rocmforge_raw import DeviceArray
     from rocmforge_raw.cache import KvCache
     from rocmforge_raw.transport import IpcTransport, MooncakeTransport
 
     link = IpcTransport() if transport == "ipc" else MooncakeTransport("127.0.0.1")
-    with link, KvCache(config, backend=backend, shareable=transport == "ipc") as cache:
+    with link, KvCache(config, device, backend, shareable=transport == "ipc") as cache:
         link.publish(cache.slab)
         cache.add_sequence("warm-up", num_tokens=3 * config.block_size)  # blocks differ
         slots = cache.add_sequence("prompt", tokens=np.arange(num_tokens)).slot_mapping
         for layer in range(config.num_layers):
-            k, v = (DeviceArray.from_numpy(x, backend=backend)
+            k, v = (DeviceArray.from_numpy(x, device, backend)
                     for x in kv(seed + layer, num_tokens, config))
             cache.write(layer, k, v, slots)
             k.buffer.close()

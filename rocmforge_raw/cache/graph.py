@@ -94,7 +94,7 @@ class StepGraph:
                 raise self.backend.no_graphs()
             if not meta.seq_ids:
                 raise ValueError("the batch has no sequences: a graph of no step")
-            self.backend.set_device(self.device)  # graph calls need the device current
+            self.backend.activate(self.device)  # the graph calls' device; the thread's stays
             layers = list(layers)
             if len(layers) != cache.config.num_layers or not all(
                     isinstance(layer, tuple) and len(layer) == 4 for layer in layers):
@@ -165,7 +165,7 @@ class StepGraph:
                                                     first_seq),
                 shared_bytes=plan.shared_bytes, stream=capture, patch=ATTENTION_PATCH)
             graph = self._record(capture, write, attention, layers)
-            executable = self.backend.graph_instantiate(graph)
+            executable = self.backend.graph_instantiate(graph, self.device)
         except BaseException:
             self._retire(graph, None)
             raise
@@ -230,7 +230,7 @@ class StepGraph:
             if wait or fence.passed():
                 fence.wait()
                 fence.close()
-                self.backend.graph_destroy(graph, executable)
+                self.backend.graph_destroy(graph, executable, self.device)
             else:
                 keep.append((fence, graph, executable))
         self._retired = keep

@@ -205,7 +205,7 @@ class HostTier:
         cut = np.flatnonzero((np.diff(dev) != 1) | (np.diff(host) != 1)) + 1
         starts = np.concatenate([[0], cut])
         lengths = np.diff(np.append(starts, dev.size))
-        chunk, handle = self.chunk, stream_handle(stream)
+        chunk, handle = self.chunk, stream_handle(stream, "stream", self.backend, self.device)
         dev_pitch, host_pitch = self.slab_blocks * chunk, self.num_blocks * chunk
         rows = 1 if max(dev_pitch, host_pitch) > MAX_PITCH else self.planes
         for start, length in zip(starts.tolist(), lengths.tolist()):

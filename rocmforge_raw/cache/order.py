@@ -52,12 +52,13 @@ class StreamOrder:
             if self.backend.event_query(self._copied.handle):
                 self._pending = False
             else:
-                self.backend.stream_wait_event(stream_handle(stream), self._copied.handle)
+                self.backend.stream_wait_event(
+                    stream_handle(stream, "stream", self.backend, self.device),
+                    self._copied.handle)
 
     def before_copies(self, stream: Stream | None) -> None:
         """Copies are about to be queued on ``stream``: it waits for the others' work."""
-        self.backend.set_device(self.device)  # the copies run in the calling thread
-        handle = stream_handle(stream)
+        handle = stream_handle(stream, "stream", self.backend, self.device)  # activates it
         for other in self._streams.values():
             if other is stream:
                 continue

@@ -106,7 +106,11 @@ def default_backend() -> Backend:
             if forced:
                 _default = get_backend(forced)
             else:
-                _default = next(b for b in map(_try, BACKEND_NAMES) if b is not None)
+                found = next((b for b in map(_try, BACKEND_NAMES) if b is not None), None)
+                if found is None:  # the host answers unless RF_HOST_DEVICES is wrong
+                    raise BackendUnavailableError("no backend answers: " + "; ".join(
+                        f"{name}: {why}" for name, why in available_backends().items()))
+                _default = found
             _log.info("default backend: %s%s", _default.name,
                       f" (RF_BACKEND={forced})" if forced else "")
         return _default

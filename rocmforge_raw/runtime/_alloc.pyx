@@ -97,17 +97,20 @@ cdef class HookAllocator(Allocator):
 
 
 cdef class HostAllocator(BackendAllocator):
-    """libc ``posix_memalign``/``free`` with the host backend's alignment, device 0 only."""
+    """libc ``posix_memalign``/``free`` with the host backend's alignment, for its ``count``
+    logical devices (one memory)."""
 
     cdef size_t alignment
+    cdef int count
 
-    def __init__(self, backend, size_t alignment):
+    def __init__(self, backend, size_t alignment, int count=1):
         self.backend = backend
         self.alignment = alignment
+        self.count = count
 
     cdef bint fast_alloc(self, size_t nbytes, int device, uintptr_t* ptr) noexcept:
         cdef void* p = NULL
-        if device != 0 or posix_memalign(&p, self.alignment, nbytes) != 0:
+        if not 0 <= device < self.count or posix_memalign(&p, self.alignment, nbytes) != 0:
             return False
         ptr[0] = <uintptr_t>p
         return True

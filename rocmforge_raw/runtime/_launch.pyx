@@ -9,8 +9,8 @@ up to four pointer arguments into the slots named at construction (``patch``) an
 through the binding's C entry point (cuda-python's ``cydriver``, hip-python's ``cyhip``),
 taken from its ``__pyx_capi__`` as the allocators take theirs. Where that path cannot serve
 (the device is not current in this thread, the binding has no C layer, a failed status) it
-makes the device current and calls the backend's Python ``launch``, which raises
-``DeviceError`` with the status: errors are reported in one place, the backend file.
+activates the device (``Backend.activate``) and calls the backend's Python ``launch``, which
+raises ``DeviceError`` with the status: errors are reported in one place, the backend file.
 
 This is the per-layer path of a decode step, so it holds no Python objects on the way to the
 driver. A ``Launch`` is not locked: one thread at a time (the KV cache's lock).
@@ -115,7 +115,7 @@ cdef class Launch:
                                 self.shared_bytes, self.c_stream, self.params, NULL)):
             return
         self.fallbacks += 1
-        self.backend.set_device(self.device)
+        self.backend.activate(self.device)
         self.backend.launch(self.function, tuple(self.grid), tuple(self.block),
                             self.shared_bytes, self.stream, <uintptr_t>self.params)
 

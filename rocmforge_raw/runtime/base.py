@@ -9,10 +9,12 @@ objects owned by the backend that created them. A stream argument of ``None`` me
 
 from __future__ import annotations
 
+import threading
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar
 
 from .. import checks
 from ..errors import BackendUnavailableError
@@ -38,6 +40,9 @@ class DeviceProperties:
 MAX_PITCH = (1 << 31) - 1
 
 
+_T = TypeVar("_T")
+
+
 class Backend(ABC):
     """One runtime. Implementations are short: each method is one or two binding calls."""
 
@@ -51,9 +56,29 @@ class Backend(ABC):
     @abstractmethod
     def properties(self, device: int) -> DeviceProperties: ...
     @abstractmethod
-    def set_device(self, device: int) -> None: ...
+    def set_device(self, device: int) -> None:
+        """Make ``device`` this thread's device: what ``device=None`` means here from now."""
     @abstractmethod
-    def get_device(self) -> int: ...
+    def get_device(self) -> int:
+        """This thread's device (``set_device``; 0 in a thread that never set one)."""
+    def activate(self, device: int) -> None:
+        """Make ``device`` the one the binding's implicit calls (its default stream, its C
+        entry points) address in this thread, leaving ``get_device()`` as it is. Each method
+        that takes a device does this itself."""
+        return None
+
+    def restoring(self, device: int, call: Callable[[], _T]) -> _T:
+        """``call()`` with ``device`` active, then the thread's earlier active device again
+        (``activate``): what finalizers call leaves the calling thread as it found it."""
+        self.activate(device)
+        return call()
+
+    @abstractmethod
+    def peer_access(self, device: int, peer: int) -> bool:
+        """Let ``device`` reach ``peer``'s memory directly (peer copies over NVLink, xGMI or
+        PCIe instead of through host memory) where the two allow it, once per pair: True
+        if that access is on, False where they have none (``memcpy_peer`` still works:
+        the runtime stages it through host memory). True for ``device == peer``."""
     @abstractmethod
     def mem_info(self, device: int) -> tuple[int, int]:
         """(free bytes, total bytes) of ``device``."""
@@ -174,17 +199,19 @@ class Backend(ABC):
         """Stop capturing ``stream``; returns the graph of what was recorded."""
         raise self.no_graphs()
 
-    def graph_instantiate(self, graph: Any) -> Any:
-        """An executable of ``graph`` (its launches' arguments fixed as recorded)."""
+    def graph_instantiate(self, graph: Any, device: int) -> Any:
+        """An executable of ``graph`` on ``device`` (its launches' arguments fixed as
+        recorded)."""
         raise self.no_graphs()
 
     def graph_launch(self, executable: Any, stream: Any) -> None:
-        """Queue every launch of ``executable`` on ``stream`` (None: the default stream)."""
+        """Queue every launch of ``executable`` on ``stream`` (None: the default stream),
+        a stream of the device it was instantiated on, which is active (``activate``)."""
         raise self.no_graphs()
 
-    def graph_destroy(self, graph: Any, executable: Any) -> None:
-        """Destroy an executable (None: there is none) and its graph (work already queued
-        still runs)."""
+    def graph_destroy(self, graph: Any, executable: Any, device: int) -> None:
+        """Destroy an executable (None: there is none) and its graph, of ``device`` (work
+        already queued still runs), leaving the thread's active device as it was."""
         raise self.no_graphs()
 
     def no_graphs(self) -> Exception:
@@ -232,6 +259,10 @@ class Backend(ABC):
                 f"{self.num_devices} device(s)")
         return number
 
+    def dlpack_device(self, device: int) -> tuple[int, int]:
+        """DLPack's ``(device_type, device_id)`` of memory on ``device``."""
+        return self.dlpack_device_type, device
+
     def cached_properties(self, device: int) -> DeviceProperties:
         """``properties(device)``, asked once per device (they do not change)."""
         cache: dict[int, DeviceProperties] = self.__dict__.setdefault("_properties", {})
@@ -253,6 +284,51 @@ class Backend(ABC):
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name}>"
+
+
+class ThreadDevices:
+    """The per-thread device state of a backend, as CUDA and HIP keep it: the device a
+    thread chose (``set_device``; 0 until it chooses), which ``device=None`` means, and the
+    device the binding's implicit calls address now (``activate``), which work on another
+    device switches without touching the choice. So a finalizer that frees another
+    device's memory, or an operation on another device, never moves where a thread's next
+    ``HipBuffer(n)`` lands. A subclass provides ``_make_current`` (the binding's call) and
+    sets ``self._local = threading.local()``."""
+
+    _local: threading.local
+
+    def _make_current(self, device: int) -> None:
+        raise NotImplementedError
+
+    def activate(self, device: int) -> None:
+        local = self._local
+        if getattr(local, "device", None) != device:
+            local.device = device  # first: a finalizer run in between gives this one back
+            try:
+                self._make_current(device)
+            except BaseException:
+                local.device = None  # unknown: the next activation sets it again
+                raise
+
+    def set_device(self, device: int) -> None:
+        self.activate(device)
+        self._local.chosen = device
+
+    def get_device(self) -> int:
+        chosen: int = getattr(self._local, "chosen", 0)
+        return chosen
+
+    def restoring(self, device: int, call: Callable[[], _T]) -> _T:
+        """``call()`` with ``device`` active, then the thread's earlier active device again:
+        what finalizers call (frees, destroys, unloads, unmaps) leaves the calling thread
+        as it found it, whatever device the memory or handle was on."""
+        before = getattr(self._local, "device", None)
+        self.activate(device)
+        try:
+            return call()
+        finally:
+            if before is not None and before != device:
+                self.activate(before)
 
 
 def unwrap(api: str, result: Any, success: Any, describe: Any) -> Any:

@@ -18,7 +18,7 @@ from ..errors import (
 )
 from ._alloc import Allocator, CudaAllocator
 from ._launch import LaunchApi
-from .base import Backend, DeviceProperties, as_text, unwrap
+from .base import Backend, DeviceProperties, ThreadDevices, as_text, unwrap
 
 try:
     from cuda.bindings import driver as cu
@@ -43,7 +43,7 @@ def check(api: str, result: Any) -> Any:
     return unwrap(api, result, _SUCCESS, _describe)
 
 
-class CudaBackend(Backend):
+class CudaBackend(ThreadDevices, Backend):
     name = "cuda"
     dlpack_device_type = 2  # kDLCUDA
 
@@ -59,6 +59,7 @@ class CudaBackend(Backend):
         self._lock = threading.Lock()
         self._local = threading.local()
         self._shared_raised: set[tuple[int, int]] = set()
+        self._peers: dict[tuple[int, int], bool] = {}
 
     def _context(self, device: int) -> Any:
         with self._lock:
@@ -74,10 +75,8 @@ class CudaBackend(Backend):
                     self.allocator.set_context(device, int(context))
             return self._contexts[device]
 
-    def _activate(self, device: int) -> None:
-        if getattr(self._local, "device", None) != device:
-            check("cuCtxSetCurrent", cu.cuCtxSetCurrent(self._context(device)))
-            self._local.device = device
+    def _make_current(self, device: int) -> None:
+        check("cuCtxSetCurrent", cu.cuCtxSetCurrent(self._context(device)))
 
     def device_count(self) -> int:
         return self._count
@@ -101,23 +100,17 @@ class CudaBackend(Backend):
             warp_size=get(attr.CU_DEVICE_ATTRIBUTE_WARP_SIZE),
         )
 
-    def set_device(self, device: int) -> None:
-        self._activate(device)
-
-    def get_device(self) -> int:
-        return getattr(self._local, "device", 0)
-
     def mem_info(self, device: int) -> tuple[int, int]:
-        self._activate(device)
+        self.activate(device)
         free, total = check("cuMemGetInfo", cu.cuMemGetInfo())
         return int(free), int(total)
 
     def synchronize(self, device: int) -> None:
-        self._activate(device)
+        self.activate(device)
         check("cuCtxSynchronize", cu.cuCtxSynchronize())
 
     def malloc(self, nbytes: int, device: int) -> int:
-        self._activate(device)
+        self.activate(device)
         status, ptr = cu.cuMemAlloc(nbytes)
         if status != _SUCCESS:  # the hot path skips check()'s generality, not its errors
             if status == _OOM:
@@ -128,10 +121,7 @@ class CudaBackend(Backend):
         return int(ptr)
 
     def free(self, ptr: int, device: int) -> None:
-        self._activate(device)
-        (status,) = cu.cuMemFree(ptr)
-        if status != _SUCCESS:
-            check("cuMemFree", (status,))
+        check("cuMemFree", self.restoring(device, lambda: cu.cuMemFree(ptr)))
 
     def make_allocator(self) -> Allocator:
         try:
@@ -153,13 +143,12 @@ class CudaBackend(Backend):
             return None
 
     def host_alloc(self, nbytes: int, device: int) -> int:
-        self._activate(device)
+        self.activate(device)
         portable = 1  # CU_MEMHOSTALLOC_PORTABLE: page-locked for every context
         return int(check("cuMemHostAlloc", cu.cuMemHostAlloc(nbytes, portable)))
 
     def host_free(self, ptr: int, device: int) -> None:
-        self._activate(device)
-        check("cuMemFreeHost", cu.cuMemFreeHost(ptr))
+        check("cuMemFreeHost", self.restoring(device, lambda: cu.cuMemFreeHost(ptr)))
 
     def memcpy_htod(self, dst: int, src_host: int, nbytes: int, stream: Any = None) -> None:
         if stream is None:
@@ -210,15 +199,31 @@ class CudaBackend(Backend):
     def memcpy_peer(self, dst: int, dst_device: int, src: int, src_device: int, nbytes: int,
                     stream: Any = None) -> None:
         dst_ctx, src_ctx = self._context(dst_device), self._context(src_device)
-        self._activate(dst_device)
+        self.activate(dst_device)
         if stream is None:
             check("cuMemcpyPeer", cu.cuMemcpyPeer(dst, dst_ctx, src, src_ctx, nbytes))
         else:
             check("cuMemcpyPeerAsync",
                   cu.cuMemcpyPeerAsync(dst, dst_ctx, src, src_ctx, nbytes, stream))
 
+    def peer_access(self, device: int, peer: int) -> bool:
+        key = (device, peer)
+        if key not in self._peers:
+            peer_context = self._context(peer)
+            self._context(device)  # both exist, else BackendUnavailableError
+            handle, peer_handle = (check("cuDeviceGet", cu.cuDeviceGet(d)) for d in key)
+            allowed = device == peer or bool(check(
+                "cuDeviceCanAccessPeer", cu.cuDeviceCanAccessPeer(handle, peer_handle)))
+            if allowed and device != peer:
+                self.activate(device)
+                (status,) = cu.cuCtxEnablePeerAccess(peer_context, 0)
+                if status != cu.CUresult.CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED:
+                    check("cuCtxEnablePeerAccess", (status,))
+            self._peers[key] = allowed
+        return self._peers[key]
+
     def ipc_handle(self, ptr: int, device: int) -> bytes:
-        self._activate(device)
+        self.activate(device)
         handle = check("cuIpcGetMemHandle", cu.cuIpcGetMemHandle(ptr))
         # opaque since cuda-bindings 13.4 (no .reserved): its 64 bytes read in place
         return ctypes.string_at(handle.getPtr(), int(cu.CU_IPC_HANDLE_SIZE))
@@ -227,34 +232,32 @@ class CudaBackend(Backend):
         if len(handle) != int(cu.CU_IPC_HANDLE_SIZE):
             raise ValueError(f"a CUDA IPC handle is {int(cu.CU_IPC_HANDLE_SIZE)} bytes, got "
                              f"{len(handle)}")
-        self._activate(device)
+        self.activate(device)
         native = cu.CUipcMemHandle()
         ctypes.memmove(native.getPtr(), handle, len(handle))
         flags = cu.CUipcMem_flags.CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS
         return int(check("cuIpcOpenMemHandle", cu.cuIpcOpenMemHandle(native, flags)))
 
     def ipc_close(self, ptr: int, nbytes: int, device: int) -> None:
-        self._activate(device)
-        check("cuIpcCloseMemHandle", cu.cuIpcCloseMemHandle(ptr))
+        check("cuIpcCloseMemHandle",
+              self.restoring(device, lambda: cu.cuIpcCloseMemHandle(ptr)))
 
     def stream_create(self, device: int) -> Any:
-        self._activate(device)
+        self.activate(device)
         return check("cuStreamCreate", cu.cuStreamCreate(0))
 
     def stream_destroy(self, stream: Any, device: int) -> None:
-        self._activate(device)
-        check("cuStreamDestroy", cu.cuStreamDestroy(stream))
+        check("cuStreamDestroy", self.restoring(device, lambda: cu.cuStreamDestroy(stream)))
 
     def stream_synchronize(self, stream: Any) -> None:
         check("cuStreamSynchronize", cu.cuStreamSynchronize(stream))
 
     def event_create(self, device: int) -> Any:
-        self._activate(device)
+        self.activate(device)
         return check("cuEventCreate", cu.cuEventCreate(0))
 
     def event_destroy(self, event: Any, device: int) -> None:
-        self._activate(device)
-        check("cuEventDestroy", cu.cuEventDestroy(event))
+        check("cuEventDestroy", self.restoring(device, lambda: cu.cuEventDestroy(event)))
 
     def event_record(self, event: Any, stream: Any = None) -> None:
         check("cuEventRecord", cu.cuEventRecord(event, 0 if stream is None else stream))
@@ -278,12 +281,11 @@ class CudaBackend(Backend):
         return float(check("cuEventElapsedTime", elapsed(start, end)))
 
     def module_load(self, image: bytes, device: int) -> Any:
-        self._activate(device)
+        self.activate(device)
         return check("cuModuleLoadData", cu.cuModuleLoadData(image))
 
     def module_unload(self, module: Any, device: int) -> None:
-        self._activate(device)
-        check("cuModuleUnload", cu.cuModuleUnload(module))
+        check("cuModuleUnload", self.restoring(device, lambda: cu.cuModuleUnload(module)))
 
     def module_function(self, module: Any, name: str) -> Any:
         return check("cuModuleGetFunction", cu.cuModuleGetFunction(module, name.encode()))
@@ -311,16 +313,18 @@ class CudaBackend(Backend):
     def graph_end(self, stream: Any) -> Any:
         return check("cuStreamEndCapture", cu.cuStreamEndCapture(stream))
 
-    def graph_instantiate(self, graph: Any) -> Any:
+    def graph_instantiate(self, graph: Any, device: int) -> Any:
+        self.activate(device)
         return check("cuGraphInstantiate", cu.cuGraphInstantiate(graph, 0))
 
     def graph_launch(self, executable: Any, stream: Any) -> None:
         check("cuGraphLaunch", cu.cuGraphLaunch(executable, 0 if stream is None else stream))
 
-    def graph_destroy(self, graph: Any, executable: Any) -> None:
+    def graph_destroy(self, graph: Any, executable: Any, device: int) -> None:
         if executable is not None:
-            check("cuGraphExecDestroy", cu.cuGraphExecDestroy(executable))
-        check("cuGraphDestroy", cu.cuGraphDestroy(graph))
+            check("cuGraphExecDestroy",
+                  self.restoring(device, lambda: cu.cuGraphExecDestroy(executable)))
+        check("cuGraphDestroy", self.restoring(device, lambda: cu.cuGraphDestroy(graph)))
 
     def max_active_blocks(self, function: Any, threads: int, shared_bytes: int) -> int:
         self.allow_shared(function, shared_bytes)

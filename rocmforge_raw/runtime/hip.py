@@ -18,7 +18,7 @@ from ..errors import (
 )
 from ._alloc import Allocator, HipAllocator
 from ._launch import LaunchApi
-from .base import Backend, DeviceProperties, as_text, unwrap
+from .base import Backend, DeviceProperties, ThreadDevices, as_text, unwrap
 
 try:
     from hip import hip, hiprtc
@@ -41,7 +41,7 @@ def check(api: str, result: Any) -> Any:
     return unwrap(api, result, _SUCCESS, _describe)
 
 
-class HipBackend(Backend):
+class HipBackend(ThreadDevices, Backend):
     name = "hip"
     dlpack_device_type = 10  # kDLROCM
 
@@ -53,21 +53,23 @@ class HipBackend(Backend):
         if self._count == 0:
             raise BackendUnavailableError("the HIP runtime reports no device")
         self._local = threading.local()
+        self._peers: dict[tuple[int, int], bool] = {}
 
-    def _activate(self, device: int) -> None:
-        if getattr(self._local, "device", None) != device:
-            if not 0 <= device < self._count:
-                raise BackendUnavailableError(
-                    f"HIP device {device} does not exist: {self._count} device(s) present"
-                )
-            check("hipSetDevice", hip.hipSetDevice(device))
-            self._local.device = device
+    def _check_device(self, device: int) -> None:
+        if not 0 <= device < self._count:
+            raise BackendUnavailableError(
+                f"HIP device {device} does not exist: {self._count} device(s) present"
+            )
+
+    def _make_current(self, device: int) -> None:
+        self._check_device(device)
+        check("hipSetDevice", hip.hipSetDevice(device))
 
     def device_count(self) -> int:
         return self._count
 
     def properties(self, device: int) -> DeviceProperties:
-        self._activate(device)
+        self.activate(device)
         attr = hip.hipDeviceAttribute_t
 
         def get(a: Any) -> int:
@@ -82,23 +84,17 @@ class HipBackend(Backend):
             warp_size=get(attr.hipDeviceAttributeWarpSize),
         )
 
-    def set_device(self, device: int) -> None:
-        self._activate(device)
-
-    def get_device(self) -> int:
-        return getattr(self._local, "device", 0)
-
     def mem_info(self, device: int) -> tuple[int, int]:
-        self._activate(device)
+        self.activate(device)
         free, total = check("hipMemGetInfo", hip.hipMemGetInfo())
         return int(free), int(total)
 
     def synchronize(self, device: int) -> None:
-        self._activate(device)
+        self.activate(device)
         check("hipDeviceSynchronize", hip.hipDeviceSynchronize())
 
     def malloc(self, nbytes: int, device: int) -> int:
-        self._activate(device)
+        self.activate(device)
         status, ptr = hip.hipMalloc(nbytes)
         if status != _SUCCESS:  # the hot path skips check()'s generality, not its errors
             if status == _OOM:
@@ -109,10 +105,7 @@ class HipBackend(Backend):
         return int(ptr)
 
     def free(self, ptr: int, device: int) -> None:
-        self._activate(device)
-        (status,) = hip.hipFree(ptr)
-        if status != _SUCCESS:
-            check("hipFree", (status,))
+        check("hipFree", self.restoring(device, lambda: hip.hipFree(ptr)))
 
     def make_allocator(self) -> Allocator:
         try:  # hip-python's C layer: rocm.bindings.cyhip since 10.0, hip.chip before
@@ -140,13 +133,12 @@ class HipBackend(Backend):
             return None
 
     def host_alloc(self, nbytes: int, device: int) -> int:
-        self._activate(device)
+        self.activate(device)
         portable = 1  # hipHostMallocPortable: page-locked for every device
         return int(check("hipHostMalloc", hip.hipHostMalloc(nbytes, portable)))
 
     def host_free(self, ptr: int, device: int) -> None:
-        self._activate(device)
-        check("hipHostFree", hip.hipHostFree(ptr))
+        check("hipHostFree", self.restoring(device, lambda: hip.hipHostFree(ptr)))
 
     def _copy(self, dst: int, src: int, nbytes: int, kind: Any, stream: Any) -> None:
         if stream is None:
@@ -185,15 +177,30 @@ class HipBackend(Backend):
 
     def memcpy_peer(self, dst: int, dst_device: int, src: int, src_device: int, nbytes: int,
                     stream: Any = None) -> None:
-        self._activate(dst_device)
+        self.activate(dst_device)
         if stream is None:
             check("hipMemcpyPeer", hip.hipMemcpyPeer(dst, dst_device, src, src_device, nbytes))
         else:
             check("hipMemcpyPeerAsync", hip.hipMemcpyPeerAsync(
                 dst, dst_device, src, src_device, nbytes, stream))
 
+    def peer_access(self, device: int, peer: int) -> bool:
+        key = (device, peer)
+        if key not in self._peers:
+            for d in key:  # both exist, else BackendUnavailableError
+                self._check_device(d)
+            allowed = device == peer or bool(check(
+                "hipDeviceCanAccessPeer", hip.hipDeviceCanAccessPeer(device, peer)))
+            if allowed and device != peer:
+                self.activate(device)
+                (status,) = hip.hipDeviceEnablePeerAccess(peer, 0)
+                if status != hip.hipError_t.hipErrorPeerAccessAlreadyEnabled:
+                    check("hipDeviceEnablePeerAccess", (status,))
+            self._peers[key] = allowed
+        return self._peers[key]
+
     def ipc_handle(self, ptr: int, device: int) -> bytes:
-        self._activate(device)
+        self.activate(device)
         handle = check("hipIpcGetMemHandle", hip.hipIpcGetMemHandle(ptr))
         return ctypes.string_at(handle.as_c_void_p().value, handle.c_sizeof())
 
@@ -201,33 +208,31 @@ class HipBackend(Backend):
         native = hip.hipIpcMemHandle_t()
         if len(handle) != native.c_sizeof():
             raise ValueError(f"a HIP IPC handle is {native.c_sizeof()} bytes, got {len(handle)}")
-        self._activate(device)
+        self.activate(device)
         ctypes.memmove(native.as_c_void_p().value, handle, len(handle))
         return int(check("hipIpcOpenMemHandle", hip.hipIpcOpenMemHandle(
             native, hip.hipIpcMemLazyEnablePeerAccess)))
 
     def ipc_close(self, ptr: int, nbytes: int, device: int) -> None:
-        self._activate(device)
-        check("hipIpcCloseMemHandle", hip.hipIpcCloseMemHandle(ptr))
+        check("hipIpcCloseMemHandle",
+              self.restoring(device, lambda: hip.hipIpcCloseMemHandle(ptr)))
 
     def stream_create(self, device: int) -> Any:
-        self._activate(device)
+        self.activate(device)
         return check("hipStreamCreate", hip.hipStreamCreate())
 
     def stream_destroy(self, stream: Any, device: int) -> None:
-        self._activate(device)
-        check("hipStreamDestroy", hip.hipStreamDestroy(stream))
+        check("hipStreamDestroy", self.restoring(device, lambda: hip.hipStreamDestroy(stream)))
 
     def stream_synchronize(self, stream: Any) -> None:
         check("hipStreamSynchronize", hip.hipStreamSynchronize(stream))
 
     def event_create(self, device: int) -> Any:
-        self._activate(device)
+        self.activate(device)
         return check("hipEventCreate", hip.hipEventCreate())
 
     def event_destroy(self, event: Any, device: int) -> None:
-        self._activate(device)
-        check("hipEventDestroy", hip.hipEventDestroy(event))
+        check("hipEventDestroy", self.restoring(device, lambda: hip.hipEventDestroy(event)))
 
     def event_record(self, event: Any, stream: Any = None) -> None:
         check("hipEventRecord", hip.hipEventRecord(event, stream))
@@ -249,12 +254,11 @@ class HipBackend(Backend):
         return float(check("hipEventElapsedTime", hip.hipEventElapsedTime(start, end)))
 
     def module_load(self, image: bytes, device: int) -> Any:
-        self._activate(device)
+        self.activate(device)
         return check("hipModuleLoadData", hip.hipModuleLoadData(image))
 
     def module_unload(self, module: Any, device: int) -> None:
-        self._activate(device)
-        check("hipModuleUnload", hip.hipModuleUnload(module))
+        check("hipModuleUnload", self.restoring(device, lambda: hip.hipModuleUnload(module)))
 
     def module_function(self, module: Any, name: str) -> Any:
         return check("hipModuleGetFunction", hip.hipModuleGetFunction(module, name.encode()))
@@ -271,16 +275,18 @@ class HipBackend(Backend):
     def graph_end(self, stream: Any) -> Any:
         return check("hipStreamEndCapture", hip.hipStreamEndCapture(stream))
 
-    def graph_instantiate(self, graph: Any) -> Any:
+    def graph_instantiate(self, graph: Any, device: int) -> Any:
+        self.activate(device)
         return check("hipGraphInstantiateWithFlags", hip.hipGraphInstantiateWithFlags(graph, 0))
 
     def graph_launch(self, executable: Any, stream: Any) -> None:
         check("hipGraphLaunch", hip.hipGraphLaunch(executable, stream))
 
-    def graph_destroy(self, graph: Any, executable: Any) -> None:
+    def graph_destroy(self, graph: Any, executable: Any, device: int) -> None:
         if executable is not None:
-            check("hipGraphExecDestroy", hip.hipGraphExecDestroy(executable))
-        check("hipGraphDestroy", hip.hipGraphDestroy(graph))
+            check("hipGraphExecDestroy",
+                  self.restoring(device, lambda: hip.hipGraphExecDestroy(executable)))
+        check("hipGraphDestroy", self.restoring(device, lambda: hip.hipGraphDestroy(graph)))
 
     def max_active_blocks(self, function: Any, threads: int, shared_bytes: int) -> int:
         return check("hipModuleOccupancyMaxActiveBlocksPerMultiprocessor",

@@ -1,8 +1,17 @@
 """Host backend: CPU memory through cffi and libc. The default where no GPU answers.
 
-There is one device (0). Copies and memsets are synchronous libc calls, so streams and events
-are bookkeeping only: an event records the host clock when it is recorded. Kernels do not run
-here; the operations in ``ops`` use their NumPy implementation on this backend instead.
+Copies and memsets are synchronous libc calls, so streams and events are bookkeeping only: an
+event records the host clock when it is recorded. Kernels do not run here; the operations in
+``ops`` use their NumPy implementation on this backend instead.
+
+It has one device (0), or ``RF_HOST_DEVICES=N`` logical devices (at most ``MAX_DEVICES``), as
+XLA's ``--xla_force_host_platform_device_count`` gives JAX several CPU devices: what the
+package does with several devices (the per-thread device, memory, streams, events, pools,
+caches and plans of one device refusing another's, peer copies) then runs without a GPU.
+They are one memory, the process's: each reports all of it (``mem_info``, ``properties``),
+any of them can read the others' (``peer_access`` is True, ``memcpy_peer`` a memcpy), and
+a device's pointer is not checked against the device it is used on, which only the bounds
+and device checks above the backend do, as on a GPU.
 
 Shareable memory is a POSIX shared memory segment (``shm_open``, space reserved with
 ``posix_fallocate`` so a full ``/dev/shm`` is an error here, not a SIGBUS later, then
@@ -26,7 +35,7 @@ from cffi import FFI
 from .. import procs
 from ..errors import BackendUnavailableError, DeviceError, OutOfMemoryError
 from ._alloc import Allocator, HostAllocator
-from .base import Backend, DeviceProperties
+from .base import Backend, DeviceProperties, ThreadDevices
 
 _ffi = FFI()
 _ffi.cdef("""
@@ -51,6 +60,20 @@ _MAP_FAILED = (1 << 64) - 1
 ALIGNMENT = 256
 
 
+#: The most logical devices ``RF_HOST_DEVICES`` may ask for.
+MAX_DEVICES = 64
+
+
+def host_devices() -> int:
+    """The logical device count ``RF_HOST_DEVICES`` asks for (1 when unset); a value that is
+    not an integer in [1, ``MAX_DEVICES``] makes the backend unavailable, naming it."""
+    value = os.environ.get("RF_HOST_DEVICES", "").strip() or "1"
+    if not value.isdigit() or not 1 <= int(value) <= MAX_DEVICES:
+        raise BackendUnavailableError(f"RF_HOST_DEVICES must be an integer in [1, "
+                                      f"{MAX_DEVICES}], got {value!r}")
+    return int(value)
+
+
 def _meminfo() -> tuple[int, int]:
     """(available, total) bytes of system memory from /proc/meminfo."""
     fields = {}
@@ -65,36 +88,44 @@ def _void(ptr: int) -> Any:
     return _ffi.cast("void *", ptr)
 
 
-class HostBackend(Backend):
+class HostBackend(ThreadDevices, Backend):
     name = "host"
     dlpack_device_type = 1  # kDLCPU
 
     def __init__(self) -> None:
+        self._count = host_devices()
+        self._local = threading.local()
         self._ids = itertools.count(1)
         self._segments: dict[int, tuple[bytes, int, int]] = {}  # ptr -> (name, bytes, pid)
         self._segments_lock = threading.Lock()
         atexit.register(self._unlink_segments)
 
     def _check_device(self, device: int) -> None:
-        if device != 0:
-            raise BackendUnavailableError(f"host backend has one device (0), not device {device}")
+        if not 0 <= device < self._count:
+            more = "" if self._count > 1 else " (RF_HOST_DEVICES=N gives it N)"
+            raise BackendUnavailableError(f"host backend has {self._count} device(s), not "
+                                          f"device {device}{more}")
+
+    _make_current = _check_device  # no binding state: the device is the thread's alone
 
     def device_count(self) -> int:
-        return 1
+        return self._count
 
     def properties(self, device: int) -> DeviceProperties:
         self._check_device(device)
         return DeviceProperties(
-            backend=self.name, index=0, name=platform.processor() or platform.machine(),
+            backend=self.name, index=device, name=platform.processor() or platform.machine(),
             arch="host", total_bytes=_meminfo()[1], multiprocessors=os.cpu_count() or 1,
             warp_size=1,
         )
 
-    def set_device(self, device: int) -> None:
-        self._check_device(device)
+    def dlpack_device(self, device: int) -> tuple[int, int]:
+        return self.dlpack_device_type, 0  # CPU memory is device 0 to DLPack
 
-    def get_device(self) -> int:
-        return 0
+    def peer_access(self, device: int, peer: int) -> bool:
+        self._check_device(device)
+        self._check_device(peer)
+        return True
 
     def mem_info(self, device: int) -> tuple[int, int]:
         self._check_device(device)
@@ -117,7 +148,7 @@ class HostBackend(Backend):
         _libc.free(_void(ptr))
 
     def make_allocator(self) -> Allocator:
-        return HostAllocator(self, ALIGNMENT)
+        return HostAllocator(self, ALIGNMENT, self._count)
 
     def malloc_shareable(self, nbytes: int, device: int) -> int:
         self._check_device(device)

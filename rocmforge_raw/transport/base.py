@@ -122,10 +122,14 @@ def copy_spans(dst: HipBuffer, src_addr: int, src_device: int, spans: np.ndarray
                stream: Stream | None) -> None:
     """Queue the copies of ``spans`` from ``src_addr`` (on ``src_device`` of ``dst``'s
     backend) on ``stream``, then wait for them: a copy within one device is a device-to-device
-    copy, across devices a peer copy (the runtime stages it through the host where the two
-    have no peer access)."""
-    handle = stream_handle(stream, "stream", dst.backend, dst.device)
+    copy, across devices a peer copy, direct where the two devices allow peer access (turned
+    on each way at the first copy between them), staged through the host by the runtime
+    where they do not."""
     backend, base = dst.backend, dst.ptr
+    if src_device != dst.device:
+        backend.peer_access(dst.device, src_device)
+        backend.peer_access(src_device, dst.device)
+    handle = stream_handle(stream, "stream", dst.backend, dst.device)
     for src_offset, dst_offset, nbytes in spans.tolist():
         if src_device == dst.device:
             backend.memcpy_dtod(base + dst_offset, src_addr + src_offset, nbytes, handle)
