@@ -336,7 +336,7 @@ def test_two_caches_on_two_streams_run_concurrently(gpu, rng):
 
 @pytest.mark.timing
 def test_a_staging_ring_grows_while_the_device_lags_and_waits_past_its_depth(gpu):
-    ring = StagingRing(0, gpu, depth=2, max_depth=3)
+    ring = StagingRing(gpu.get_device(), gpu, depth=2, max_depth=3)  # the suite's device
     data = np.arange(64, dtype=np.int64)
     _hold(gpu, 200)
     slots = []
