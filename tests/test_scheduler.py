@@ -279,6 +279,8 @@ def test_abort_drops_a_request_in_any_state_frees_its_kv_once_and_records_why():
     sched.advance(sched.step())  # a and b run, w waits
     plan = sched.step()  # both need a second block: a is preempted (waiting again)
     assert [r.request_id for r in plan.preempted] == ["a"] and "a" in sched._queued
+    # the preempted request is at the front of the queue, and so in the index by id
+    assert [r.request_id for r in sched.waiting] == list(sched._queued) == ["a", "w"]
     used = cache.stats()["used_blocks"]
     records = {}
     for name in ("b", "a", "w"):  # running, preempted, never admitted

@@ -466,7 +466,7 @@ class Scheduler:
         return checked
 
     def _preempted(self, reservation: Any, preempted: list[Request]) -> None:
-        swapped = set(reservation.swapped)
+        swapped, front = set(reservation.swapped), []
         for seq_id in reversed(reservation.preempted):  # most recent goes to the very front
             request = self._running.pop(seq_id, None)
             if request is not None:
@@ -476,5 +476,7 @@ class Scheduler:
                     self._swapped.add(seq_id)
                 self.num_preemptions += 1
                 self._waiting.appendleft(request)
-                self._queued[seq_id] = request
+                front.append(request)
                 preempted.append(request)
+        if front:  # ``_queued`` keeps ``waiting``'s order: the preempted at its front too
+            self._queued = {r.request_id: r for r in reversed(front)} | self._queued
