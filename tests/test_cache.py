@@ -44,6 +44,25 @@ def test_removal_returns_every_block_once():
         cache.check_invariants()
 
 
+def test_a_run_of_blocks_freed_comes_back_in_order():
+    """Blocks a removal frees are handed out again lowest first, so a sequence that follows
+    one holds the same ascending run (copies and transfers of it are one span a plane)."""
+    with small_cache(num_blocks=12) as cache:
+        cache.add_sequence("a", 32)
+        cache.add_sequence("b", 24)
+        run = cache.block_ids("a").tolist()
+        assert run == sorted(run)
+        cache.remove("a")
+        cache.add_sequence("c", 32)
+        assert cache.block_ids("c").tolist() == run
+        cache.remove("b")
+        cache.remove("c")
+        cache.add_sequence("d", 56)  # both runs, each ascending, c's first (freed last)
+        assert cache.block_ids("d")[:4].tolist() == run
+        assert np.all(np.diff(cache.block_ids("d")[4:]) == 1)
+        cache.check_invariants()
+
+
 def test_closing_the_cache_returns_its_memory(backend):
     before = rf.memory_stats()["live_bytes"]
     cache = small_cache(backend.name)

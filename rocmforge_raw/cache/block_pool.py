@@ -221,7 +221,9 @@ class BlockPool:
                     if block in keep and block not in self._cached:
                         self._cached[block] = None
                 released = released[~np.array(cached)]
-        self._free[self._top : self._top + released.size] = released
+        # pushed highest first, so the next allocation pops them lowest first: a run of
+        # blocks freed comes back as the same ascending run (one copy span, not one a block)
+        self._free[self._top : self._top + released.size] = released[::-1]
         self._top += released.size
         return total
 
