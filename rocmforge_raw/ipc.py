@@ -119,9 +119,14 @@ class _Mapping:
             if self.refs:
                 return
             del _imports[(self.handle.backend, self.handle.key)]
-            try:
-                self.backend.synchronize(self.handle.device)
-                self.backend.ipc_close(self.ptr, self.handle.nbytes, self.handle.device)
+            backend, device = self.backend, self.handle.device
+
+            def unmap() -> None:
+                backend.synchronize(device)
+                backend.ipc_close(self.ptr, self.handle.nbytes, device)
+
+            try:  # often a finalizer's work: the calling thread's active device stays
+                backend.restoring(device, unmap)
             finally:
                 os.close(self.fd)  # releases the shared lock: the exporter may free
 

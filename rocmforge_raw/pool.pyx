@@ -290,7 +290,8 @@ cdef class MemoryPool(Allocator):
                 lane.fences[-1] = (seq, event)
             else:
                 event = self.spare_events.pop() if self.spare_events else (
-                    self.backend.event_create(self.device))
+                    self.backend.restoring(  # a finalizer's fence: the thread's device stays
+                        self.device, lambda: self.backend.event_create(self.device)))
                 try:
                     self.record(event, handle)
                 except BaseException:

@@ -24,6 +24,7 @@ import numpy as np
 import pytest
 from test_atomicity import cache_state
 from test_transfer import config, decode_and_check, write_prompt
+from workers import export_and_wait, spawned
 
 import rocmforge_raw as rf
 from rocmforge_raw import ops
@@ -81,10 +82,12 @@ def test_finalizers_of_one_devices_memory_run_while_the_other_is_current(two_dev
     backend = two_devices
     live = rf.memory_stats()["live_buffers"]
     pool = rf.MemoryPool(0, backend)
+    lane = rf.Stream(0, backend)  # a pooled block freed on it is fenced by a new event
     doomed = [rf.HipBuffer(MiB, 0, backend), rf.HipBuffer(4096, pool=pool),
-              PinnedBuffer(4096, 0, backend), rf.Stream(0, backend), rf.Event(0, backend)]
+              rf.HipBuffer(4096, pool=pool.on(lane)), PinnedBuffer(4096, 0, backend),
+              rf.Stream(0, backend), rf.Event(0, backend)]
     backend.set_device(1)
-    assert rf.memory_stats()["live_buffers"] == live + 2
+    assert rf.memory_stats()["live_buffers"] == live + 3  # the pool's blocks: its memory
     del doomed  # every finalizer runs here and now, in this thread
     assert rf.memory_stats()["live_buffers"] == live
     assert backend.get_device() == 1
@@ -93,8 +96,26 @@ def test_finalizers_of_one_devices_memory_run_while_the_other_is_current(two_dev
     with rf.HipBuffer(MiB, backend=backend) as buf:
         assert buf.device == 1
     assert backend.allocator.fallbacks == fallbacks
-    assert pool.stats()["cached_bytes"] == 4096 and pool.stats()["in_use_bytes"] == 0
+    assert pool.stats()["cached_bytes"] == 2 * 4096 and pool.stats()["in_use_bytes"] == 0
     pool.close()
+    lane.close()
+
+
+def test_the_last_import_of_another_devices_memory_unmaps_with_the_threads_device_kept(
+        two_devices):
+    """An imported buffer of device 1 dropped while device 0 is active: the importer's
+    wait and unmap run on device 1, and device 0 stays active in the thread."""
+    backend = two_devices
+    with spawned(export_and_wait, backend.name, 1) as worker:
+        handle = worker.receive()
+        assert handle.device == 1
+        backend.set_device(0)
+        imported = rf.HipBuffer.from_ipc(handle)
+        assert imported.device == 1
+        assert imported.to_numpy().view(np.int32).tolist() == list(range(1024))
+        backend.activate(0)
+        del imported  # the registry's finalizer unmaps, here and now
+        assert backend._local.device == 0 and backend.get_device() == 0
 
 
 def test_work_ordered_on_a_stream_runs_with_the_streams_device_active(two_devices, rng):

@@ -227,6 +227,11 @@ def test_the_last_importer_waits_for_the_device_before_it_unmaps_and_lets_go():
     calls = []
 
     class Recording:  # stands for a GPU backend (none answers here): records the order
+        def restoring(self, device, call):  # the thread's active device is given back after
+            calls.append(("restoring", device))
+            call()
+            calls.append(("restored", device))
+
         def synchronize(self, device):
             calls.append(("synchronize", device))
 
@@ -240,5 +245,5 @@ def test_the_last_importer_waits_for_the_device_before_it_unmaps_and_lets_go():
     mapping.fd, mapping.ptr = os.open(os.devnull, os.O_RDONLY), 4096
     ipc._imports[("cuda", b"k")] = mapping
     mapping.release(4096, 256, 1)
-    assert calls == [("synchronize", 1), ("ipc_close", 1)]
+    assert calls == [("restoring", 1), ("synchronize", 1), ("ipc_close", 1), ("restored", 1)]
     assert ("cuda", b"k") not in ipc._imports

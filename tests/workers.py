@@ -146,11 +146,13 @@ def map_and_map_again(handle: Any, conn: Any) -> None:
             try_map(handle, conn)
 
 
-def export_and_wait(backend: str, conn: Any) -> None:
-    """Export a shareable buffer holding 0..1023 (int32), send its handle, wait to be killed."""
+def export_and_wait(backend: str, *args: Any) -> None:
+    """Export a shareable buffer holding 0..1023 (int32) on device ``args[0]`` if given (else
+    the process's), send its handle, wait to be killed. Called as (backend, [device,] conn)."""
     from rocmforge_raw import HipBuffer
 
-    buf = HipBuffer(4096, backend=backend, shareable=True)
+    *device, conn = args
+    buf = HipBuffer(4096, *device, backend=backend, shareable=True)
     buf.copy_from_host(np.arange(1024, dtype=np.int32))
     conn.send(buf.ipc_handle())
     conn.poll(TIMEOUT)

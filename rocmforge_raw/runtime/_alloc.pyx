@@ -58,12 +58,13 @@ cdef class BackendAllocator(Allocator):
         if self.fast_alloc(nbytes, device, &ptr):
             return ptr
         self.fallbacks += 1
+        self.backend.forget_active()  # the binding may not be where the backend last left it
         return self.backend.malloc(nbytes, device)
 
     cdef int free_ptr(self, uintptr_t ptr, size_t nbytes, int device) except -1:
         if not self.fast_free(ptr, device):
             self.fallbacks += 1
-            self.backend.free(ptr, device)
+            self.backend.free(ptr, device)  # restores the active device: often a finalizer
         return 0
 
     def __repr__(self):

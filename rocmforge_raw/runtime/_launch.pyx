@@ -115,6 +115,7 @@ cdef class Launch:
                                 self.shared_bytes, self.c_stream, self.params, NULL)):
             return
         self.fallbacks += 1
+        self.backend.forget_active()  # the C path found the binding elsewhere: really switch
         self.backend.activate(self.device)
         self.backend.launch(self.function, tuple(self.grid), tuple(self.block),
                             self.shared_bytes, self.stream, <uintptr_t>self.params)

@@ -73,6 +73,11 @@ class Backend(ABC):
         self.activate(device)
         return call()
 
+    def forget_active(self) -> None:
+        """The binding's current device may have been changed behind this backend's back
+        (another library in this thread): the next ``activate`` sets it, whatever it was."""
+        return None
+
     @abstractmethod
     def peer_access(self, device: int, peer: int) -> bool:
         """Let ``device`` reach ``peer``'s memory directly (peer copies over NVLink, xGMI or
@@ -309,6 +314,9 @@ class ThreadDevices:
             except BaseException:
                 local.device = None  # unknown: the next activation sets it again
                 raise
+
+    def forget_active(self) -> None:
+        self._local.device = None
 
     def set_device(self, device: int) -> None:
         self.activate(device)

@@ -62,18 +62,23 @@ class CudaBackend(ThreadDevices, Backend):
         self._peers: dict[tuple[int, int], bool] = {}
 
     def _context(self, device: int) -> Any:
+        """``device``'s primary context, retained once. The retain runs outside the lock: a
+        collection during it may run a finalizer that needs a context (the same lock)."""
+        context = self._contexts.get(device)
+        if context is not None:
+            return context
+        if not 0 <= device < self._count:
+            raise BackendUnavailableError(
+                f"CUDA device {device} does not exist: {self._count} device(s) present")
+        handle = check("cuDeviceGet", cu.cuDeviceGet(device))
+        context = check("cuDevicePrimaryCtxRetain", cu.cuDevicePrimaryCtxRetain(handle))
         with self._lock:
-            if device not in self._contexts:
-                if not 0 <= device < self._count:
-                    raise BackendUnavailableError(
-                        f"CUDA device {device} does not exist: {self._count} device(s) present"
-                    )
-                handle = check("cuDeviceGet", cu.cuDeviceGet(device))
-                context = check("cuDevicePrimaryCtxRetain", cu.cuDevicePrimaryCtxRetain(handle))
-                self._contexts[device] = context
-                if isinstance(self.allocator, CudaAllocator):
-                    self.allocator.set_context(device, int(context))
-            return self._contexts[device]
+            kept = self._contexts.setdefault(device, context)
+            if kept is context and isinstance(self.allocator, CudaAllocator):
+                self.allocator.set_context(device, int(context))
+        if kept is not context:  # another thread retained it first: one retain is kept
+            check("cuDevicePrimaryCtxRelease", cu.cuDevicePrimaryCtxRelease(handle))
+        return kept
 
     def _make_current(self, device: int) -> None:
         check("cuCtxSetCurrent", cu.cuCtxSetCurrent(self._context(device)))

@@ -106,7 +106,10 @@ class HostBackend(ThreadDevices, Backend):
             raise BackendUnavailableError(f"host backend has {self._count} device(s), not "
                                           f"device {device}{more}")
 
-    _make_current = _check_device  # no binding state: the device is the thread's alone
+    # No binding state: the device is the thread's alone. The methods that take a device
+    # activate it where cuda's and hip's do, so that tests on logical devices see a path
+    # (a finalizer) that leaves another device active.
+    _make_current = _check_device
 
     def device_count(self) -> int:
         return self._count
@@ -128,14 +131,14 @@ class HostBackend(ThreadDevices, Backend):
         return True
 
     def mem_info(self, device: int) -> tuple[int, int]:
-        self._check_device(device)
+        self.activate(device)
         return _meminfo()
 
     def synchronize(self, device: int) -> None:
-        self._check_device(device)
+        self.activate(device)
 
     def malloc(self, nbytes: int, device: int) -> int:
-        self._check_device(device)
+        self.activate(device)
         out = _ffi.new("void **")
         status = _libc.posix_memalign(out, ALIGNMENT, nbytes)
         if status != 0:
@@ -183,7 +186,7 @@ class HostBackend(ThreadDevices, Backend):
         _libc.munmap(_void(ptr), size)
 
     def ipc_handle(self, ptr: int, device: int) -> bytes:
-        self._check_device(device)
+        self.activate(device)
         with self._segments_lock:
             found = self._segments.get(ptr)
         if found is None:
@@ -192,7 +195,7 @@ class HostBackend(ThreadDevices, Backend):
         return found[0]
 
     def ipc_open(self, handle: bytes, nbytes: int, device: int) -> int:
-        self._check_device(device)
+        self.activate(device)
         fd = _librt.shm_open(handle, os.O_RDWR, 0)
         if fd < 0:
             code = _ffi.errno
@@ -254,7 +257,7 @@ class HostBackend(ThreadDevices, Backend):
         _libc.memset(_void(ptr), value, nbytes)
 
     def stream_create(self, device: int) -> int:
-        self._check_device(device)
+        self.activate(device)
         return next(self._ids)
 
     def stream_destroy(self, stream: Any, device: int) -> None:
@@ -264,7 +267,7 @@ class HostBackend(ThreadDevices, Backend):
         pass
 
     def event_create(self, device: int) -> list[int]:
-        self._check_device(device)
+        self.activate(device)
         return [0]
 
     def event_destroy(self, event: Any, device: int) -> None:
