@@ -192,6 +192,41 @@ def test_caches_plans_and_streams_never_cross_devices(two_devices):
             array.buffer.close()
 
 
+def test_device_metadata_of_another_device_is_refused_before_anything_runs(two_devices, rng):
+    """Block tables, lengths and slot mappings given as device arrays must be on the op's
+    device: another device's are refused, naming the argument and both devices, and the
+    output and cache are as they were; the same metadata on the op's device runs."""
+    backend = two_devices
+
+    def on(device, array):
+        return DeviceArray.from_numpy(array, device, backend)
+
+    q, out, k_cache, v_cache = (on(0, rng.standard_normal(shape).astype(np.float16))
+                                for shape in ((1, 4, 64), (1, 4, 64), *[(4, 2, 16, 64)] * 2))
+    key = on(0, rng.standard_normal((1, 2, 64)).astype(np.float16))
+    tables, lens, slots = (np.array([[1]], np.int32), np.array([5], np.int32),
+                           np.array([17], np.int64))
+    before = out.to_numpy(), k_cache.to_numpy()
+    refusals = [
+        (lambda: ops.paged_attention(out, q, k_cache, v_cache, on(1, tables), lens),
+         r"block_tables is on \w+:1, query on \w+:0"),
+        (lambda: ops.paged_attention(out, q, k_cache, v_cache, tables, on(1, lens)),
+         r"seq_lens is on \w+:1, query on \w+:0"),
+        (lambda: ops.reshape_and_cache(key, key, k_cache, v_cache, on(1, slots)),
+         r"slot_mapping is on \w+:1, key on \w+:0"),
+    ]
+    for call, words in refusals:
+        with pytest.raises(ValueError, match=words):
+            call()
+    assert all(np.array_equal(a, b) for a, b in zip((out.to_numpy(), k_cache.to_numpy()),
+                                                     before))
+    ops.paged_attention(out, q, k_cache, v_cache, on(0, tables), on(0, lens))
+    ops.reshape_and_cache(key, key, k_cache, v_cache, on(0, slots))
+    backend.synchronize(0)
+    assert not np.array_equal(out.to_numpy(), before[0])
+    assert np.array_equal(k_cache.to_numpy()[1, :, 1], key.to_numpy()[0])  # slot 17
+
+
 def test_a_kernel_is_launched_on_its_own_devices_streams_only(two_devices):
     if two_devices.name == "host":
         pytest.skip("the host backend runs no kernels (ops run as NumPy)")

@@ -50,11 +50,14 @@ def host_ints(values: Any, name: str, dtype: Any, shape: tuple[int, ...] | None 
 
 
 def device_ints(values: DeviceArray, name: str, dtype: Any, ndim: int,
-                shape: tuple[int, ...] | None = None) -> None:
-    """Device-resident metadata: shape and dtype only (it is never read back to check)."""
+                shape: tuple[int, ...] | None, like: DeviceArray, like_name: str) -> None:
+    """Device-resident metadata: shape, dtype and place (on ``like``'s backend and device,
+    which the kernel runs on); its contents are never read back to check."""
     expect(values, name, ndim, dtype)
     if shape is not None and values.shape != shape:
         raise ValueError(f"{name} must have shape {shape}, got {values.shape}")
+    checks.colocated(name, values.backend, values.device, like_name, like.backend,
+                     like.device)
 
 
 def default_scale(head_dim: int, scale: float | None) -> float:
