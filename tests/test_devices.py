@@ -227,6 +227,44 @@ def test_device_metadata_of_another_device_is_refused_before_anything_runs(two_d
     assert np.array_equal(k_cache.to_numpy()[1, :, 1], key.to_numpy()[0])  # slot 17
 
 
+def test_a_workspace_serves_the_device_it_was_first_used_on(two_devices):
+    """After a use on device 0, a workspace refuses device 1 (even for more than it holds)
+    and hands device 0 the same buffers; once closed, it may serve device 1."""
+    backend = two_devices
+    on = {d: DeviceArray.empty((64,), np.float16, d, backend) for d in (0, 1)}
+    workspace = ops.Workspace()
+    partials, counters = workspace.get(4096, 16, on[0])
+    for nbytes in (4096, 1 << 20):
+        with pytest.raises(ValueError, match=r"workspace is on \w+:0, like on \w+:1"):
+            workspace.get(nbytes, 16, on[1])
+    assert workspace.get(4096, 16, on[0]) == (partials, counters)
+    assert (partials.device, counters.device) == (0, 0)
+    workspace.close()
+    partials, counters = workspace.get(4096, 16, on[1])
+    assert (partials.device, counters.device) == (1, 1)
+    workspace.close()
+
+
+def test_an_op_refuses_another_devices_workspace_before_queuing_anything(two_devices, rng):
+    """paged_attention on device 1 with a workspace bound to device 0 is refused up front
+    (not after the launch, when the workspace would mark its use), and changes nothing."""
+    backend = two_devices
+    workspace = ops.Workspace()
+    held = workspace.get(4096, 16, DeviceArray.empty((64,), np.float16, 0, backend))
+    q, out, k_cache, v_cache = (
+        DeviceArray.from_numpy(rng.standard_normal(shape).astype(np.float16), 1, backend)
+        for shape in ((1, 4, 64), (1, 4, 64), *[(4, 2, 16, 64)] * 2))
+    before = out.to_numpy()
+    with rf.Stream(1, backend) as stream, pytest.raises(
+            ValueError, match=r"workspace is on \w+:0, the op's arrays on \w+:1"):
+        ops.paged_attention(out, q, k_cache, v_cache, np.array([[1]], np.int32),
+                            np.array([5], np.int32), num_partitions=2, stream=stream,
+                            workspace=workspace)
+    assert np.array_equal(out.to_numpy(), before)
+    assert workspace.get(4096, 16, held[0]) == held
+    workspace.close()
+
+
 def test_a_kernel_is_launched_on_its_own_devices_streams_only(two_devices):
     if two_devices.name == "host":
         pytest.skip("the host backend runs no kernels (ops run as NumPy)")

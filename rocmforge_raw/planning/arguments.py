@@ -70,8 +70,8 @@ def default_scale(head_dim: int, scale: float | None) -> float:
 def check_options(like: Any, stream: Any, check: Any, num_partitions: Any = None,
                   workspace: Any = None) -> None:
     """The keyword arguments of an op on ``like``'s device: an open ``Stream`` of that
-    device or None, a bool ``check``, a split-K factor >= 1 or None, a ``Workspace`` or
-    None."""
+    device or None, a bool ``check``, a split-K factor >= 1 or None, a ``Workspace`` (of
+    that device, once bound to one) or None."""
     if isinstance(like, DeviceArray):
         stream_handle(stream, "stream", like.backend, like.device)
     else:
@@ -81,6 +81,8 @@ def check_options(like: Any, stream: Any, check: Any, num_partitions: Any = None
         checks.integer(num_partitions, "num_partitions", 1)
     if workspace is not None and not isinstance(workspace, Workspace):
         raise TypeError(f"workspace must be a Workspace or None, got {checks.show(workspace)}")
+    if workspace is not None and isinstance(like, DeviceArray):
+        workspace.check_device(like, "the op's arrays")
 
 
 def check_attention_arrays(out: Any, query: Any, k_cache: Any, v_cache: Any
