@@ -31,6 +31,7 @@ from rocmforge_raw.array import DeviceArray
 from rocmforge_raw.cache import KvCache
 from rocmforge_raw.staging import PinnedBuffer
 from rocmforge_raw.transport import PeerTransport
+from rocmforge_raw.transport.base import copy_spans
 
 MiB = 1 << 20
 #: The soak's minutes (``RF_TWO_DEVICE_MINUTES``), threads per device and drift limit.
@@ -296,6 +297,24 @@ def test_peer_copies_are_exact_both_ways(two_devices, rng, on_stream):
             got = dst.to_numpy()
             assert np.array_equal(got[1 : 2 * MiB + 1], data[1 : 2 * MiB + 1])
             assert got[0] == 0 and not got[2 * MiB + 1 :].any()
+
+
+def test_a_peer_copy_refuses_a_bad_stream_before_any_peer_access(two_devices, monkeypatch):
+    """copy_spans checks its stream before it turns peer access on (state a refused copy
+    must not leave behind): no pair is asked, and the copy then runs."""
+    backend, asked = two_devices, []
+    ask = backend.peer_access
+    monkeypatch.setattr(backend, "peer_access", lambda *pair: asked.append(pair) or ask(*pair))
+    spans = np.array([[0, 0, 64]], np.int64)
+    with rf.HipBuffer.from_numpy(np.arange(64, dtype=np.uint8), 0, backend) as src, \
+            rf.HipBuffer(64, 1, backend) as dst, rf.Stream(0, backend) as stream:
+        for bad, error in ((stream, ValueError), ("stream", TypeError)):
+            with pytest.raises(error, match="stream"):
+                copy_spans(dst, src.ptr, 0, spans, bad)
+            assert asked == []
+        copy_spans(dst, src.ptr, 0, spans, None)
+        assert sorted(asked) == [(0, 1), (1, 0)]
+        assert dst.to_numpy().tolist() == list(range(64))
 
 
 # --- the soak ----------------------------------------------------------------------------------
