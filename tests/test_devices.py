@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import gc
 import os
+import re
 import statistics
 import threading
 import time
@@ -26,9 +27,10 @@ from test_atomicity import cache_state
 from test_transfer import config, decode_and_check, write_prompt
 
 import rocmforge_raw as rf
-from rocmforge_raw import ops
+from rocmforge_raw import bench, ops
 from rocmforge_raw.array import DeviceArray
 from rocmforge_raw.cache import KvCache
+from rocmforge_raw.runtime.host import host_devices
 from rocmforge_raw.staging import PinnedBuffer
 from rocmforge_raw.transport import PeerTransport
 from rocmforge_raw.transport.base import copy_spans
@@ -315,6 +317,32 @@ def test_a_peer_copy_refuses_a_bad_stream_before_any_peer_access(two_devices, mo
         copy_spans(dst, src.ptr, 0, spans, None)
         assert sorted(asked) == [(0, 1), (1, 0)]
         assert dst.to_numpy().tolist() == list(range(64))
+
+
+def test_bench_alloc_leaves_the_callers_device(two_devices):
+    """bench --alloc on device 1 from a thread whose device is 0: the thread's device
+    stays 0 (the bench activates device 1 for its bare calls, it does not choose it)."""
+    backend, seen = two_devices, {}
+
+    def run():
+        rows = bench.bench_alloc(backend, 1, iters=20)
+        seen["rows"], seen["device"] = len(rows), backend.get_device()
+
+    worker = threading.Thread(target=run)
+    worker.start()
+    worker.join()
+    assert seen == {"rows": 3, "device": 0}
+
+
+def test_rf_host_devices_must_be_ascii_decimal_digits(monkeypatch):
+    """A superscript digit passes ``str.isdigit`` but not ``int``: it is refused as any
+    other bad value, naming the variable and the value."""
+    for value in ("\u00b2", "2.0", "-1", "0"):
+        monkeypatch.setenv("RF_HOST_DEVICES", value)
+        with pytest.raises(rf.BackendUnavailableError,
+                           match=rf"RF_HOST_DEVICES must be an integer in \[1, \d+\], got "
+                                 rf"'{re.escape(value)}'"):
+            host_devices()
 
 
 # --- the soak ----------------------------------------------------------------------------------

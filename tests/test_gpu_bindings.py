@@ -159,3 +159,16 @@ def test_peer_access_the_driver_refuses_is_off_logged_and_not_asked_again(
     if binding == "hip":
         assert double.last_error_reads == 1
 
+
+def test_hip_properties_leave_the_active_device_as_it_was(monkeypatch):
+    """properties(1) asks by device index, as cuda.py's does: device 0 stays active, in the
+    backend's bookkeeping and in the runtime."""
+    backend, double = _backend("hip", 0, monkeypatch)
+    backend.activate(0)
+    props = backend.properties(1)
+    assert (props.index, props.arch, props.warp_size) == (1, "gfx942", 64)
+    assert (backend._local.device, double.current) == (0, 0)
+    from rocmforge_raw.errors import BackendUnavailableError
+
+    with pytest.raises(BackendUnavailableError, match="HIP device 2 does not exist"):
+        backend.properties(2)

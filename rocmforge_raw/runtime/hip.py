@@ -69,7 +69,7 @@ class HipBackend(ThreadDevices, Backend):
         return self._count
 
     def properties(self, device: int) -> DeviceProperties:
-        self.activate(device)
+        self._check_device(device)  # the calls name the device: the active one stays
         attr = hip.hipDeviceAttribute_t
 
         def get(a: Any) -> int:
