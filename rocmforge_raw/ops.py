@@ -4,8 +4,9 @@ Each op checks its arguments (``planning``), then runs the packaged kernel on a 
 or the NumPy implementation (``reference``) on the host backend. Caches and activations are
 ``DeviceArray``s. Integer metadata may be NumPy arrays, checked on the host (``check=True``)
 and uploaded through this device's ``StagingRing`` (pinned memory, one asynchronous copy,
-released by an event, never by synchronizing the device), or ``DeviceArray``s, which are
-never read back: their shape and dtype are checked, their contents trusted.
+released by an event, never by synchronizing the device), or ``DeviceArray``s of the op's
+device, which are never read back: their shape, dtype and device are checked, their
+contents trusted.
 
 Every op queues its work on ``stream``; ``None`` is the backend's default (null) stream,
 which orders with every other blocking stream of the device. Nothing here waits for the
