@@ -61,7 +61,7 @@ def bench_alloc(backend: Backend, device: int, iters: int = 2000) -> list[dict[s
     HipBuffer cannot go below), raw and pooled HipBuffer, and the pool's own allocate/free;
     CuPy's pool alongside, as a reference, where CuPy is installed for this GPU
     (``cupy_pooled_us``, else None)."""
-    backend.set_device(device)
+    backend.activate(device)  # the bare calls' device; the caller's choice stays
     pool = MemoryPool(device, backend)
     cupy_pool = _cupy_pool(backend, device)
     cupy_malloc = None if cupy_pool is None else cupy_pool.malloc

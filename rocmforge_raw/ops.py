@@ -4,8 +4,9 @@ Each op checks its arguments (``planning``), then runs the packaged kernel on a 
 or the NumPy implementation (``reference``) on the host backend. Caches and activations are
 ``DeviceArray``s. Integer metadata may be NumPy arrays, checked on the host (``check=True``)
 and uploaded through this device's ``StagingRing`` (pinned memory, one asynchronous copy,
-released by an event, never by synchronizing the device), or ``DeviceArray``s, which are
-never read back: their shape and dtype are checked, their contents trusted.
+released by an event, never by synchronizing the device), or ``DeviceArray``s of the op's
+device, which are never read back: their shape, dtype and device are checked, their
+contents trusted.
 
 Every op queues its work on ``stream``; ``None`` is the backend's default (null) stream,
 which orders with every other blocking stream of the device. Nothing here waits for the
@@ -103,16 +104,17 @@ def _staging(like: DeviceArray, stream: Stream | None) -> Iterator[Staging]:
 
 
 def _metadata(values: Any, name: str, dtype: Any, ndim: int, shape: tuple[int, ...] | None,
-              host_backend: bool) -> np.ndarray | None:
-    """Host metadata as a checked array; device metadata checked by shape (None returned),
-    except on the host backend, where it is host memory and read in place."""
+              like: DeviceArray, like_name: str) -> np.ndarray | None:
+    """Host metadata as a checked array; device metadata checked by shape and place (on
+    ``like``'s device; None returned), except on the host backend, where it is host memory
+    and read in place."""
     if not isinstance(values, DeviceArray):
         array = host_ints(values, name, dtype, shape)
         if array.ndim != ndim:
             raise ValueError(f"{name} must have {ndim} dimensions, got shape {array.shape}")
         return array
-    device_ints(values, name, dtype, ndim, shape)
-    return host_view(values) if host_backend else None
+    device_ints(values, name, dtype, ndim, shape, like, like_name)
+    return host_view(values) if like.backend.name == "host" else None
 
 
 # --- paged attention ---------------------------------------------------------------------
@@ -136,8 +138,8 @@ def paged_attention(out: DeviceArray, query: DeviceArray, k_cache: DeviceArray,
     k_scale, v_scale = check_kv_scales(k_cache.dtype, k_scale, v_scale)
     kernel_scale, out_scale = kernel_scales(k_cache.dtype, scale, k_scale, v_scale)
     on_host = query.backend.name == "host"
-    tables = _metadata(block_tables, "block_tables", np.int32, 2, None, on_host)
-    lens = _metadata(seq_lens, "seq_lens", np.int32, 1, (num_seqs,), on_host)
+    tables = _metadata(block_tables, "block_tables", np.int32, 2, None, query, "query")
+    lens = _metadata(seq_lens, "seq_lens", np.int32, 1, (num_seqs,), query, "query")
     if (check or on_host) and tables is not None and lens is not None:
         check_tables(tables, lens, num_seqs, num_blocks, block_size)
     check_disjoint(out, "out", query=query, k_cache=k_cache, v_cache=v_cache)
@@ -181,7 +183,7 @@ def reshape_and_cache(key: DeviceArray, value: DeviceArray, k_cache: DeviceArray
     num_tokens, num_blocks, block_size = check_write_arrays(key, value, k_cache, v_cache)
     k_scale, v_scale = check_kv_scales(k_cache.dtype, k_scale, v_scale)
     on_host = key.backend.name == "host"
-    slots = _metadata(slot_mapping, "slot_mapping", np.int64, 1, (num_tokens,), on_host)
+    slots = _metadata(slot_mapping, "slot_mapping", np.int64, 1, (num_tokens,), key, "key")
     if (check or on_host) and slots is not None:
         check_slots(slots, num_blocks, block_size)
     for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):

@@ -109,7 +109,8 @@ class Workspace:
     launches: each launch resets the counters it uses). Grows on demand; outgrown buffers are
     kept until ``close()`` (a free waits for the whole device), which frees them once the
     fence of their last use has passed. Pass one to ``ops.paged_attention`` to
-    avoid allocations per call; one per stream."""
+    avoid allocations per call; one per stream. Its first ``get`` binds it to that
+    device (of that backend) until ``close()``: another device's launch is refused."""
 
     def __init__(self) -> None:
         self._partials: HipBuffer | None = None
@@ -124,6 +125,7 @@ class Workspace:
         nbytes, counters = checks.size(nbytes, "nbytes"), checks.size(counters, "counters")
         if not isinstance(like, (HipBuffer, DeviceArray)):
             raise TypeError(f"like must be a HipBuffer or DeviceArray, got {checks.show(like)}")
+        self.check_device(like, "like")
         stream_handle(stream, "stream", like.backend, like.device)
         if self._fence is None:
             self._fence = Fence(like.device, like.backend)
@@ -133,6 +135,13 @@ class Workspace:
             self._counters = self._replace(self._counters, 4 * counters, like)
             self._counters.fill(0, stream=stream)
         return self._partials, self._counters
+
+    def check_device(self, like: Any, name: str) -> None:
+        """``ValueError`` (naming ``name`` and both devices) unless ``like`` (a HipBuffer or
+        DeviceArray) is on the device this workspace is bound to, or it is bound to none."""
+        if self._fence is not None:
+            checks.colocated("workspace", self._fence.backend, self._fence.device, name,
+                             like.backend, like.device)
 
     def used(self, stream: Stream | None) -> None:
         """A launch that uses this workspace was just queued on ``stream``."""

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import gc
 import os
+import re
 import statistics
 import threading
 import time
@@ -27,11 +28,13 @@ from test_transfer import config, decode_and_check, write_prompt
 from workers import export_and_wait, spawned
 
 import rocmforge_raw as rf
-from rocmforge_raw import ops
+from rocmforge_raw import bench, ops
 from rocmforge_raw.array import DeviceArray
 from rocmforge_raw.cache import KvCache
+from rocmforge_raw.runtime.host import host_devices
 from rocmforge_raw.staging import PinnedBuffer
 from rocmforge_raw.transport import PeerTransport
+from rocmforge_raw.transport.base import copy_spans
 
 MiB = 1 << 20
 #: The soak's minutes (``RF_TWO_DEVICE_MINUTES``), threads per device and drift limit.
@@ -213,6 +216,79 @@ def test_caches_plans_and_streams_never_cross_devices(two_devices):
             array.buffer.close()
 
 
+def test_device_metadata_of_another_device_is_refused_before_anything_runs(two_devices, rng):
+    """Block tables, lengths and slot mappings given as device arrays must be on the op's
+    device: another device's are refused, naming the argument and both devices, and the
+    output and cache are as they were; the same metadata on the op's device runs."""
+    backend = two_devices
+
+    def on(device, array):
+        return DeviceArray.from_numpy(array, device, backend)
+
+    q, out, k_cache, v_cache = (on(0, rng.standard_normal(shape).astype(np.float16))
+                                for shape in ((1, 4, 64), (1, 4, 64), *[(4, 2, 16, 64)] * 2))
+    key = on(0, rng.standard_normal((1, 2, 64)).astype(np.float16))
+    tables, lens, slots = (np.array([[1]], np.int32), np.array([5], np.int32),
+                           np.array([17], np.int64))
+    before = out.to_numpy(), k_cache.to_numpy()
+    refusals = [
+        (lambda: ops.paged_attention(out, q, k_cache, v_cache, on(1, tables), lens),
+         r"block_tables is on \w+:1, query on \w+:0"),
+        (lambda: ops.paged_attention(out, q, k_cache, v_cache, tables, on(1, lens)),
+         r"seq_lens is on \w+:1, query on \w+:0"),
+        (lambda: ops.reshape_and_cache(key, key, k_cache, v_cache, on(1, slots)),
+         r"slot_mapping is on \w+:1, key on \w+:0"),
+    ]
+    for call, words in refusals:
+        with pytest.raises(ValueError, match=words):
+            call()
+    assert all(np.array_equal(a, b) for a, b in zip((out.to_numpy(), k_cache.to_numpy()),
+                                                     before))
+    ops.paged_attention(out, q, k_cache, v_cache, on(0, tables), on(0, lens))
+    ops.reshape_and_cache(key, key, k_cache, v_cache, on(0, slots))
+    backend.synchronize(0)
+    assert not np.array_equal(out.to_numpy(), before[0])
+    assert np.array_equal(k_cache.to_numpy()[1, :, 1], key.to_numpy()[0])  # slot 17
+
+
+def test_a_workspace_serves_the_device_it_was_first_used_on(two_devices):
+    """After a use on device 0, a workspace refuses device 1 (even for more than it holds)
+    and hands device 0 the same buffers; once closed, it may serve device 1."""
+    backend = two_devices
+    on = {d: DeviceArray.empty((64,), np.float16, d, backend) for d in (0, 1)}
+    workspace = ops.Workspace()
+    partials, counters = workspace.get(4096, 16, on[0])
+    for nbytes in (4096, 1 << 20):
+        with pytest.raises(ValueError, match=r"workspace is on \w+:0, like on \w+:1"):
+            workspace.get(nbytes, 16, on[1])
+    assert workspace.get(4096, 16, on[0]) == (partials, counters)
+    assert (partials.device, counters.device) == (0, 0)
+    workspace.close()
+    partials, counters = workspace.get(4096, 16, on[1])
+    assert (partials.device, counters.device) == (1, 1)
+    workspace.close()
+
+
+def test_an_op_refuses_another_devices_workspace_before_queuing_anything(two_devices, rng):
+    """paged_attention on device 1 with a workspace bound to device 0 is refused up front
+    (not after the launch, when the workspace would mark its use), and changes nothing."""
+    backend = two_devices
+    workspace = ops.Workspace()
+    held = workspace.get(4096, 16, DeviceArray.empty((64,), np.float16, 0, backend))
+    q, out, k_cache, v_cache = (
+        DeviceArray.from_numpy(rng.standard_normal(shape).astype(np.float16), 1, backend)
+        for shape in ((1, 4, 64), (1, 4, 64), *[(4, 2, 16, 64)] * 2))
+    before = out.to_numpy()
+    with rf.Stream(1, backend) as stream, pytest.raises(
+            ValueError, match=r"workspace is on \w+:0, the op's arrays on \w+:1"):
+        ops.paged_attention(out, q, k_cache, v_cache, np.array([[1]], np.int32),
+                            np.array([5], np.int32), num_partitions=2, stream=stream,
+                            workspace=workspace)
+    assert np.array_equal(out.to_numpy(), before)
+    assert workspace.get(4096, 16, held[0]) == held
+    workspace.close()
+
+
 def test_a_kernel_is_launched_on_its_own_devices_streams_only(two_devices):
     if two_devices.name == "host":
         pytest.skip("the host backend runs no kernels (ops run as NumPy)")
@@ -244,6 +320,50 @@ def test_peer_copies_are_exact_both_ways(two_devices, rng, on_stream):
             got = dst.to_numpy()
             assert np.array_equal(got[1 : 2 * MiB + 1], data[1 : 2 * MiB + 1])
             assert got[0] == 0 and not got[2 * MiB + 1 :].any()
+
+
+def test_a_peer_copy_refuses_a_bad_stream_before_any_peer_access(two_devices, monkeypatch):
+    """copy_spans checks its stream before it turns peer access on (state a refused copy
+    must not leave behind): no pair is asked, and the copy then runs."""
+    backend, asked = two_devices, []
+    ask = backend.peer_access
+    monkeypatch.setattr(backend, "peer_access", lambda *pair: asked.append(pair) or ask(*pair))
+    spans = np.array([[0, 0, 64]], np.int64)
+    with rf.HipBuffer.from_numpy(np.arange(64, dtype=np.uint8), 0, backend) as src, \
+            rf.HipBuffer(64, 1, backend) as dst, rf.Stream(0, backend) as stream:
+        for bad, error in ((stream, ValueError), ("stream", TypeError)):
+            with pytest.raises(error, match="stream"):
+                copy_spans(dst, src.ptr, 0, spans, bad)
+            assert asked == []
+        copy_spans(dst, src.ptr, 0, spans, None)
+        assert sorted(asked) == [(0, 1), (1, 0)]
+        assert dst.to_numpy().tolist() == list(range(64))
+
+
+def test_bench_alloc_leaves_the_callers_device(two_devices):
+    """bench --alloc on device 1 from a thread whose device is 0: the thread's device
+    stays 0 (the bench activates device 1 for its bare calls, it does not choose it)."""
+    backend, seen = two_devices, {}
+
+    def run():
+        rows = bench.bench_alloc(backend, 1, iters=20)
+        seen["rows"], seen["device"] = len(rows), backend.get_device()
+
+    worker = threading.Thread(target=run)
+    worker.start()
+    worker.join()
+    assert seen == {"rows": 3, "device": 0}
+
+
+def test_rf_host_devices_must_be_ascii_decimal_digits(monkeypatch):
+    """A superscript digit passes ``str.isdigit`` but not ``int``: it is refused as any
+    other bad value, naming the variable and the value."""
+    for value in ("\u00b2", "2.0", "-1", "0"):
+        monkeypatch.setenv("RF_HOST_DEVICES", value)
+        with pytest.raises(rf.BackendUnavailableError,
+                           match=rf"RF_HOST_DEVICES must be an integer in \[1, \d+\], got "
+                                 rf"'{re.escape(value)}'"):
+            host_devices()
 
 
 # --- the soak ----------------------------------------------------------------------------------

@@ -50,11 +50,14 @@ def host_ints(values: Any, name: str, dtype: Any, shape: tuple[int, ...] | None 
 
 
 def device_ints(values: DeviceArray, name: str, dtype: Any, ndim: int,
-                shape: tuple[int, ...] | None = None) -> None:
-    """Device-resident metadata: shape and dtype only (it is never read back to check)."""
+                shape: tuple[int, ...] | None, like: DeviceArray, like_name: str) -> None:
+    """Device-resident metadata: shape, dtype and place (on ``like``'s backend and device,
+    which the kernel runs on); its contents are never read back to check."""
     expect(values, name, ndim, dtype)
     if shape is not None and values.shape != shape:
         raise ValueError(f"{name} must have shape {shape}, got {values.shape}")
+    checks.colocated(name, values.backend, values.device, like_name, like.backend,
+                     like.device)
 
 
 def default_scale(head_dim: int, scale: float | None) -> float:
@@ -67,8 +70,8 @@ def default_scale(head_dim: int, scale: float | None) -> float:
 def check_options(like: Any, stream: Any, check: Any, num_partitions: Any = None,
                   workspace: Any = None) -> None:
     """The keyword arguments of an op on ``like``'s device: an open ``Stream`` of that
-    device or None, a bool ``check``, a split-K factor >= 1 or None, a ``Workspace`` or
-    None."""
+    device or None, a bool ``check``, a split-K factor >= 1 or None, a ``Workspace`` (of
+    that device, once bound to one) or None."""
     if isinstance(like, DeviceArray):
         stream_handle(stream, "stream", like.backend, like.device)
     else:
@@ -78,6 +81,8 @@ def check_options(like: Any, stream: Any, check: Any, num_partitions: Any = None
         checks.integer(num_partitions, "num_partitions", 1)
     if workspace is not None and not isinstance(workspace, Workspace):
         raise TypeError(f"workspace must be a Workspace or None, got {checks.show(workspace)}")
+    if workspace is not None and isinstance(like, DeviceArray):
+        workspace.check_device(like, "the op's arrays")
 
 
 def check_attention_arrays(out: Any, query: Any, k_cache: Any, v_cache: Any

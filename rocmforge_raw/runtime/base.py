@@ -9,6 +9,7 @@ objects owned by the backend that created them. A stream argument of ``None`` me
 
 from __future__ import annotations
 
+import logging
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable
@@ -20,6 +21,8 @@ from .. import checks
 from ..errors import BackendUnavailableError
 from ._alloc import Allocator, BackendAllocator
 from ._launch import LaunchApi
+
+_log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -366,3 +369,17 @@ def as_text(value: Any) -> str:
     if isinstance(value, bytes):
         return value.split(b"\0", 1)[0].decode(errors="replace")
     return "" if value is None else str(value)
+
+
+def peer_enabled(api: str, status: Any, on: tuple[Any, Any], describe: Any, device: int,
+                 peer: int) -> bool:
+    """Whether ``device`` reaches ``peer`` directly after the binding's enable call ``api``
+    returned ``status``: True for one of ``on`` (success, or on already); else False,
+    logged as a warning (too many peers, say): ``memcpy_peer`` then stages through host
+    memory, and the pair is not asked again."""
+    if status in on:
+        return True
+    status_name, message = describe(status)
+    _log.warning("%s(%d -> %d) failed: %s (%s); copies between them go through host memory",
+                 api, device, peer, status_name, message)
+    return False

@@ -18,7 +18,7 @@ from ..errors import (
 )
 from ._alloc import Allocator, CudaAllocator
 from ._launch import LaunchApi
-from .base import Backend, DeviceProperties, ThreadDevices, as_text, unwrap
+from .base import Backend, DeviceProperties, ThreadDevices, as_text, peer_enabled, unwrap
 
 try:
     from cuda.bindings import driver as cu
@@ -222,8 +222,9 @@ class CudaBackend(ThreadDevices, Backend):
             if allowed and device != peer:
                 self.activate(device)
                 (status,) = cu.cuCtxEnablePeerAccess(peer_context, 0)
-                if status != cu.CUresult.CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED:
-                    check("cuCtxEnablePeerAccess", (status,))
+                allowed = peer_enabled("cuCtxEnablePeerAccess", status, (
+                    _SUCCESS, cu.CUresult.CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED), _describe,
+                    device, peer)
             self._peers[key] = allowed
         return self._peers[key]
 

@@ -18,7 +18,7 @@ from ..errors import (
 )
 from ._alloc import Allocator, HipAllocator
 from ._launch import LaunchApi
-from .base import Backend, DeviceProperties, ThreadDevices, as_text, unwrap
+from .base import Backend, DeviceProperties, ThreadDevices, as_text, peer_enabled, unwrap
 
 try:
     from hip import hip, hiprtc
@@ -69,7 +69,7 @@ class HipBackend(ThreadDevices, Backend):
         return self._count
 
     def properties(self, device: int) -> DeviceProperties:
-        self.activate(device)
+        self._check_device(device)  # the calls name the device: the active one stays
         attr = hip.hipDeviceAttribute_t
 
         def get(a: Any) -> int:
@@ -194,8 +194,11 @@ class HipBackend(ThreadDevices, Backend):
             if allowed and device != peer:
                 self.activate(device)
                 (status,) = hip.hipDeviceEnablePeerAccess(peer, 0)
-                if status != hip.hipError_t.hipErrorPeerAccessAlreadyEnabled:
-                    check("hipDeviceEnablePeerAccess", (status,))
+                if status != _SUCCESS:  # handled here: not left for hipGetLastError
+                    hip.hipGetLastError()
+                allowed = peer_enabled("hipDeviceEnablePeerAccess", status, (
+                    _SUCCESS, hip.hipError_t.hipErrorPeerAccessAlreadyEnabled), _describe,
+                    device, peer)
             self._peers[key] = allowed
         return self._peers[key]
 

@@ -68,7 +68,7 @@ def host_devices() -> int:
     """The logical device count ``RF_HOST_DEVICES`` asks for (1 when unset); a value that is
     not an integer in [1, ``MAX_DEVICES``] makes the backend unavailable, naming it."""
     value = os.environ.get("RF_HOST_DEVICES", "").strip() or "1"
-    if not value.isdigit() or not 1 <= int(value) <= MAX_DEVICES:
+    if not value.isdecimal() or not 1 <= int(value) <= MAX_DEVICES:  # "²" is a digit
         raise BackendUnavailableError(f"RF_HOST_DEVICES must be an integer in [1, "
                                       f"{MAX_DEVICES}], got {value!r}")
     return int(value)

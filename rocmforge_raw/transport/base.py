@@ -126,10 +126,10 @@ def copy_spans(dst: HipBuffer, src_addr: int, src_device: int, spans: np.ndarray
     on each way at the first copy between them), staged through the host by the runtime
     where they do not."""
     backend, base = dst.backend, dst.ptr
-    if src_device != dst.device:
+    handle = stream_handle(stream, "stream", backend, dst.device)  # before any peer state
+    if src_device != dst.device:  # memcpy_peer makes dst's device active again
         backend.peer_access(dst.device, src_device)
         backend.peer_access(src_device, dst.device)
-    handle = stream_handle(stream, "stream", dst.backend, dst.device)
     for src_offset, dst_offset, nbytes in spans.tolist():
         if src_device == dst.device:
             backend.memcpy_dtod(base + dst_offset, src_addr + src_offset, nbytes, handle)
