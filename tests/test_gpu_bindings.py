@@ -172,3 +172,28 @@ def test_hip_properties_leave_the_active_device_as_it_was(monkeypatch):
 
     with pytest.raises(BackendUnavailableError, match="HIP device 2 does not exist"):
         backend.properties(2)
+
+
+def test_a_finalizer_that_needs_a_context_during_a_retain_does_not_deadlock(monkeypatch):
+    """A collection during the retain of device 1's primary context runs a finalizer that
+    needs device 0's context: the retain runs outside the backend's lock, so it is served
+    (it used to wait for the lock its own thread held: a hang). Every retain but the kept
+    one is released."""
+    backend, double = _backend("cuda", 0, monkeypatch)
+    backend._contexts, backend.allocator = {}, None
+    retained, released = [], []
+
+    def retain(handle: int) -> tuple:
+        retained.append(handle)
+        if handle == 1 and 0 not in backend._contexts:  # "a finalizer" of device 0 runs here
+            backend._context(0)
+        return double._ok, f"context {handle}"
+
+    double.cuDevicePrimaryCtxRetain = retain
+    double.cuDevicePrimaryCtxRelease = lambda handle: (released.append(handle), double._ok)[1:]
+    worker = threading.Thread(target=backend._context, args=(1,), daemon=True)
+    worker.start()
+    worker.join(5)
+    assert not worker.is_alive(), "retaining a context deadlocked on the backend's lock"
+    assert backend._contexts == {0: "context 0", 1: "context 1"}
+    assert retained == [1, 0] and released == []
