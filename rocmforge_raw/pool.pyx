@@ -151,7 +151,7 @@ cdef class MemoryPool(Allocator):
         self.check_open()
         if stream is None:
             return self
-        return StreamAllocator(self, self.register(self.lane(stream)))
+        return StreamAllocator(self, self.lane(stream))  # registered by its first allocation
 
     @property
     def closed(self):
@@ -218,7 +218,7 @@ cdef class MemoryPool(Allocator):
             self.hits += 1
             self.lent += 1
             return ptr
-        if self.lanes:
+        if self.lanes or lane is not self.default:  # other lanes to take from
             ptr = self.take_passed(lane, index, size)
             if ptr:
                 return ptr

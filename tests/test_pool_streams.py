@@ -343,3 +343,21 @@ def test_a_gpu_default_stream_block_goes_to_a_stream_only_after_its_hold(gpu):
         each.close()
     pool.free_all()
     a.close()
+
+
+def test_a_pool_allocation_refused_on_a_new_stream_leaves_the_stream_unknown():
+    """``HipBuffer(n, pool=pool.on(s))`` for a stream the pool has not seen, refused at its
+    limit: the pool is as before (no lane for ``s``); the next allocation that fits makes
+    it. (``on`` used to register the lane before the allocation could fail.)"""
+    backend = HeldHost()
+    pool = rf.MemoryPool(backend=backend, limit=4 * N)
+    with rf.Stream(backend=backend) as a, rf.Stream(backend=backend) as b:
+        full = rf.HipBuffer(3 * N, pool=pool.on(a))
+        before = pool.stats()
+        with pytest.raises(rf.OutOfMemoryError, match="pool limit"):
+            rf.HipBuffer(2 * N, pool=pool.on(b))
+        assert pool.stats() == before and before["streams"] == 1
+        with rf.HipBuffer(N, pool=pool.on(b)):
+            assert pool.stats()["streams"] == 2
+        full.close()
+    pool.close()
