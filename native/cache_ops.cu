@@ -107,3 +107,39 @@ RF_KERNEL(RF_CO_THREADS) rf_copy_blocks(rf_vec16* __restrict__ slab,
   rf_vec16* dst = slab + base + pairs[2 * pair + 1] * block_vecs;
   for (rf_i64 i = rf_tid(); i < block_vecs; i += RF_CO_THREADS) dst[i] = src[i];
 }
+
+// Copies pieces of memory this device can address: its own, an IPC mapping, a peer's with
+// peer access on. pieces int64 [num_pieces, 3] of (src address, dst address, bytes), every
+// address and size a multiple of 16 and a size at most RF_PIECE_MAX_BYTES; pieces never
+// overlap one another's destinations. Grid (num_pieces): one CTA a piece, each thread
+// loading four 16-byte vectors before it stores them (bytes in flight hide a peer's or a
+// mapping's latency), then the piece's tail a vector at a time. A vector moves as two
+// aligned 64-bit words, which both compilers fuse into one 16-byte access (a copied struct
+// would go through a stack slot on AMD: scratch, promoted to LDS).
+#define RF_PIECE_MAX_BYTES (1 << 16)
+RF_KERNEL(RF_CO_THREADS) rf_copy_pieces(const rf_i64* __restrict__ pieces) {
+  const rf_i64* piece = pieces + 3 * (rf_i64)rf_bid_x();
+  const rf_u64* __restrict__ src = static_cast<const rf_u64*>(
+      __builtin_assume_aligned(reinterpret_cast<const void*>(piece[0]), 16));
+  rf_u64* __restrict__ dst =
+      static_cast<rf_u64*>(__builtin_assume_aligned(reinterpret_cast<void*>(piece[1]), 16));
+  const int vecs = (int)(piece[2] >> 4), t = RF_CO_THREADS;
+  int i = (int)rf_tid();
+  for (; i + 3 * t < vecs; i += 4 * t) {
+    rf_u64 words[8];
+#pragma unroll
+    for (int u = 0; u < 4; ++u) {
+      words[2 * u] = src[2 * (i + u * t)];
+      words[2 * u + 1] = src[2 * (i + u * t) + 1];
+    }
+#pragma unroll
+    for (int u = 0; u < 4; ++u) {
+      dst[2 * (i + u * t)] = words[2 * u];
+      dst[2 * (i + u * t) + 1] = words[2 * u + 1];
+    }
+  }
+  for (; i < vecs; i += t) {
+    dst[2 * i] = src[2 * i];
+    dst[2 * i + 1] = src[2 * i + 1];
+  }
+}

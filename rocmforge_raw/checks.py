@@ -214,3 +214,28 @@ def host_array(value: Any, name: str) -> np.ndarray:
         raise TypeError(f"{name} must be array-like, got {_kind(value)}: {exc}") from None
     plain_dtype(array.dtype, f"{name} dtype")
     return array
+
+
+def spans(value: Any, src_nbytes: int, dst_nbytes: int, name: str = "spans") -> np.ndarray:
+    """``value`` as int64 ``[n, 3]`` rows (src offset, dst offset, bytes), each inside the
+    source's ``src_nbytes`` and the destination's ``dst_nbytes``, no two destinations
+    overlapping (each byte lands once, whatever order the copies run in)."""
+    array = np.asarray(value)
+    if array.dtype.kind not in "iu" or array.ndim != 2 or array.shape[1] != 3:
+        raise ValueError(f"{name} must be integers shaped [n, 3] (src offset, dst offset, "
+                         f"bytes), got {array.dtype} {array.shape}")
+    if array.dtype == np.uint64 and array.size and array.max() > MAX_SIZE:
+        raise ValueError(f"{name} holds {int(array.max())}, past a signed 64-bit size")
+    array = array.astype(np.int64, copy=False)
+    if array.size and (array.min() < 0 or (array[:, 0] + array[:, 2]).max() > src_nbytes
+                       or (array[:, 1] + array[:, 2]).max() > dst_nbytes):
+        raise ValueError(f"{name} has a span outside the {src_nbytes}-byte source or the "
+                         f"{dst_nbytes}-byte destination")
+    landing = array[array[:, 2] > 0][:, 1:]
+    landing = landing[np.argsort(landing[:, 0], kind="stable")]
+    if len(landing) > 1 and (landing[1:, 0] < landing[:-1].sum(1)).any():
+        first = int(np.flatnonzero(landing[1:, 0] < landing[:-1].sum(1))[0])
+        raise ValueError(f"{name} overlap in the destination: bytes {landing[first, 0]}.."
+                         f"{landing[first].sum()} and {landing[first + 1, 0]}..")
+    checked: np.ndarray = array
+    return checked

@@ -1,4 +1,4 @@
-"""Paged-attention decode, K/V writes by slot mapping, and block copies on device memory.
+"""Paged-attention decode, K/V writes by slot mapping, block and span copies on device memory.
 
 Each op checks its arguments (``planning``), then runs the packaged kernel on a GPU backend
 or the NumPy implementation (``reference``) on the host backend. Caches and activations are
@@ -26,6 +26,7 @@ import numpy as np
 
 from . import checks, reference
 from .array import DeviceArray
+from .buffer import HipBuffer
 from .module import load_kernels
 from .planning import (
     ATTENTION_STAGES,
@@ -54,10 +55,11 @@ from .planning import (
     write_kernel,
 )
 from .staging import Staging, StagingRing, Workspace
-from .stream import Stream
+from .stream import Stream, stream_handle
 
 __all__ = ["ATTENTION_STAGES", "BLOCK_SIZES", "DTYPES", "GROUP_SIZES", "HEAD_DIMS",
-           "THREADS", "Workspace", "attention_shared_bytes", "copy_blocks", "host_view",
+           "PIECE_BYTES", "THREADS", "Workspace", "attention_shared_bytes", "copy_blocks",
+           "copy_spans", "host_view",
            "paged_attention", "plan_work", "release_staging", "reshape_and_cache"]
 
 
@@ -87,7 +89,7 @@ def release_staging() -> None:
 
 
 @contextmanager
-def _staging(like: DeviceArray, stream: Stream | None) -> Iterator[Staging]:
+def _staging(like: DeviceArray | HipBuffer, stream: Stream | None) -> Iterator[Staging]:
     """A staging slot of ``like``'s device for one launch; its fence is marked on ``stream``
     afterwards (also when the launch raised: an upload may be queued already)."""
     key = (id(like.backend), like.device)
@@ -232,3 +234,92 @@ def copy_blocks(slab: DeviceArray, pairs: Any, *, stream: Stream | None = None) 
         module.function("rf_copy_blocks").launch(
             (len(pairs), num_layers * 2), WRITE_THREADS, slab, slot.put([pairs], stream)[0],
             np.int32(num_blocks), np.int64(block_bytes // 16), stream=stream)
+
+
+#: The most bytes one CTA of a span copy moves (``rf_copy_pieces``'s RF_PIECE_MAX_BYTES):
+#: longer spans are cut into pieces of this size.
+PIECE_BYTES = 1 << 16
+#: The most pieces one launch takes (a grid of 256-thread CTAs stays within 2^32 threads,
+#: the AMD limit).
+MAX_PIECES = (1 << 24) - 1
+
+
+def copy_spans(dst: HipBuffer, src: HipBuffer, spans: Any, *,
+               stream: Stream | None = None) -> None:
+    """Copy each span ``(src offset, dst offset, bytes)`` of ``spans`` (integers ``[n, 3]``,
+    inside both buffers, no two destinations overlapping, and where ``src`` is ``dst``'s
+    memory no source overlapping a destination) from ``src`` to ``dst``, queued on
+    ``stream`` of ``dst``'s device. ``src`` is memory of the same backend: ``dst``'s device's
+    own, an IPC mapping, or another device's.
+
+    Where ``dst``'s device addresses ``src`` (its own memory, or a peer's with peer access
+    on) and every address and size is a multiple of 16 bytes, one launch copies every span
+    (cut into pieces of at most ``PIECE_BYTES``, a CTA each): thousands of small spans, a
+    scattered sequence's blocks, move at the speed of a few large copies. Otherwise each
+    span is one runtime copy (a peer copy across devices, which the runtime stages through
+    host memory where the two have no peer access). Nothing waits for the device."""
+    for name, buffer in (("dst", dst), ("src", src)):
+        if not isinstance(buffer, HipBuffer):
+            raise TypeError(f"{name} must be a HipBuffer, got {checks.show(buffer)}")
+    if src.backend is not dst.backend:
+        raise ValueError(f"src is {src.backend.name} memory and dst {dst.backend.name}: span "
+                         "copies stay within one backend")
+    backend, handle = dst.backend, stream_handle(stream, "stream", dst.backend, dst.device)
+    spans = checks.spans(spans, src.nbytes, dst.nbytes)
+    if src.root is dst.root:
+        _check_apart(spans, src.ptr - dst.ptr)
+    spans = spans[spans[:, 2] > 0]
+    if not len(spans):
+        return
+    if src.device != dst.device:  # the peer copies below make dst's device active again
+        direct = backend.peer_access(dst.device, src.device)
+        backend.peer_access(src.device, dst.device)
+    else:
+        direct = True
+    aligned = not ((src.ptr | dst.ptr) & 15 or (spans & 15).any())
+    if backend.name != "host" and direct and aligned:
+        _copy_pieces(dst, _pieces(dst.ptr, src.ptr, spans), stream)
+        return
+    for src_offset, dst_offset, nbytes in spans.tolist():
+        if src.device == dst.device:
+            backend.memcpy_dtod(dst.ptr + dst_offset, src.ptr + src_offset, nbytes, handle)
+        else:
+            backend.memcpy_peer(dst.ptr + dst_offset, dst.device, src.ptr + src_offset,
+                                src.device, nbytes, handle)
+
+
+def _check_apart(spans: np.ndarray, shift: int) -> None:
+    """No source span (``shift`` bytes past the destination's start in one allocation)
+    overlaps a destination span: the pieces of one launch run in any order."""
+    live = spans[spans[:, 2] > 0]
+    dst = live[np.argsort(live[:, 1], kind="stable")][:, 1:]  # disjoint: ends sorted too
+    src_start = live[:, 0] + shift
+    before = np.searchsorted(dst[:, 0], src_start + live[:, 2]) - 1  # last dst starting
+    hit = (before >= 0) & (dst[np.maximum(before, 0)].sum(1) > src_start)  # before its end
+    if hit.any():
+        raise ValueError(f"spans read bytes another span writes (source span "
+                         f"{live[int(np.flatnonzero(hit)[0])].tolist()}): copy through a "
+                         "buffer of its own")
+
+
+def _pieces(dst_ptr: int, src_ptr: int, spans: np.ndarray) -> np.ndarray:
+    """``spans`` cut into pieces of at most ``PIECE_BYTES``: int64 ``[n, 3]`` rows of (src
+    address, dst address, bytes), as ``rf_copy_pieces`` reads them."""
+    counts = -(-spans[:, 2] // PIECE_BYTES)
+    owner = np.repeat(np.arange(len(spans)), counts)
+    within = (np.arange(owner.size) - np.repeat(np.cumsum(counts) - counts, counts)) * (
+        PIECE_BYTES)
+    sizes = np.minimum(spans[owner, 2] - within, PIECE_BYTES)
+    return np.stack([src_ptr + spans[owner, 0] + within, dst_ptr + spans[owner, 1] + within,
+                     sizes], 1)
+
+
+def _copy_pieces(dst: HipBuffer, pieces: np.ndarray, stream: Stream | None) -> None:
+    """Launch ``rf_copy_pieces`` over ``pieces`` (uploaded through the device's staging ring)
+    on ``stream``."""
+    function = load_kernels("cache_ops", dst.device, dst.backend).function("rf_copy_pieces")
+    with _staging(dst, stream) as slot:
+        table = slot.put([pieces], stream)[0]
+        for start in range(0, len(pieces), MAX_PIECES):
+            function.launch(min(MAX_PIECES, len(pieces) - start), WRITE_THREADS,
+                            table + 24 * start, stream=stream)

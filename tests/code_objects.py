@@ -15,7 +15,8 @@ from rocmforge_raw.codeobject import (
 #: source stem -> the kernels its code objects must define
 KERNELS = {
     "basic": ["rf_fill_f32", "rf_scale_f32", "rf_hold_ns", "rf_read_bytes"],
-    "cache_ops": ["rf_reshape_and_cache", "rf_copy_blocks", "rf_reshape_and_cache_e4m3_f16",
+    "cache_ops": ["rf_reshape_and_cache", "rf_copy_blocks", "rf_copy_pieces",
+                  "rf_reshape_and_cache_e4m3_f16",
                   "rf_reshape_and_cache_e4m3_bf16"],
     "paged_attention": [
         f"rf_paged_attention_{dt}_d{d}_g{g}"

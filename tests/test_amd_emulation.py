@@ -29,7 +29,7 @@ from amd_emu.emulator import (
 )
 from test_ops import POISON, TOLERANCE, random_tables, relative_error
 
-from rocmforge_raw import planning, reference
+from rocmforge_raw import ops, planning, reference
 
 if find_compiler() is None:
     pytest.skip("no C++ compiler (g++ or clang++) to build the AMD emulation",
@@ -302,6 +302,23 @@ def test_copy_blocks_copies_exactly_the_listed_blocks(libraries, wave, rng, dtyp
         "rf_copy_blocks", (len(pairs), slab.shape[0] * 2), planning.WRITE_THREADS, ptr(slab),
         ptr(pairs), np.int32(slab.shape[2]), np.int64(block_vecs))
     np.testing.assert_array_equal(slab.view(np.uint8), want.view(np.uint8))
+
+
+def test_copy_pieces_moves_every_piece_ops_cuts(libraries, wave, rng):
+    """The pieces ops.copy_spans cuts (long spans, odd vector counts, a single vector) land
+    exactly, the rest of the destination untouched."""
+    src = rng.integers(0, 256, 1 << 20, dtype=np.uint8)
+    dst = np.zeros(1 << 20, np.uint8)
+    spans = np.array([[0, 1 << 19, 3 * ops.PIECE_BYTES + 48], [1 << 18, 16, 16],
+                      [5 << 16, 64, (1 << 16) - 4096 + 80]], np.int64)
+    want = dst.copy()
+    for s, d, n in spans.tolist():
+        want[d : d + n] = src[s : s + n]
+    pieces = ops._pieces(ptr(dst), ptr(src), spans)  # what ops.copy_spans launches over
+    assert len(pieces) == 4 + 1 + 1
+    libraries["cache_ops", wave].launch("rf_copy_pieces", len(pieces), planning.WRITE_THREADS,
+                                        ptr(pieces))
+    np.testing.assert_array_equal(dst, want)
 
 
 def test_basic_kernels_fill_scale_and_hold_by_the_clock(libraries, wave):

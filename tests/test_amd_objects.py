@@ -146,7 +146,7 @@ def test_launch_sizes_are_what_planning_and_basic_cu_launch(path):
                 "rf_reshape_and_cache": planning.WRITE_THREADS,
                 "rf_reshape_and_cache_e4m3_f16": planning.WRITE_THREADS,
                 "rf_reshape_and_cache_e4m3_bf16": planning.WRITE_THREADS,
-                "rf_copy_blocks": planning.WRITE_THREADS}
+                "rf_copy_blocks": planning.WRITE_THREADS, "rf_copy_pieces": planning.WRITE_THREADS}
     for i in amd.instances(path):
         assert i.threads == expected.get(i.kernel, planning.THREADS), i.kernel
 
@@ -204,9 +204,9 @@ def test_markdown_has_a_row_per_instance_and_json_the_same_rows(capsys):
         pytest.skip(f"no AMD code objects in {KERNEL_DIR}: `make kernels-amd`")
     rows = amd.all_instances()
     table = amd.markdown(rows).splitlines()
-    # per target: 60 attention instances (3 dtypes + 2 fp8 x 3 head dims x 4 groups), the 4
-    # cache ops (write, two fp8 writes, copy) and basic.cu's 4
-    assert len(table) == 2 + len(rows) == 2 + 3 * (60 + 4 + 4)
+    # per target: 60 attention instances (3 dtypes + 2 fp8 x 3 head dims x 4 groups), the 5
+    # cache ops (write, two fp8 writes, block and piece copies) and basic.cu's 4
+    assert len(table) == 2 + len(rows) == 2 + 3 * (60 + 5 + 4)
     first = rows[0]
     assert table[2].startswith(f"| {first.object} | {first.kernel} | {first.wave} | 128 |")
     assert amd.main(["--json"]) == 0

@@ -333,9 +333,9 @@ def test_a_peer_copy_refuses_a_bad_stream_before_any_peer_access(two_devices, mo
             rf.HipBuffer(64, 1, backend) as dst, rf.Stream(0, backend) as stream:
         for bad, error in ((stream, ValueError), ("stream", TypeError)):
             with pytest.raises(error, match="stream"):
-                copy_spans(dst, src.ptr, 0, spans, bad)
+                copy_spans(dst, src, spans, bad)
             assert asked == []
-        copy_spans(dst, src.ptr, 0, spans, None)
+        copy_spans(dst, src, spans, None)
         assert sorted(asked) == [(0, 1), (1, 0)]
         assert dst.to_numpy().tolist() == list(range(64))
 

@@ -20,9 +20,9 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from .. import checks
+from .. import checks, ops
 from ..buffer import HipBuffer
-from ..stream import Event, Stream, stream_handle
+from ..stream import Event, Stream
 
 #: buffer -> {transport name: (the transport that published it, held weakly: a transport
 #: dropped unclosed is collected, its endpoint, which dies with it)}
@@ -96,21 +96,6 @@ def root_buffer(buffer: Any) -> HipBuffer:
     return buf.root
 
 
-def check_spans(spans: Any, src_nbytes: int, dst: HipBuffer) -> np.ndarray:
-    """``spans`` as int64 ``[n, 3]``, each inside the source's ``src_nbytes`` and ``dst``."""
-    spans = np.asarray(spans)
-    if spans.dtype.kind not in "iu" or spans.ndim != 2 or spans.shape[1] != 3:
-        raise ValueError(f"spans must be integers shaped [n, 3] (src offset, dst offset, "
-                         f"bytes), got {spans.dtype} {spans.shape}")
-    spans = spans.astype(np.int64, copy=False)
-    if spans.size and (spans.min() < 0 or (spans[:, 0] + spans[:, 2]).max() > src_nbytes
-                       or (spans[:, 1] + spans[:, 2]).max() > dst.nbytes):
-        raise ValueError(f"a span lies outside the {src_nbytes}-byte source or the "
-                         f"{dst.nbytes}-byte destination")
-    checked: np.ndarray = spans
-    return checked
-
-
 def wait(dst: HipBuffer, stream: Stream | None) -> None:
     """Block until the work queued on ``stream`` of ``dst``'s device has passed (the copies a
     transport queued, or what ran before an outside engine may write)."""
@@ -118,22 +103,10 @@ def wait(dst: HipBuffer, stream: Stream | None) -> None:
         event.record(stream).synchronize()
 
 
-def copy_spans(dst: HipBuffer, src_addr: int, src_device: int, spans: np.ndarray,
+def copy_spans(dst: HipBuffer, src: HipBuffer, spans: np.ndarray,
                stream: Stream | None) -> None:
-    """Queue the copies of ``spans`` from ``src_addr`` (on ``src_device`` of ``dst``'s
-    backend) on ``stream``, then wait for them: a copy within one device is a device-to-device
-    copy, across devices a peer copy, direct where the two devices allow peer access (turned
-    on each way at the first copy between them), staged through the host by the runtime
-    where they do not."""
-    backend, base = dst.backend, dst.ptr
-    handle = stream_handle(stream, "stream", backend, dst.device)  # before any peer state
-    if src_device != dst.device:  # memcpy_peer makes dst's device active again
-        backend.peer_access(dst.device, src_device)
-        backend.peer_access(src_device, dst.device)
-    for src_offset, dst_offset, nbytes in spans.tolist():
-        if src_device == dst.device:
-            backend.memcpy_dtod(base + dst_offset, src_addr + src_offset, nbytes, handle)
-        else:
-            backend.memcpy_peer(base + dst_offset, dst.device, src_addr + src_offset,
-                                src_device, nbytes, handle)
+    """Copy ``spans`` of ``src`` (on ``dst``'s device or another device of its backend)
+    into ``dst`` on ``stream`` (``ops.copy_spans``: one launch where ``dst``'s device
+    reaches ``src``, runtime copies where it does not), then wait for them."""
+    ops.copy_spans(dst, src, spans, stream=stream)
     wait(dst, stream)

@@ -18,7 +18,7 @@ from ..buffer import HipBuffer
 from ..errors import IpcError
 from ..ipc import IpcHandle
 from ..stream import Stream
-from .base import Transport, check_spans, copy_spans
+from .base import Transport, copy_spans
 
 
 class IpcTransport(Transport):
@@ -40,8 +40,7 @@ class IpcTransport(Transport):
         if src.backend is not dst.backend:
             raise ValueError(f"the sender's slab is {src.backend.name} memory, the receiver's "
                              f"{dst.backend.name}: IPC copies within one backend")
-        spans = check_spans(spans, src.nbytes, dst)
-        copy_spans(dst, src.ptr, src.device, spans, stream)
+        copy_spans(dst, src, spans, stream)
 
     def mapping(self, handle: IpcHandle) -> HipBuffer:
         """The buffer ``handle`` names, mapped here once (until ``close()``); a mapping whose

@@ -31,7 +31,7 @@ from .. import checks
 from ..buffer import HipBuffer
 from ..errors import BackendUnavailableError, TransferError
 from ..stream import Stream
-from .base import Transport, check_spans, wait
+from .base import Transport, wait
 
 #: What reaches each backend's memory: the package names of Mooncake's builds.
 _REACHES = {"host": lambda dist: True,
@@ -127,7 +127,7 @@ class MooncakeTransport(Transport):
         if not isinstance(endpoint, MooncakeEndpoint):
             raise TypeError(f"a mooncake endpoint is a MooncakeEndpoint, got "
                             f"{checks.show(endpoint)}")
-        spans = check_spans(spans, endpoint.nbytes, dst)
+        spans = checks.spans(spans, endpoint.nbytes, dst.nbytes)
         self._register(dst.root)
         if not spans.size:
             return

@@ -21,7 +21,7 @@ from .. import checks
 from ..buffer import HipBuffer
 from ..errors import BufferClosedError
 from ..stream import Stream
-from .base import Transport, check_spans, copy_spans
+from .base import Transport, copy_spans
 
 _ids = itertools.count(1)
 _buffers: dict[int, weakref.ref[HipBuffer]] = {}
@@ -65,5 +65,4 @@ class PeerTransport(Transport):
         if src.backend is not dst.backend:
             raise ValueError(f"the sender's slab is {src.backend.name} memory, the receiver's "
                              f"{dst.backend.name}: peer copies stay within one backend")
-        spans = check_spans(spans, src.nbytes, dst)
-        copy_spans(dst, src.ptr, src.device, spans, stream)
+        copy_spans(dst, src, spans, stream)

@@ -1,0 +1,154 @@
+"""ops.copy_spans: many spans of bytes in one launch (``rf_copy_pieces``) where the device
+reaches the source and everything is 16-byte aligned, runtime copies otherwise; checked
+against NumPy copies of the same spans, and its refusals leave the destination untouched."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from conftest import DEVICE
+
+import rocmforge_raw as rf
+from rocmforge_raw import ops
+
+KiB = 1024
+
+
+def expected(dst: np.ndarray, src: np.ndarray, spans: np.ndarray) -> np.ndarray:
+    """``dst`` after copying ``spans`` of ``src`` one by one."""
+    want = dst.copy()
+    for s, d, n in spans.tolist():
+        want[d : d + n] = src[s : s + n]
+    return want
+
+
+def scattered_spans(rng, nbytes: int) -> np.ndarray:
+    """Block-sized spans in shuffled order, one past ``PIECE_BYTES`` with a tail of one
+    vector, one of a single vector and one empty: 16-byte aligned, destinations disjoint."""
+    chunk = 32 * KiB
+    slots = rng.permutation(nbytes // chunk - 8)[:40]
+    spans = [[int(rng.integers(0, nbytes // chunk)) * chunk, int(s) * chunk, chunk]
+             for s in slots]
+    top = (nbytes // chunk - 8) * chunk  # the last 8 chunks of dst: the odd sizes
+    spans += [[16, top, ops.PIECE_BYTES * 3 + 16], [4 * KiB, top + 3 * ops.PIECE_BYTES + 32, 16],
+              [0, top + 3 * ops.PIECE_BYTES + 64, 0]]
+    return np.array(spans, np.int64)[rng.permutation(len(spans))]
+
+
+def counting(backend, monkeypatch) -> list[str]:
+    """Names of the runtime copies ``backend`` makes from now on."""
+    calls: list[str] = []
+    for name in ("memcpy_dtod", "memcpy_peer"):
+        method = getattr(backend, name)
+        monkeypatch.setattr(backend, name, lambda *a, _m=method, _n=name, **k: (
+            calls.append(_n), _m(*a, **k))[1])
+    return calls
+
+
+def test_scattered_aligned_spans_move_in_one_launch(backend, rng, monkeypatch):
+    nbytes = 2 * 1024 * KiB
+    data = rng.integers(0, 256, nbytes, dtype=np.uint8)
+    spans = scattered_spans(rng, nbytes)
+    with rf.HipBuffer.from_numpy(data, DEVICE, backend) as src, \
+            rf.HipBuffer.from_numpy(np.zeros(nbytes, np.uint8), DEVICE, backend) as dst, \
+            rf.Stream(DEVICE, backend) as stream:
+        calls = counting(backend, monkeypatch)
+        ops.copy_spans(dst, src, spans, stream=stream)
+        stream.synchronize()
+        np.testing.assert_array_equal(dst.to_numpy(), expected(np.zeros_like(data), data,
+                                                               spans))
+    if backend.name == "host":
+        assert calls.count("memcpy_dtod") == np.count_nonzero(spans[:, 2])
+    else:
+        assert calls == []  # the kernel moved every span
+
+
+def test_unaligned_spans_are_copied_one_by_one(backend, rng, monkeypatch):
+    nbytes = 64 * KiB
+    data = rng.integers(0, 256, nbytes, dtype=np.uint8)
+    spans = np.array([[3, 100, 1000], [5000, 7, 33], [20000, 40000, 16 * KiB + 1]], np.int64)
+    with rf.HipBuffer.from_numpy(data, DEVICE, backend) as src, \
+            rf.HipBuffer.from_numpy(np.zeros(nbytes, np.uint8), DEVICE, backend) as dst:
+        calls = counting(backend, monkeypatch)
+        ops.copy_spans(dst, src, spans)
+        np.testing.assert_array_equal(dst.to_numpy(), expected(np.zeros_like(data), data,
+                                                               spans))
+    assert calls == ["memcpy_dtod"] * len(spans)
+
+
+def test_spans_within_one_buffer_and_views_of_it(backend, rng):
+    nbytes = 512 * KiB
+    data = rng.integers(0, 256, nbytes, dtype=np.uint8)
+    with rf.HipBuffer.from_numpy(data, DEVICE, backend) as buf:
+        low, high = buf.view(0, nbytes // 2), buf.view(nbytes // 2, nbytes // 2)
+        spans = np.array([[0, 64 * KiB, 64 * KiB], [160 * KiB, 0, 48 * KiB],
+                          [144 * KiB, 128 * KiB, 16]], np.int64)
+        ops.copy_spans(high, low, spans)  # a view's offsets: the view's own bytes
+        want = data.copy()
+        want[nbytes // 2 :] = expected(data[nbytes // 2 :], data[: nbytes // 2], spans)
+        np.testing.assert_array_equal(buf.to_numpy(), want)
+        ops.copy_spans(buf, buf, np.array([[0, 256 * KiB, 128 * KiB]], np.int64))
+        want[256 * KiB : 384 * KiB] = want[: 128 * KiB]
+        np.testing.assert_array_equal(buf.to_numpy(), want)
+
+
+@pytest.mark.parametrize("spans, words", [
+    ([[0, 0, 64], [64, 32, 64]], "overlap in the destination: bytes 0..64 and 32"),
+    ([[0, 0, 4 * KiB + 1]], "has a span outside the 4096-byte source"),
+    ([[-16, 0, 16]], "has a span outside"),
+    ([[0, 0]], r"integers shaped \[n, 3\]"),
+    ([[0.0, 0.0, 16.0]], r"integers shaped \[n, 3\]"),
+    (np.array([[2**63, 0, 16]], np.uint64), "past a signed 64-bit size"),
+])
+def test_bad_spans_are_refused_before_anything_moves(backend, spans, words):
+    with rf.HipBuffer.from_numpy(np.arange(4 * KiB, dtype=np.uint32).view(np.uint8)[: 4 * KiB],
+                                 DEVICE, backend) as src, \
+            rf.HipBuffer.from_numpy(np.zeros(8 * KiB, np.uint8), DEVICE, backend) as dst:
+        with pytest.raises(ValueError, match=words):
+            ops.copy_spans(dst, src, spans)
+        assert not dst.to_numpy().any()
+
+
+def test_a_source_overlapping_a_destination_of_one_buffer_is_refused(backend):
+    data = np.arange(4 * KiB, dtype=np.uint8)
+    with rf.HipBuffer.from_numpy(data, DEVICE, backend) as buf:
+        for spans in ([[0, 1 * KiB, 2 * KiB]], [[1 * KiB, 0, 2 * KiB]],
+                      [[0, 2 * KiB, 64], [2 * KiB + 32, 3 * KiB, 64]]):
+            with pytest.raises(ValueError, match="read bytes another span writes"):
+                ops.copy_spans(buf, buf, np.array(spans, np.int64))
+            np.testing.assert_array_equal(buf.to_numpy(), data)
+        # views of one allocation are one memory too
+        with pytest.raises(ValueError, match="read bytes another span writes"):
+            ops.copy_spans(buf.view(64, 1024), buf.view(0, 1024),
+                           np.array([[0, 0, 128]], np.int64))
+        np.testing.assert_array_equal(buf.to_numpy(), data)
+
+
+def test_buffers_of_two_backends_or_no_buffer_are_refused(backend):
+    with rf.HipBuffer(64, DEVICE, backend) as buf:
+        with pytest.raises(TypeError, match="src must be a HipBuffer, got 'x'"):
+            ops.copy_spans(buf, "x", [[0, 0, 16]])
+        with pytest.raises(TypeError, match="dst must be a HipBuffer"):
+            ops.copy_spans(np.zeros(64, np.uint8), buf, [[0, 0, 16]])
+        if backend.name != "host":
+            with rf.HipBuffer(64, 0, "host") as host, \
+                    pytest.raises(ValueError, match="within one backend"):
+                ops.copy_spans(buf, host, [[0, 0, 16]])
+
+
+def test_spans_from_another_device_move_in_one_launch_where_it_reaches_them(two_devices, rng,
+                                                                           monkeypatch):
+    backend, nbytes = two_devices, 1024 * KiB
+    data = rng.integers(0, 256, nbytes, dtype=np.uint8)
+    spans = scattered_spans(rng, nbytes)
+    with rf.HipBuffer.from_numpy(data, 1, backend) as src, \
+            rf.HipBuffer.from_numpy(np.zeros(nbytes, np.uint8), 0, backend) as dst:
+        reaches = backend.peer_access(0, 1)
+        calls = counting(backend, monkeypatch)
+        ops.copy_spans(dst, src, spans)
+        np.testing.assert_array_equal(dst.to_numpy(), expected(np.zeros_like(data), data,
+                                                               spans))
+    if backend.name != "host" and reaches:
+        assert calls == []
+    else:
+        assert calls == ["memcpy_peer"] * np.count_nonzero(spans[:, 2])
