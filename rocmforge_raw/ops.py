@@ -20,7 +20,7 @@ import math
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -54,12 +54,13 @@ from .planning import (
     write_arguments,
     write_kernel,
 )
+from .runtime import Backend
 from .staging import Staging, StagingRing, Workspace
 from .stream import Stream, stream_handle
 
 __all__ = ["ATTENTION_STAGES", "BLOCK_SIZES", "DTYPES", "GROUP_SIZES", "HEAD_DIMS",
            "PIECE_BYTES", "THREADS", "Workspace", "attention_shared_bytes", "copy_blocks",
-           "copy_spans", "host_view",
+           "copy_pieces", "copy_spans", "cut_pieces", "host_view",
            "paged_attention", "plan_work", "release_staging", "reshape_and_cache"]
 
 
@@ -88,8 +89,15 @@ def release_staging() -> None:
             ring.close()
 
 
+class _Place(NamedTuple):
+    """A device of a backend, as ``_staging`` keys its rings."""
+
+    backend: Backend
+    device: int
+
+
 @contextmanager
-def _staging(like: DeviceArray | HipBuffer, stream: Stream | None) -> Iterator[Staging]:
+def _staging(like: DeviceArray | _Place, stream: Stream | None) -> Iterator[Staging]:
     """A staging slot of ``like``'s device for one launch; its fence is marked on ``stream``
     afterwards (also when the launch raised: an upload may be queued already)."""
     key = (id(like.backend), like.device)
@@ -278,7 +286,7 @@ def copy_spans(dst: HipBuffer, src: HipBuffer, spans: Any, *,
         direct = True
     aligned = not ((src.ptr | dst.ptr) & 15 or (spans & 15).any())
     if backend.name != "host" and direct and aligned:
-        _copy_pieces(dst, _pieces(dst.ptr, src.ptr, spans), stream)
+        copy_pieces(backend, dst.device, cut_pieces(dst.ptr, src.ptr, spans), stream)
         return
     for src_offset, dst_offset, nbytes in spans.tolist():
         if src.device == dst.device:
@@ -302,9 +310,10 @@ def _check_apart(spans: np.ndarray, shift: int) -> None:
                          "buffer of its own")
 
 
-def _pieces(dst_ptr: int, src_ptr: int, spans: np.ndarray) -> np.ndarray:
-    """``spans`` cut into pieces of at most ``PIECE_BYTES``: int64 ``[n, 3]`` rows of (src
-    address, dst address, bytes), as ``rf_copy_pieces`` reads them."""
+def cut_pieces(dst_ptr: int, src_ptr: int, spans: np.ndarray) -> np.ndarray:
+    """``spans`` (int64 ``[n, 3]``: src offset, dst offset, bytes; sizes > 0) of the memory
+    at ``src_ptr`` and ``dst_ptr`` cut into pieces of at most ``PIECE_BYTES``: int64
+    ``[m, 3]`` rows of (src address, dst address, bytes), as ``rf_copy_pieces`` reads them."""
     counts = -(-spans[:, 2] // PIECE_BYTES)
     owner = np.repeat(np.arange(len(spans)), counts)
     within = (np.arange(owner.size) - np.repeat(np.cumsum(counts) - counts, counts)) * (
@@ -314,12 +323,17 @@ def _pieces(dst_ptr: int, src_ptr: int, spans: np.ndarray) -> np.ndarray:
                      sizes], 1)
 
 
-def _copy_pieces(dst: HipBuffer, pieces: np.ndarray, stream: Stream | None) -> None:
-    """Launch ``rf_copy_pieces`` over ``pieces`` (uploaded through the device's staging ring)
-    on ``stream``."""
-    function = load_kernels("cache_ops", dst.device, dst.backend).function("rf_copy_pieces")
-    with _staging(dst, stream) as slot:
+def copy_pieces(backend: Backend, device: int, pieces: np.ndarray,
+                stream: Stream | None) -> None:
+    """Launch ``rf_copy_pieces`` over ``pieces`` (``cut_pieces``: every address and size a
+    multiple of 16, destinations disjoint) on ``stream`` of ``device``, the table uploaded
+    through the device's staging ring. The addresses are trusted: the caller checked that
+    they lie in memory the device reaches (its own, an IPC mapping, a peer's with peer
+    access on, pinned host memory from ``host_alloc``)."""
+    function = load_kernels("cache_ops", device, backend).function("rf_copy_pieces")
+    with _staging(_Place(backend, device), stream) as slot:
         table = slot.put([pieces], stream)[0]
         for start in range(0, len(pieces), MAX_PIECES):
             function.launch(min(MAX_PIECES, len(pieces) - start), WRITE_THREADS,
                             table + 24 * start, stream=stream)
+

@@ -314,7 +314,7 @@ def test_copy_pieces_moves_every_piece_ops_cuts(libraries, wave, rng):
     want = dst.copy()
     for s, d, n in spans.tolist():
         want[d : d + n] = src[s : s + n]
-    pieces = ops._pieces(ptr(dst), ptr(src), spans)  # what ops.copy_spans launches over
+    pieces = ops.cut_pieces(ptr(dst), ptr(src), spans)  # what ops.copy_spans launches over
     assert len(pieces) == 4 + 1 + 1
     libraries["cache_ops", wave].launch("rf_copy_pieces", len(pieces), planning.WRITE_THREADS,
                                         ptr(pieces))

@@ -183,3 +183,37 @@ def test_work_on_another_stream_waits_for_a_swap_that_reads_what_it_reuses(gpu):
         cache.swap_in(["a"], stream=copies)
         np.testing.assert_array_equal(read(cache, "a"), np.arange(1, 41))
         rows.buffer.root.close()
+
+
+def test_scattered_blocks_swap_by_one_launch_and_runs_by_2d_copies(backend, monkeypatch):
+    """A sequence whose blocks alternate with another's swaps out and back in through
+    ``rf_copy_pieces`` (no 2-D copy on a GPU: many short ones would cost more than the
+    launch), one whose blocks are consecutive through one 2-D copy; the bytes are exact
+    either way. The host backend always copies in 2-D."""
+    calls = []
+    memcpy_2d = backend.memcpy_2d
+    monkeypatch.setattr(backend, "memcpy_2d", lambda *a: (calls.append(a), memcpy_2d(*a)))
+    with _cache(backend) as cache:
+        slots: dict[str, list[int]] = {"a": [], "b": []}
+        for i in range(3):  # blocks a0 b0 a1 b1 a2 b2: "a" scattered
+            for seq_id in slots:
+                if i == 0:
+                    slots[seq_id] += cache.add_sequence(seq_id, 8).slot_mapping.tolist()
+                for _ in range(8 if i else 0):
+                    slots[seq_id] += cache.append([seq_id]).slot_mapping.tolist()
+        for seq_id, base in (("a", 100), ("b", 200)):
+            write(cache, slots[seq_id], np.arange(base, base + 24))
+        assert np.diff(cache.block_ids("a")).min() > 1  # scattered
+        cache.swap_out(["a"])
+        assert calls == [] if backend.name != "host" else len(calls) == 3
+        cache.remove("b")
+        cache.swap_in(["a"])
+        np.testing.assert_array_equal(read(cache, "a"), np.arange(100, 124))
+    with _cache(backend) as cache:
+        write(cache, cache.add_sequence("c", 24).slot_mapping, np.arange(300, 324))
+        assert np.diff(cache.block_ids("c")).tolist() == [1, 1]
+        calls.clear()
+        cache.swap_out(["c"])  # consecutive blocks on both sides: one 2-D copy
+        assert len(calls) == 1
+        cache.swap_in(["c"])
+        np.testing.assert_array_equal(read(cache, "c"), np.arange(300, 324))

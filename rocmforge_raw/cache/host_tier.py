@@ -27,6 +27,7 @@ from typing import Any
 
 import numpy as np
 
+from .. import ops
 from ..array import DeviceArray
 from ..runtime.base import MAX_PITCH
 from ..staging import PinnedBuffer
@@ -34,6 +35,12 @@ from ..stream import Stream, stream_handle
 from .chains import Chain
 from .config import CacheConfig
 from .events import HOST, EventQueue
+
+#: A copy moves by one kernel launch rather than 2-D copies when those would average fewer
+#: bytes than this each: measured on an H200 (PCIe), 256 2-D copies of 2 MiB reach 85 % of
+#: a pinned copy's bandwidth one way and the launch 95 %, while one copy of 512 MiB
+#: reaches 99 %.
+KERNEL_BELOW_BYTES = 4 << 20
 
 
 @dataclass(frozen=True)
@@ -62,6 +69,10 @@ class HostTier:
         self.backend, self.device = slab.backend, slab.device
         self.slab_ptr, self.slab_blocks = slab.ptr, config.num_blocks
         self.memory = PinnedBuffer(num_blocks * config.block_bytes, slab.device, slab.backend)
+        #: whether ``rf_copy_pieces`` can move this tier's blocks (a GPU backend; every
+        #: address and plane chunk 16-byte aligned)
+        self.by_kernel = self.backend.name != "host" and not (
+            (self.slab_ptr | self.memory.ptr | self.chunk) & 15)
         self.ref_cnt = np.zeros(num_blocks, np.int32)
         self._free = list(range(num_blocks - 1, -1, -1))  # pop() hands out the lowest id
         self.hashes: dict[int, bytes] = {}
@@ -196,7 +207,10 @@ class HostTier:
              ) -> int:
         """Queue the copies of device blocks ``device_ids[i]`` to host blocks ``host_ids[i]``
         (``to_host``) or back, on ``stream``: one 2-D copy per run of blocks consecutive on
-        both sides (one per plane where a pitch exceeds ``MAX_PITCH``). Returns the bytes."""
+        both sides (one per plane where a pitch exceeds ``MAX_PITCH``), or, where that
+        would be many short copies, one launch that moves every run of every plane
+        (``ops.copy_pieces``; the device reaches pinned memory directly). Returns the
+        bytes."""
         dev, host = np.asarray(device_ids, np.int64), np.asarray(host_ids, np.int64)
         if not dev.size:
             return 0
@@ -205,9 +219,15 @@ class HostTier:
         cut = np.flatnonzero((np.diff(dev) != 1) | (np.diff(host) != 1)) + 1
         starts = np.concatenate([[0], cut])
         lengths = np.diff(np.append(starts, dev.size))
-        chunk, handle = self.chunk, stream_handle(stream, "stream", self.backend, self.device)
+        chunk = self.chunk
         dev_pitch, host_pitch = self.slab_blocks * chunk, self.num_blocks * chunk
         rows = 1 if max(dev_pitch, host_pitch) > MAX_PITCH else self.planes
+        calls = len(starts) * (self.planes // rows)
+        if calls > 1 and dev.size * self.block_bytes < calls * KERNEL_BELOW_BYTES and (
+                self.by_kernel):
+            self._copy_by_kernel(dev[starts], host[starts], lengths, to_host, stream)
+            return int(dev.size) * self.block_bytes
+        handle = stream_handle(stream, "stream", self.backend, self.device)
         for start, length in zip(starts.tolist(), lengths.tolist()):
             dev_ptr = self.slab_ptr + int(dev[start]) * chunk
             host_ptr = self.memory.ptr + int(host[start]) * chunk
@@ -220,6 +240,22 @@ class HostTier:
                     self.backend.memcpy_2d(d, dev_pitch, h, host_pitch, length * chunk, rows,
                                            False, handle)
         return int(dev.size) * self.block_bytes
+
+    def _copy_by_kernel(self, dev: np.ndarray, host: np.ndarray, lengths: np.ndarray,
+                        to_host: bool, stream: Stream | None) -> None:
+        """One ``rf_copy_pieces`` launch over the runs starting at device blocks ``dev`` and
+        host blocks ``host``, ``lengths`` blocks each, in every plane."""
+        planes = np.arange(self.planes, dtype=np.int64)[:, None]
+        dev_at = (planes * self.slab_blocks + dev) * self.chunk
+        host_at = (planes * self.num_blocks + host) * self.chunk
+        sizes = np.broadcast_to(lengths * self.chunk, dev_at.shape)
+        if to_host:
+            spans = np.stack([dev_at.ravel(), host_at.ravel(), sizes.ravel()], 1)
+            pieces = ops.cut_pieces(self.memory.ptr, self.slab_ptr, spans)
+        else:
+            spans = np.stack([host_at.ravel(), dev_at.ravel(), sizes.ravel()], 1)
+            pieces = ops.cut_pieces(self.slab_ptr, self.memory.ptr, spans)
+        ops.copy_pieces(self.backend, self.device, pieces, stream)
 
     def close(self) -> None:
         """Free the pinned memory (the caller has waited for the last copies)."""
