@@ -231,10 +231,12 @@ def spans(value: Any, src_nbytes: int, dst_nbytes: int, name: str = "spans") -> 
                        or (array[:, 1] + array[:, 2]).max() > dst_nbytes):
         raise ValueError(f"{name} has a span outside the {src_nbytes}-byte source or the "
                          f"{dst_nbytes}-byte destination")
-    landing = array[array[:, 2] > 0][:, 1:]
-    landing = landing[np.argsort(landing[:, 0], kind="stable")]
-    if len(landing) > 1 and (landing[1:, 0] < landing[:-1].sum(1)).any():
-        first = int(np.flatnonzero(landing[1:, 0] < landing[:-1].sum(1))[0])
+    landing = array[:, 1:] if array[:, 2].all() else array[array[:, 2] > 0][:, 1:]
+    if len(landing) > 1 and (landing[1:, 0] < landing[:-1, 0]).any():  # else sorted already
+        landing = landing[np.argsort(landing[:, 0], kind="stable")]
+    ends = landing[:, 0] + landing[:, 1]
+    if len(landing) > 1 and (landing[1:, 0] < ends[:-1]).any():
+        first = int(np.flatnonzero(landing[1:, 0] < ends[:-1])[0])
         raise ValueError(f"{name} overlap in the destination: bytes {landing[first, 0]}.."
                          f"{landing[first].sum()} and {landing[first + 1, 0]}..")
     checked: np.ndarray = array

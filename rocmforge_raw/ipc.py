@@ -196,6 +196,14 @@ def pending() -> dict[str, int]:
                 "deferred_bytes": sum(entry[1] for entry in mine), "imported": len(_imports)}
 
 
+def mapped(ptr: int) -> bool:
+    """Whether address ``ptr`` lies in memory this process mapped from another process's
+    export (``HipBuffer.from_ipc``). Such a mapping belongs to its exporter's device here:
+    another device's kernels do not reach it through peer access (only copies do)."""
+    with _lock:
+        return any(m.ptr <= ptr < m.ptr + m.handle.nbytes for m in _imports.values())
+
+
 def export_handle(buffer: Any) -> IpcHandle:
     """``buffer.ipc_handle()``: the handle of an open, shareable root buffer."""
     if buffer.root is not buffer:

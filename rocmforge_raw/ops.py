@@ -24,7 +24,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from . import checks, reference
+from . import checks, ipc, reference
 from .array import DeviceArray
 from .buffer import HipBuffer
 from .module import load_kernels
@@ -261,11 +261,12 @@ def copy_spans(dst: HipBuffer, src: HipBuffer, spans: Any, *,
     own, an IPC mapping, or another device's.
 
     Where ``dst``'s device addresses ``src`` (its own memory, or a peer's with peer access
-    on) and every address and size is a multiple of 16 bytes, one launch copies every span
-    (cut into pieces of at most ``PIECE_BYTES``, a CTA each): thousands of small spans, a
-    scattered sequence's blocks, move at the speed of a few large copies. Otherwise each
-    span is one runtime copy (a peer copy across devices, which the runtime stages through
-    host memory where the two have no peer access). Nothing waits for the device."""
+    on; not another device's IPC mapping, which peer access does not reach: an illegal
+    address on two H200s) and every address and size is a multiple of 16 bytes, one launch
+    copies every span (cut into pieces of at most ``PIECE_BYTES``, a CTA each): thousands
+    of small spans, a scattered sequence's blocks, move at the speed of a few large copies.
+    Otherwise each span is one runtime copy (a peer copy across devices, which the runtime
+    stages through host memory where the two have no peer access). Nothing waits for the device."""
     for name, buffer in (("dst", dst), ("src", src)):
         if not isinstance(buffer, HipBuffer):
             raise TypeError(f"{name} must be a HipBuffer, got {checks.show(buffer)}")
@@ -280,7 +281,7 @@ def copy_spans(dst: HipBuffer, src: HipBuffer, spans: Any, *,
     if not len(spans):
         return
     if src.device != dst.device:  # the peer copies below make dst's device active again
-        direct = backend.peer_access(dst.device, src.device)
+        direct = backend.peer_access(dst.device, src.device) and not ipc.mapped(src.ptr)
         backend.peer_access(src.device, dst.device)
     else:
         direct = True
@@ -314,6 +315,8 @@ def cut_pieces(dst_ptr: int, src_ptr: int, spans: np.ndarray) -> np.ndarray:
     """``spans`` (int64 ``[n, 3]``: src offset, dst offset, bytes; sizes > 0) of the memory
     at ``src_ptr`` and ``dst_ptr`` cut into pieces of at most ``PIECE_BYTES``: int64
     ``[m, 3]`` rows of (src address, dst address, bytes), as ``rf_copy_pieces`` reads them."""
+    if spans[:, 2].max(initial=0) <= PIECE_BYTES:  # a piece a span (a block of a plane)
+        return spans + np.array([src_ptr, dst_ptr, 0], np.int64)
     counts = -(-spans[:, 2] // PIECE_BYTES)
     owner = np.repeat(np.arange(len(spans)), counts)
     within = (np.arange(owner.size) - np.repeat(np.cumsum(counts) - counts, counts)) * (

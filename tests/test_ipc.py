@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from workers import (
     export_and_wait,
+    map_and_ask,
     map_and_map_again,
     map_and_write,
     map_twice,
@@ -61,6 +62,14 @@ def test_a_process_maps_one_handle_once_however_often_it_imports_it(backend):
         (first, second), data, mappings = worker.receive()
         assert first == second and mappings == 1 and data == [0, 1, 2, 3]
         assert worker.receive() == 0
+
+
+def test_a_process_knows_which_addresses_it_mapped_from_another(backend):
+    """ipc.mapped (what ops.copy_spans asks before it lets a kernel of another device read a
+    source) covers exactly an imported mapping while it is open."""
+    with _shared(backend) as buf, spawned(map_and_ask, buf.ipc_handle()) as worker:
+        assert worker.receive() == [True, True, False, False]
+        assert worker.receive() is False
 
 
 def test_close_while_another_process_maps_it_defers_the_free(backend):

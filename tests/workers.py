@@ -110,6 +110,20 @@ def map_twice(handle: Any, conn: Any) -> None:
     conn.send(ipc.pending()["imported"])
 
 
+def map_and_ask(handle: Any, conn: Any) -> None:
+    """Import ``handle``; send whether ipc.mapped sees its first and last byte, the byte past
+    it and a buffer of this process's own; then the same for the first byte once closed."""
+    from rocmforge_raw import HipBuffer, ipc
+
+    buf, own = HipBuffer.from_ipc(handle), HipBuffer(64, handle.device, handle.backend)
+    conn.send([ipc.mapped(p) for p in (buf.ptr, buf.ptr + buf.nbytes - 1,
+                                       buf.ptr + buf.nbytes, own.ptr)])
+    start = buf.ptr
+    buf.close()
+    own.close()
+    conn.send(ipc.mapped(start))
+
+
 def try_map(handle: Any, conn: Any) -> None:
     """Try to import ``handle``; send the error's type name and message (or "mapped")."""
     from rocmforge_raw import HipBuffer

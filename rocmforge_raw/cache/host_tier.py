@@ -36,10 +36,11 @@ from .chains import Chain
 from .config import CacheConfig
 from .events import HOST, EventQueue
 
-#: A copy moves by one kernel launch rather than 2-D copies when those would average fewer
-#: bytes than this each: measured on an H200 (PCIe), 256 2-D copies of 2 MiB reach 85 % of
-#: a pinned copy's bandwidth one way and the launch 95 %, while one copy of 512 MiB
-#: reaches 99 %.
+#: A swap-out moves by one kernel launch rather than 2-D copies when those would average
+#: fewer bytes than this each. Measured on an H200 (bench --offload, 256 blocks of 2 MiB,
+#: every other one): 2-D copies 82.8 % of a pinned copy's bandwidth out, the launch 85.6 %
+#: (95 % timed alone); one copy of 512 MiB 98 %. Swap-ins keep their 2-D copies: a kernel
+#: reading pinned memory reached 83.4 % where they reach 90 %.
 KERNEL_BELOW_BYTES = 4 << 20
 
 
@@ -207,9 +208,9 @@ class HostTier:
              ) -> int:
         """Queue the copies of device blocks ``device_ids[i]`` to host blocks ``host_ids[i]``
         (``to_host``) or back, on ``stream``: one 2-D copy per run of blocks consecutive on
-        both sides (one per plane where a pitch exceeds ``MAX_PITCH``), or, where that
-        would be many short copies, one launch that moves every run of every plane
-        (``ops.copy_pieces``; the device reaches pinned memory directly). Returns the
+        both sides (one per plane where a pitch exceeds ``MAX_PITCH``), or, out to the host
+        where that would be many short copies, one launch that writes every run of every
+        plane (``ops.copy_pieces``; the device reaches pinned memory directly). Returns the
         bytes."""
         dev, host = np.asarray(device_ids, np.int64), np.asarray(host_ids, np.int64)
         if not dev.size:
@@ -223,9 +224,9 @@ class HostTier:
         dev_pitch, host_pitch = self.slab_blocks * chunk, self.num_blocks * chunk
         rows = 1 if max(dev_pitch, host_pitch) > MAX_PITCH else self.planes
         calls = len(starts) * (self.planes // rows)
-        if calls > 1 and dev.size * self.block_bytes < calls * KERNEL_BELOW_BYTES and (
-                self.by_kernel):
-            self._copy_by_kernel(dev[starts], host[starts], lengths, to_host, stream)
+        if to_host and calls > 1 and dev.size * self.block_bytes < calls * KERNEL_BELOW_BYTES \
+                and self.by_kernel:
+            self._copy_by_kernel(dev[starts], host[starts], lengths, stream)
             return int(dev.size) * self.block_bytes
         handle = stream_handle(stream, "stream", self.backend, self.device)
         for start, length in zip(starts.tolist(), lengths.tolist()):
@@ -242,20 +243,16 @@ class HostTier:
         return int(dev.size) * self.block_bytes
 
     def _copy_by_kernel(self, dev: np.ndarray, host: np.ndarray, lengths: np.ndarray,
-                        to_host: bool, stream: Stream | None) -> None:
-        """One ``rf_copy_pieces`` launch over the runs starting at device blocks ``dev`` and
-        host blocks ``host``, ``lengths`` blocks each, in every plane."""
+                        stream: Stream | None) -> None:
+        """One ``rf_copy_pieces`` launch that writes the runs starting at device blocks
+        ``dev``, ``lengths`` blocks each, to host blocks ``host``, in every plane."""
         planes = np.arange(self.planes, dtype=np.int64)[:, None]
         dev_at = (planes * self.slab_blocks + dev) * self.chunk
         host_at = (planes * self.num_blocks + host) * self.chunk
         sizes = np.broadcast_to(lengths * self.chunk, dev_at.shape)
-        if to_host:
-            spans = np.stack([dev_at.ravel(), host_at.ravel(), sizes.ravel()], 1)
-            pieces = ops.cut_pieces(self.memory.ptr, self.slab_ptr, spans)
-        else:
-            spans = np.stack([host_at.ravel(), dev_at.ravel(), sizes.ravel()], 1)
-            pieces = ops.cut_pieces(self.slab_ptr, self.memory.ptr, spans)
-        ops.copy_pieces(self.backend, self.device, pieces, stream)
+        spans = np.stack([dev_at.ravel(), host_at.ravel(), sizes.ravel()], 1)
+        ops.copy_pieces(self.backend, self.device,
+                        ops.cut_pieces(self.memory.ptr, self.slab_ptr, spans), stream)
 
     def close(self) -> None:
         """Free the pinned memory (the caller has waited for the last copies)."""
