@@ -60,7 +60,7 @@ from .stream import Stream, stream_handle
 
 __all__ = ["ATTENTION_STAGES", "BLOCK_SIZES", "DTYPES", "GROUP_SIZES", "HEAD_DIMS",
            "PIECE_BYTES", "THREADS", "Workspace", "attention_shared_bytes", "copy_blocks",
-           "copy_pieces", "copy_spans", "cut_pieces", "host_view",
+           "copy_spans", "host_view",
            "paged_attention", "plan_work", "release_staging", "reshape_and_cache"]
 
 
