@@ -110,13 +110,12 @@ RF_KERNEL(RF_CO_THREADS) rf_copy_blocks(rf_vec16* __restrict__ slab,
 
 // Copies pieces of memory this device can address: its own, an IPC mapping, a peer's with
 // peer access on. pieces int64 [num_pieces, 3] of (src address, dst address, bytes), every
-// address and size a multiple of 16 and a size at most RF_PIECE_MAX_BYTES; pieces never
+// address and size a multiple of 16 (ops.cut_pieces keeps each within 64 KiB); pieces never
 // overlap one another's destinations. Grid (num_pieces): one CTA a piece, each thread
 // loading four 16-byte vectors before it stores them (bytes in flight hide a peer's or a
 // mapping's latency), then the piece's tail a vector at a time. A vector moves as two
 // aligned 64-bit words, which both compilers fuse into one 16-byte access (a copied struct
 // would go through a stack slot on AMD: scratch, promoted to LDS).
-#define RF_PIECE_MAX_BYTES (1 << 16)
 RF_KERNEL(RF_CO_THREADS) rf_copy_pieces(const rf_i64* __restrict__ pieces) {
   const rf_i64* piece = pieces + 3 * (rf_i64)rf_bid_x();
   const rf_u64* __restrict__ src = static_cast<const rf_u64*>(

@@ -221,14 +221,17 @@ def spans(value: Any, src_nbytes: int, dst_nbytes: int, name: str = "spans") -> 
     source's ``src_nbytes`` and the destination's ``dst_nbytes``, no two destinations
     overlapping (each byte lands once, whatever order the copies run in)."""
     array = np.asarray(value)
+    if array.size == 0 and array.ndim in (1, 2):  # nothing to copy ([] or [0, 3])
+        array = np.zeros((0, 3), np.int64)
     if array.dtype.kind not in "iu" or array.ndim != 2 or array.shape[1] != 3:
         raise ValueError(f"{name} must be integers shaped [n, 3] (src offset, dst offset, "
                          f"bytes), got {array.dtype} {array.shape}")
     if array.dtype == np.uint64 and array.size and array.max() > MAX_SIZE:
         raise ValueError(f"{name} holds {int(array.max())}, past a signed 64-bit size")
     array = array.astype(np.int64, copy=False)
-    if array.size and (array.min() < 0 or (array[:, 0] + array[:, 2]).max() > src_nbytes
-                       or (array[:, 1] + array[:, 2]).max() > dst_nbytes):
+    sizes = array[:, 2]  # compared as limit - offset: an offset + size could wrap past 2**63
+    if array.size and (array.min() < 0 or (sizes > src_nbytes - array[:, 0]).any()
+                       or (sizes > dst_nbytes - array[:, 1]).any()):
         raise ValueError(f"{name} has a span outside the {src_nbytes}-byte source or the "
                          f"{dst_nbytes}-byte destination")
     landing = array[:, 1:] if array[:, 2].all() else array[array[:, 2] > 0][:, 1:]

@@ -244,8 +244,8 @@ def copy_blocks(slab: DeviceArray, pairs: Any, *, stream: Stream | None = None) 
             np.int32(num_blocks), np.int64(block_bytes // 16), stream=stream)
 
 
-#: The most bytes one CTA of a span copy moves (``rf_copy_pieces``'s RF_PIECE_MAX_BYTES):
-#: longer spans are cut into pieces of this size.
+#: The most bytes one CTA of a span copy moves: longer spans are cut into pieces of this
+#: size (``rf_copy_pieces`` copies any multiple of 16 bytes; this bounds a CTA's work).
 PIECE_BYTES = 1 << 16
 #: The most pieces one launch takes (a grid of 256-thread CTAs stays within 2^32 threads,
 #: the AMD limit).
@@ -266,10 +266,14 @@ def copy_spans(dst: HipBuffer, src: HipBuffer, spans: Any, *,
     copies every span (cut into pieces of at most ``PIECE_BYTES``, a CTA each): thousands
     of small spans, a scattered sequence's blocks, move at the speed of a few large copies.
     Otherwise each span is one runtime copy (a peer copy across devices, which the runtime
-    stages through host memory where the two have no peer access). Nothing waits for the device."""
+    stages through host memory where the two have no peer access). Nothing waits for the
+    device, and across devices nothing orders the copy after work queued on ``src``'s device
+    (a runtime peer copy on the default stream would): the caller does, as
+    ``export_sequence`` does by waiting before the description leaves."""
     for name, buffer in (("dst", dst), ("src", src)):
         if not isinstance(buffer, HipBuffer):
             raise TypeError(f"{name} must be a HipBuffer, got {checks.show(buffer)}")
+        buffer.ptr  # noqa: B018 - raises BufferClosedError once closed, spans or not
     if src.backend is not dst.backend:
         raise ValueError(f"src is {src.backend.name} memory and dst {dst.backend.name}: span "
                          "copies stay within one backend")
@@ -280,13 +284,14 @@ def copy_spans(dst: HipBuffer, src: HipBuffer, spans: Any, *,
     spans = spans[spans[:, 2] > 0]
     if not len(spans):
         return
+    aligned = backend.name != "host" and not ((src.ptr | dst.ptr) & 15 or (spans & 15).any())
+    if aligned:  # the kernel found before any peer state changes
+        load_kernels("cache_ops", dst.device, backend).function("rf_copy_pieces")
+    direct = True
     if src.device != dst.device:  # the peer copies below make dst's device active again
         direct = backend.peer_access(dst.device, src.device) and not ipc.mapped(src.ptr)
         backend.peer_access(src.device, dst.device)
-    else:
-        direct = True
-    aligned = not ((src.ptr | dst.ptr) & 15 or (spans & 15).any())
-    if backend.name != "host" and direct and aligned:
+    if aligned and direct:
         copy_pieces(backend, dst.device, cut_pieces(dst.ptr, src.ptr, spans), stream)
         return
     for src_offset, dst_offset, nbytes in spans.tolist():
@@ -332,8 +337,17 @@ def copy_pieces(backend: Backend, device: int, pieces: np.ndarray,
     multiple of 16, destinations disjoint) on ``stream`` of ``device``, the table uploaded
     through the device's staging ring. The addresses are trusted: the caller checked that
     they lie in memory the device reaches (its own, an IPC mapping, a peer's with peer
-    access on, pinned host memory from ``host_alloc``)."""
+    access on, pinned host memory from ``host_alloc``); the table's form is checked."""
+    pieces = np.asarray(pieces)
+    if pieces.dtype != np.int64 or pieces.ndim != 2 or pieces.shape[1] != 3 or (
+            pieces.size and ((pieces & 15).any() or pieces[:, 2].min() <= 0
+                             or pieces[:, 2].max() > PIECE_BYTES)):
+        raise ValueError(f"pieces must be int64 [m, 3] rows (src address, dst address, bytes), "
+                         f"16-byte aligned, sizes 16..{PIECE_BYTES}: got {pieces.dtype} "
+                         f"{pieces.shape}")
     function = load_kernels("cache_ops", device, backend).function("rf_copy_pieces")
+    if not len(pieces):
+        return
     with _staging(_Place(backend, device), stream) as slot:
         table = slot.put([pieces], stream)[0]
         for start in range(0, len(pieces), MAX_PIECES):

@@ -99,6 +99,9 @@ def test_spans_within_one_buffer_and_views_of_it(backend, rng):
     ([[0, 0]], r"integers shaped \[n, 3\]"),
     ([[0.0, 0.0, 16.0]], r"integers shaped \[n, 3\]"),
     (np.array([[2**63, 0, 16]], np.uint64), "past a signed 64-bit size"),
+    ([[2**63 - 16, 2**63 - 16, 32]], "has a span outside"),  # offset + size wraps past 2**63
+    ([[16, 16, 2**63 - 8]], "has a span outside"),
+    ([[64, 32, 64], [0, 0, 64]], "overlap in the destination: bytes 0..64 and 32"),  # unsorted
 ])
 def test_bad_spans_are_refused_before_anything_moves(backend, spans, words):
     with rf.HipBuffer.from_numpy(np.arange(4 * KiB, dtype=np.uint32).view(np.uint8)[: 4 * KiB],
@@ -109,6 +112,25 @@ def test_bad_spans_are_refused_before_anything_moves(backend, spans, words):
         assert not dst.to_numpy().any()
 
 
+def test_no_spans_copy_nothing_but_a_closed_buffer_is_refused(backend):
+    with rf.HipBuffer.from_numpy(np.arange(64, dtype=np.uint8), DEVICE, backend) as src, \
+            rf.HipBuffer.from_numpy(np.zeros(64, np.uint8), DEVICE, backend) as dst:
+        for spans in ([], np.zeros((0, 3), np.int64), [[0, 8, 0]], [[0, 0, 64], [0, 8, 0]]):
+            ops.copy_spans(dst, src, spans)  # a zero-length span lands nowhere
+        assert dst.to_numpy().tolist() == list(range(64))
+        src.close()
+        with pytest.raises(rf.BufferClosedError):
+            ops.copy_spans(dst, src, [])
+
+
+def test_a_piece_table_of_the_wrong_form_is_refused(backend):
+    good = np.array([[0, 4096, 64]], np.int64)
+    for bad in (good.astype(np.int32), good[:, :2], good + np.array([0, 0, 8]), good * [1, 1, 0],
+                good * [1, 1, 2048]):
+        with pytest.raises(ValueError, match="pieces must be int64"):
+            ops.copy_pieces(backend, DEVICE, bad, None)
+
+
 def test_a_source_overlapping_a_destination_of_one_buffer_is_refused(backend):
     data = np.arange(4 * KiB, dtype=np.uint8)
     with rf.HipBuffer.from_numpy(data, DEVICE, backend) as buf:
@@ -117,11 +139,13 @@ def test_a_source_overlapping_a_destination_of_one_buffer_is_refused(backend):
             with pytest.raises(ValueError, match="read bytes another span writes"):
                 ops.copy_spans(buf, buf, np.array(spans, np.int64))
             np.testing.assert_array_equal(buf.to_numpy(), data)
-        # views of one allocation are one memory too
-        with pytest.raises(ValueError, match="read bytes another span writes"):
-            ops.copy_spans(buf.view(64, 1024), buf.view(0, 1024),
-                           np.array([[0, 0, 128]], np.int64))
-        np.testing.assert_array_equal(buf.to_numpy(), data)
+        # views of one allocation are one memory too, the source before or after the
+        # destination (the source's place is measured from the destination's start)
+        for dst, src, span in ((buf.view(64, 1024), buf.view(0, 1024), [0, 0, 128]),
+                               (buf.view(0, 1024), buf.view(512, 512), [0, 512, 64])):
+            with pytest.raises(ValueError, match="read bytes another span writes"):
+                ops.copy_spans(dst, src, np.array([span], np.int64))
+            np.testing.assert_array_equal(buf.to_numpy(), data)
 
 
 def test_buffers_of_two_backends_or_no_buffer_are_refused(backend):
@@ -152,3 +176,15 @@ def test_spans_from_another_device_move_in_one_launch_where_it_reaches_them(two_
         assert calls == []
     else:
         assert calls == ["memcpy_peer"] * np.count_nonzero(spans[:, 2])
+
+
+def test_pieces_past_one_launch_go_in_several(gpu, rng, monkeypatch):
+    """More pieces than one launch takes: the table is launched in slices (each from its own
+    row), every byte lands."""
+    monkeypatch.setattr(ops, "MAX_PIECES", 3)
+    data = rng.integers(0, 256, 640 * KiB, dtype=np.uint8)
+    spans = np.array([[0, 0, 10 * ops.PIECE_BYTES]], np.int64)
+    with rf.HipBuffer.from_numpy(data, DEVICE, gpu) as src, \
+            rf.HipBuffer.from_numpy(np.zeros_like(data), DEVICE, gpu) as dst:
+        ops.copy_spans(dst, src, spans)
+        np.testing.assert_array_equal(dst.to_numpy(), data)
