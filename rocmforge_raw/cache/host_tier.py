@@ -38,9 +38,9 @@ from .events import HOST, EventQueue
 
 #: A swap-out moves by one kernel launch rather than 2-D copies when those would average
 #: fewer bytes than this each. Measured on an H200 (bench --offload, 256 blocks of 2 MiB,
-#: every other one): 2-D copies 82.8 % of a pinned copy's bandwidth out, the launch 85.6 %
-#: (95 % timed alone); one copy of 512 MiB 98 %. Swap-ins keep their 2-D copies: a kernel
-#: reading pinned memory reached 83.4 % where they reach 90 %.
+#: every other one): 2-D copies 82.8 % of a pinned copy's bandwidth out, the launch
+#: 88.1-88.9 % (95 % timed alone); one copy of 512 MiB 98 %. Swap-ins keep their 2-D
+#: copies: a launch reading pinned memory was no faster (51.4 vs 51.1 GB/s timed alone).
 KERNEL_BELOW_BYTES = 4 << 20
 
 
