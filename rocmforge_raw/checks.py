@@ -237,9 +237,9 @@ def spans(value: Any, src_nbytes: int, dst_nbytes: int, name: str = "spans") -> 
     landing = array[:, 1:] if array[:, 2].all() else array[array[:, 2] > 0][:, 1:]
     if len(landing) > 1 and (landing[1:, 0] < landing[:-1, 0]).any():  # else sorted already
         landing = landing[np.argsort(landing[:, 0], kind="stable")]
-    ends = landing[:, 0] + landing[:, 1]
-    if len(landing) > 1 and (landing[1:, 0] < ends[:-1]).any():
-        first = int(np.flatnonzero(landing[1:, 0] < ends[:-1])[0])
+    early = landing[1:, 0] < landing[:-1, 0] + landing[:-1, 1]  # starts before the last ends
+    if early.any():
+        first = int(np.flatnonzero(early)[0])
         raise ValueError(f"{name} overlap in the destination: bytes {landing[first, 0]}.."
                          f"{landing[first].sum()} and {landing[first + 1, 0]}..")
     checked: np.ndarray = array

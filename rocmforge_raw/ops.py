@@ -279,9 +279,9 @@ def copy_spans(dst: HipBuffer, src: HipBuffer, spans: Any, *,
                          "copies stay within one backend")
     backend, handle = dst.backend, stream_handle(stream, "stream", dst.backend, dst.device)
     spans = checks.spans(spans, src.nbytes, dst.nbytes)
+    spans = spans[spans[:, 2] > 0]
     if src.root is dst.root:
         _check_apart(spans, src.ptr - dst.ptr)
-    spans = spans[spans[:, 2] > 0]
     if not len(spans):
         return
     aligned = backend.name != "host" and not ((src.ptr | dst.ptr) & 15 or (spans & 15).any())
@@ -303,16 +303,16 @@ def copy_spans(dst: HipBuffer, src: HipBuffer, spans: Any, *,
 
 
 def _check_apart(spans: np.ndarray, shift: int) -> None:
-    """No source span (``shift`` bytes past the destination's start in one allocation)
-    overlaps a destination span: the pieces of one launch run in any order."""
-    live = spans[spans[:, 2] > 0]
-    dst = live[np.argsort(live[:, 1], kind="stable")][:, 1:]  # disjoint: ends sorted too
-    src_start = live[:, 0] + shift
-    before = np.searchsorted(dst[:, 0], src_start + live[:, 2]) - 1  # last dst starting
+    """No source span of ``spans`` (none empty; ``shift`` bytes past the destination's start
+    in one allocation) overlaps a destination span: the pieces of one launch run in any
+    order."""
+    dst = spans[np.argsort(spans[:, 1], kind="stable")][:, 1:]  # disjoint: ends sorted too
+    src_start = spans[:, 0] + shift
+    before = np.searchsorted(dst[:, 0], src_start + spans[:, 2]) - 1  # last dst starting
     hit = (before >= 0) & (dst[np.maximum(before, 0)].sum(1) > src_start)  # before its end
     if hit.any():
         raise ValueError(f"spans read bytes another span writes (source span "
-                         f"{live[int(np.flatnonzero(hit)[0])].tolist()}): copy through a "
+                         f"{spans[int(np.flatnonzero(hit)[0])].tolist()}): copy through a "
                          "buffer of its own")
 
 
