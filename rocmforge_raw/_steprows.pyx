@@ -14,7 +14,14 @@ snapshots of the tables and brings a free one up to date instead of copying ever
 every row. Not locked: the cache's lock covers calls.
 """
 
-from cpython.buffer cimport PyBUF_C_CONTIGUOUS, PyBuffer_Release, PyObject_GetBuffer
+from cpython.buffer cimport (
+    PyBUF_C_CONTIGUOUS,
+    PyBUF_RECORDS_RO,
+    PyBuffer_IsContiguous,
+    PyBuffer_Release,
+    PyBuffer_ToContiguous,
+    PyObject_GetBuffer,
+)
 from cpython.ref cimport PyObject, _Py_REFCNT
 from libc.string cimport memcpy
 from libc.stdint cimport int32_t, int64_t, uint8_t, uint32_t
@@ -258,7 +265,8 @@ cdef class RowArrays:
         ``[n]`` and last slots int64 ``[n]``, and whether they are consistent (every id a
         length reaches in ``[0, num_blocks)``, every length within its row's blocks).
 
-        The tables are a snapshot, never changed while anyone else holds them. A decode
+        The three are read-only views of a snapshot, never changed while anyone else holds
+        any of them. A decode
         loop asks for the same ``rows`` object step after step, and between two steps only
         ``extend`` writes the tables, at each row's end: so a snapshot of these rows and
         this width that nobody holds any more is brought up to date by copying each row's
@@ -277,8 +285,7 @@ cdef class RowArrays:
         cdef _Snapshot snap = None, found = None
         for snap in self.snapshots:
             if (snap.rows is rows and snap.touches == self.touches and snap.width == width
-                    and _Py_REFCNT(<PyObject*>snap.view) == 1  # held by snap only, and
-                    and _Py_REFCNT(<PyObject*>snap.base) == 2):  # base by snap and view
+                    and snap.free()):
                 found = snap
                 break
         if found is None:
@@ -288,22 +295,19 @@ cdef class RowArrays:
             self.snapshots.append(found)
         else:
             self.patched += 1
-        lens = np.empty(n, np.int32)
-        slots = np.empty(n, np.int64)
-        sound = self._fill(r, found, lens, slots, num_blocks, block_size)
-        return found.view, lens, slots, sound
+        sound = self._fill(r, found, num_blocks, block_size)
+        return found.view, found.lens_view, found.slots_view, sound
 
-    cdef bint _fill(self, const int64_t[::1] rows, _Snapshot snap, object lens, object slots,
-                    int64_t num_blocks, int64_t block_size) except -1:
+    cdef bint _fill(self, const int64_t[::1] rows, _Snapshot snap, int64_t num_blocks,
+                    int64_t block_size) except -1:
         """Bring ``snap`` up to date for ``rows`` (copying each row's blocks from its count
         at the snapshot, minus one: the last may have been replaced by a private copy), and
-        fill ``lens`` and ``slots``; whether every length and copied id is in range."""
+        fill its lengths and slots; whether every length and copied id is in range."""
         cdef Py_ssize_t i, j, n = rows.shape[0], width = snap.width
-        cdef int32_t[:, ::1] base = snap.base
-        cdef int32_t* t = &base[0, 0] if n else NULL
-        cdef int64_t[::1] counts = snap.counts
-        cdef int32_t[::1] ln = lens
-        cdef int64_t[::1] sl = slots
+        cdef int32_t* t = snap.c_tables
+        cdef int64_t* counts = snap.c_counts
+        cdef int32_t* ln = snap.c_lens
+        cdef int64_t* sl = snap.c_slots
         cdef int32_t* src
         cdef int64_t row, count, length, start, end
         cdef bint sound = True
@@ -316,11 +320,19 @@ cdef class RowArrays:
             start, end = counts[i] - 1, count  # the last block at the snapshot, on
             if start < 0 or count < counts[i]:  # first gather, or not extend's growth: all
                 start, end = 0, width
-            for j in range(start, count):  # a copy and a range check the compiler vectorizes
-                t[j] = src[j]
-                bad |= <uint32_t>src[j] >= limit  # (a negative id is huge unsigned)
-            for j in range(count, end):  # padding (kept since the snapshot otherwise)
-                t[j] = 0
+            if end == count and count - start <= 2:  # a step's one or two, without the
+                if start < count:                     # vector loop's set-up
+                    t[start] = src[start]
+                    bad |= <uint32_t>src[start] >= limit
+                if start + 1 < count:
+                    t[start + 1] = src[start + 1]
+                    bad |= <uint32_t>src[start + 1] >= limit
+            else:
+                for j in range(start, count):  # a copy and a range check, vectorized
+                    t[j] = src[j]
+                    bad |= <uint32_t>src[j] >= limit  # (a negative id is huge unsigned)
+                for j in range(count, end):  # padding (kept since the snapshot otherwise)
+                    t[j] = 0
             counts[i] = count
             t += width
             if not 0 <= length <= count * block_size or length > 0x7FFFFFFF:
@@ -331,20 +343,53 @@ cdef class RowArrays:
 
 
 cdef class _Snapshot:
-    """Block tables gathered for one ``rows`` object: ``base`` (owned here, int32
-    ``[n, width]``), ``view`` (what ``gather_rows`` hands out), each row's block count when
-    last gathered (-1 before the first: ``_fill`` then copies all and zero-pads) and the
-    ``touches`` of the tables then."""
+    """Metadata gathered for one ``rows`` object: block tables (``base``, owned here, int32
+    ``[n, width]``), lengths (int32 ``[n]``) and last slots (int64 ``[n]``), handed out as
+    read-only views (``view``, ``lens_view``, ``slots_view``; the C loops write through the
+    pointers); each row's block count when last gathered (-1 before the first: ``_fill``
+    then copies all and zero-pads) and the ``touches`` of the tables then."""
 
-    cdef object rows, base, view, counts
+    cdef object rows, base, view, counts, lens, lens_view, slots, slots_view
     cdef Py_ssize_t width
     cdef long long touches
+    cdef int32_t* c_tables
+    cdef int64_t* c_counts
+    cdef int32_t* c_lens
+    cdef int64_t* c_slots
 
     def __init__(self, rows, Py_ssize_t n, Py_ssize_t width, long long touches):
         self.rows, self.width, self.touches = rows, width, touches
         self.base = np.empty((n, width), np.int32)
-        self.view = self.base.view()
         self.counts = np.full(n, -1, np.int64)
+        self.lens = np.empty(n, np.int32)
+        self.slots = np.empty(n, np.int64)
+        cdef int32_t[:, ::1] tables = self.base
+        cdef int64_t[::1] counts = self.counts
+        cdef int32_t[::1] lens = self.lens
+        cdef int64_t[::1] slots = self.slots
+        self.c_tables = &tables[0, 0] if n else NULL
+        self.c_counts = &counts[0] if n else NULL
+        self.c_lens = &lens[0] if n else NULL
+        self.c_slots = &slots[0] if n else NULL
+        self.view, self.lens_view, self.slots_view = (
+            _frozen(self.base), _frozen(self.lens), _frozen(self.slots))
+
+    cdef bint free(self):
+        """Whether nobody but this snapshot holds its arrays (each view by this snapshot
+        alone, each base by this snapshot and its view): what it handed out was dropped."""
+        return (_Py_REFCNT(<PyObject*>self.view) == 1
+                and _Py_REFCNT(<PyObject*>self.lens_view) == 1
+                and _Py_REFCNT(<PyObject*>self.slots_view) == 1
+                and _Py_REFCNT(<PyObject*>self.base) == 2
+                and _Py_REFCNT(<PyObject*>self.lens) == 2
+                and _Py_REFCNT(<PyObject*>self.slots) == 2)
+
+
+cdef object _frozen(object array):
+    """A read-only view of ``array``."""
+    view = array.view()
+    view.flags.writeable = False
+    return view
 
 
 def pop_blocks(int32_t[::1] free, Py_ssize_t top, Py_ssize_t count, int32_t[::1] ref_cnt):
@@ -376,18 +421,55 @@ cdef enum:
 COPY_PIECE = COPY_PIECE_BYTES
 
 
+cdef void _copy_pieces(size_t dst, const char* source, size_t total) noexcept nogil:
+    """``total`` bytes from ``source`` to ``dst`` in pieces of ``COPY_PIECE`` bytes."""
+    cdef size_t done = 0, step
+    while done < total:
+        step = COPY_PIECE_BYTES if total - done > COPY_PIECE_BYTES else total - done
+        memcpy(<void*>(dst + done), source + done, step)
+        done += step
+
+
 def copy_host(size_t dst, object src):
     """Copy the bytes of ``src`` (a C-contiguous buffer; else the exporter raises) to
     host memory at ``dst``, in pieces of ``COPY_PIECE`` bytes. The caller owns the
     ``len(src)`` bytes at ``dst`` (no check can see them)."""
     cdef Py_buffer view
     PyObject_GetBuffer(src, &view, PyBUF_C_CONTIGUOUS)
-    cdef size_t done = 0, step, total = <size_t>view.len
-    cdef const char* source = <const char*>view.buf
     try:
-        while done < total:
-            step = COPY_PIECE_BYTES if total - done > COPY_PIECE_BYTES else total - done
-            memcpy(<void*>(dst + done), source + done, step)
-            done += step
+        _copy_pieces(dst, <const char*>view.buf, <size_t>view.len)
     finally:
         PyBuffer_Release(&view)
+
+
+def pack_host(size_t base, size_t capacity, list arrays, size_t start, size_t align):
+    """Lay ``arrays`` (buffers, any layout) out from byte ``start`` on, each at the next
+    multiple of ``align``: returns (end, offsets), ``end`` past the last one's bytes rounded
+    up to ``align``. Their bytes (in C order) are copied to ``base + offset`` only when
+    ``end <= capacity``: the caller owns ``capacity`` bytes at ``base`` (no check can see
+    them). A staging slot's packing in one call (``Staging.put``)."""
+    cdef Py_ssize_t i, n = len(arrays)
+    cdef size_t end = start
+    cdef Py_buffer view
+    offsets = [0] * n
+    sizes = [0] * n
+    for i in range(n):
+        sizes[i] = arrays[i].nbytes
+        offsets[i] = end
+        end += (<size_t>sizes[i] + align - 1) // align * align
+    if end > capacity:
+        return end, offsets
+    for i in range(n):
+        PyObject_GetBuffer(arrays[i], &view, PyBUF_RECORDS_RO)
+        try:
+            if <size_t>view.len != <size_t>sizes[i]:
+                raise ValueError(f"array {i} changed size while packed")
+            if PyBuffer_IsContiguous(&view, b'C'):
+                _copy_pieces(base + <size_t>offsets[i], <const char*>view.buf,
+                             <size_t>view.len)
+            else:  # strided: element by element, in C order
+                PyBuffer_ToContiguous(<void*>(base + <size_t>offsets[i]), &view, view.len,
+                                      b'C')
+        finally:
+            PyBuffer_Release(&view)
+    return end, offsets

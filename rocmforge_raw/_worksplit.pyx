@@ -5,10 +5,18 @@
 Work tokens: a sequence of ``n`` tokens counts ``max(n, 1)`` rounded up to ``granule``.
 """
 
+import numpy as np
+
 
 def prefix_sums(const int[::1] lens, long long granule, long long[::1] cum16) -> int:
     """``cum16[i]`` = work tokens of sequences ``[0, i)`` (``cum16`` has ``len(lens) + 1``
     entries); returns the total."""
+    if cum16.shape[0] != lens.shape[0] + 1:
+        raise ValueError(f"cum16 has {cum16.shape[0]} entries for {lens.shape[0]} lengths")
+    return _prefix(lens, granule, cum16)
+
+
+cdef long long _prefix(const int[::1] lens, long long granule, long long[::1] cum16) noexcept:
     cdef Py_ssize_t i
     cdef long long total = 0, tokens
     cum16[0] = 0
@@ -23,6 +31,11 @@ def first_sequences(const long long[::1] cum16, long long groups, long long per_
                     int[::1] first_seq) -> None:
     """``first_seq[c]`` = the sequence whose units hold work token ``c * per_cta`` (sequence
     ``s``'s units span ``[cum16[s] * groups, cum16[s + 1] * groups)``)."""
+    _first(cum16, groups, per_cta, first_seq)
+
+
+cdef void _first(const long long[::1] cum16, long long groups, long long per_cta,
+                 int[::1] first_seq) noexcept:
     cdef Py_ssize_t c, s = 0, last = cum16.shape[0] - 2
     cdef long long start
     for c in range(first_seq.shape[0]):
@@ -30,3 +43,58 @@ def first_sequences(const long long[::1] cum16, long long groups, long long per_
         while s < last and cum16[s + 1] * groups <= start:
             s += 1
         first_seq[c] = <int>s
+
+
+cdef long long _aligned(long long share, long long unit, long long granule, double stretch):
+    """The least multiple of ``granule`` from ``share`` to ``stretch * share`` that divides
+    ``unit`` or that ``unit`` divides (both multiples of ``granule``); ``share`` when there
+    is none."""
+    cdef long long whole = unit // granule, granules
+    for granules in range(share // granule, <long long>(stretch * share) // granule + 1):
+        if granules and (whole % granules == 0 or granules % whole == 0):
+            return granules * granule
+    return share
+
+
+cdef long long _share(long long total, long long slots, long long unit, long long granule,
+                      long long min_tokens, long long aligned_tokens, double stretch):
+    """A CTA's work tokens: the balanced share of ``total`` over ``slots`` (at least
+    ``min_tokens``), aligned to the units when it is under ``aligned_tokens`` and they are
+    all ``unit`` long (0: of several lengths, or none), rounded up to ``granule``."""
+    cdef long long share = (total + slots - 1) // slots if slots > 1 else total
+    if share < min_tokens:
+        share = min_tokens
+    if min_tokens < share < aligned_tokens and unit:
+        share = _aligned(max(granule, (share + granule - 1) // granule * granule), unit,
+                         granule, stretch)
+    return (share + granule - 1) // granule * granule
+
+
+def balanced_share(long long total, long long slots, long long unit, long long granule,
+                   long long min_tokens, long long aligned_tokens, double stretch) -> int:
+    """``planning.plan_work``'s share per CTA (work tokens) for units of one length
+    ``unit`` (0: of several lengths, or none) and ``total`` work tokens over ``slots``."""
+    return _share(total, slots, unit, granule, min_tokens, aligned_tokens, stretch)
+
+
+def split_lengths(const int[::1] lens, long long groups, long long slots,
+                  long long granule, long long min_tokens, long long aligned_tokens,
+                  double stretch):
+    """``planning.plan_work`` over real lengths in one call: (num_ctas, per_cta, total,
+    cum16, first_seq) of ``len(lens)`` sequences of ``groups`` units each (see
+    ``prefix_sums``, ``first_sequences`` and ``balanced_share``)."""
+    cdef Py_ssize_t i, n = lens.shape[0]
+    cum16 = np.empty(n + 1, np.int64)
+    cdef long long[::1] c = cum16
+    cdef long long total = _prefix(lens, granule, c) * groups, unit = 0
+    if n:
+        unit = c[1]
+        for i in range(1, n):
+            if c[i + 1] - c[i] != unit:
+                unit = 0
+                break
+    cdef long long per_cta = _share(total, slots, unit, granule, min_tokens, aligned_tokens,
+                                    stretch)
+    first_seq = np.empty((total + per_cta - 1) // per_cta, np.int32)
+    _first(c, groups, per_cta, first_seq)
+    return first_seq.shape[0], per_cta, total, cum16, first_seq

@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from . import checks
-from ._steprows import copy_host
+from ._steprows import pack_host
 from .array import DeviceArray
 from .buffer import HipBuffer
 from .runtime import Backend, get_backend
@@ -136,6 +136,16 @@ class Workspace:
             self._counters.fill(0, stream=stream)
         return self._partials, self._counters
 
+    def ready(self, nbytes: int, counters: int) -> tuple[HipBuffer, HipBuffer] | None:
+        """What ``get`` would hand out for ``nbytes`` and ``counters`` when the buffers hold
+        that much already, else None (then ``get``): no checks, for a caller whose ``like``
+        and stream an earlier ``get`` bound (a decode step's planner)."""
+        partials, counts = self._partials, self._counters
+        if (partials is not None and counts is not None and nbytes <= partials.nbytes
+                and 4 * counters <= counts.nbytes):
+            return partials, counts
+        return None
+
     def check_device(self, like: Any, name: str) -> None:
         """``ValueError`` (naming ``name`` and both devices) unless ``like`` (a HipBuffer or
         DeviceArray) is on the device this workspace is bound to, or it is bound to none."""
@@ -178,7 +188,6 @@ class Staging:
         self.launches: dict[tuple, Any] = {}
         self.host: PinnedBuffer | None = None
         self.buffer: HipBuffer | None = None
-        self._bytes = np.zeros(0, np.uint8)  # the pinned bytes as a NumPy view
         self._used = 0  # bytes the puts since the last fence filled
         self._outgrown: list[PinnedBuffer | HipBuffer] = []
 
@@ -190,19 +199,13 @@ class Staging:
         that reads these addresses. ``append`` keeps what earlier puts since the fence
         uploaded (their addresses stay valid) and places ``arrays`` after it."""
         start = self._used if append else 0
-        offsets, total = [], start
-        for array in arrays:
-            offsets.append(total)
-            total += -(-array.nbytes // ALIGN) * ALIGN
-        if self._reserve(max(total, ALIGN)) and start:  # a new buffer: earlier puts stay
-            offsets = [offset - start for offset in offsets]  # in the old one, kept
-            start, total = 0, total - start
-        for array, offset in zip(arrays, offsets):
-            if array.flags.c_contiguous:  # in small pieces: see copy_host
-                copy_host(self.host.ptr + offset, array)
-            else:
-                target = self._bytes[offset : offset + array.nbytes].view(array.dtype)
-                np.copyto(target.reshape(array.shape), array)
+        capacity = 0 if self.buffer is None else self.buffer.nbytes
+        base = 0 if self.host is None else self.host.ptr
+        total, offsets = pack_host(base, capacity, arrays, start, ALIGN)  # copies if it fits
+        if self.buffer is None or total > capacity:
+            if self._reserve(max(total, ALIGN)) and start:  # a new buffer: earlier puts
+                start = 0  # stay in the old one, kept
+            total, offsets = pack_host(self.host.ptr, self.buffer.nbytes, arrays, start, ALIGN)
         if total > start:
             self.backend.upload(self.buffer.ptr + start, self.host.ptr + start, total - start,
                                 stream_handle(stream, "stream", self.backend, self.device))
@@ -219,7 +222,6 @@ class Staging:
             nbytes = max(nbytes, 2 * self.buffer.nbytes)
         self.host = PinnedBuffer(nbytes, self.device, self.backend)
         self.buffer = HipBuffer(nbytes, self.device, self.backend)
-        self._bytes = self.host.array(np.uint8, nbytes)
         self.launches.clear()
         return True
 
@@ -232,7 +234,6 @@ class Staging:
             if part is not None:
                 part.close()
         self.host = self.buffer = None
-        self._bytes = np.zeros(0, np.uint8)
         self._outgrown = []
         self.fence.close()
 

@@ -150,10 +150,23 @@ def test_snapshots_are_patched_only_when_nobody_holds_them_and_always_equal_the_
             rows = twin._rows.rows(ids)
             width = int(twin._rows.nblocks[rows].max())
             np.testing.assert_array_equal(meta.block_tables, twin._rows.tables[rows, :width])
-            if rng.random() < 0.2:
-                held.append((meta, meta.block_tables.copy()))
-        for meta, tables in held:
-            np.testing.assert_array_equal(meta.block_tables, tables)
+            np.testing.assert_array_equal(meta.seq_lens, twin._rows.lens[rows])
+            np.testing.assert_array_equal(meta.slot_mapping, twin._rows.last_slot[rows])
+            kept = rng.random()
+            if kept < 0.1:  # the plan, or only one of its arrays
+                held.append((meta, meta.block_tables.copy(), meta.seq_lens.copy(),
+                             meta.slot_mapping.copy()))
+            elif kept < 0.2:
+                which = ("block_tables", "seq_lens", "slot_mapping")[int(rng.integers(3))]
+                array = getattr(meta, which)
+                held.append((array, array.copy()))
+        for got, *want in held:
+            if len(want) == 1:
+                np.testing.assert_array_equal(got, want[0])
+            else:
+                np.testing.assert_array_equal(got.block_tables, want[0])
+                np.testing.assert_array_equal(got.seq_lens, want[1])
+                np.testing.assert_array_equal(got.slot_mapping, want[2])
         assert 0 < cache._rows.patched < made
 
 

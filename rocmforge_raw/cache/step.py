@@ -30,16 +30,21 @@ from ..planning import (
     ATTENTION_PATCH,
     OUT_SCALE_ARG,
     SCALE_ARG,
+    STEP_ARGS,
     THREADS,
     WRITE_PATCH,
     WRITE_SCALE_ARGS,
+    WRITE_SLOTS_ARG,
     WRITE_THREADS,
+    AttentionKernel,
     AttentionPlan,
     WorkSplit,
     attention_kernel,
     default_scale,
     kernel_scales,
     plan_work,
+    split_workspace,
+    step_arguments,
     write_arguments,
     write_kernel,
 )
@@ -116,6 +121,8 @@ class StepPlanner:
         self.plane_bytes = c.num_blocks * c.block_size * c.num_kv_heads * c.head_dim * (
             c.dtype.itemsize)
         self.row_shape = (c.num_kv_heads, c.head_dim)
+        self.row_bytes = c.num_kv_heads * c.head_dim * c.activation_dtype.itemsize  # of a token
+        self._kernels: dict[int, AttentionKernel] = {}  # by num_q_heads (``_kernel``)
         self.default_scale = default_scale(c.head_dim, None)
         self.act = c.activation_dtype  # queries, outputs, K/V written: c.dtype unless fp8
         # an fp8 cache's kernel scales per layer, computed once: (the K scale's part of the
@@ -133,51 +140,58 @@ class StepPlanner:
     def plan(self, owner: Any, epoch: int, seq_ids: list[Hashable], tables: np.ndarray,
              lens: np.ndarray, slots: np.ndarray, stream: Stream | None) -> BatchMetadata:
         """The current plan for these snapshots (``owner``'s state at ``epoch``), which
-        ``SequenceRows.gather`` checked."""
-        c = self.config
-        kv_shape = (len(seq_ids), *self.row_shape)
-        meta = BatchMetadata._planned(
+        ``SequenceRows.gather`` checked. Built whole, then made current: a plan that fails
+        leaves the current one current."""
+        n, num_q_heads = len(seq_ids), self.config.num_q_heads
+        fields: dict[str, Any] = dict(
             seq_ids=tuple(seq_ids), block_tables=tables, seq_lens=lens, slot_mapping=slots,
-            stream=stream, _owner=owner, _epoch=epoch, _kv_shape=kv_shape,
-            _kv_bytes=math.prod(kv_shape) * self.act.itemsize)
+            stream=stream, _owner=owner, _epoch=epoch, _kv_shape=(n, *self.row_shape),
+            _kv_bytes=n * self.row_bytes)
+        staging, found = None, None
         try:
-            work: WorkSplit | None = None
-            work_addresses: list[int] = []
-            if not self.on_host and seq_ids:
-                if c.num_q_heads is not None:  # planned now: its arrays go in the same upload
-                    work = self._work(meta, c.num_q_heads)
+            if num_q_heads is not None:
+                found = self._kernel(num_q_heads)
+                fields.update(self._query_fields(n, num_q_heads))
+            if not self.on_host and n:
+                # planned now: the work split's arrays go in the same upload
+                work = None if found is None else self._split(found, lens)
                 assert self.ring is not None  # a device cache stages its uploads
                 staging = self.ring.acquire()
-                meta._set(_staging=staging)
-                addresses = staging.put([tables, lens, slots, *work.arrays] if work
-                                        else [tables, lens, slots], stream)
-                meta._set(_addresses=(addresses[0], addresses[1], addresses[2]))
-                work_addresses = addresses[3:]
-                meta._set(_write=self._write_launch(meta))
-            if c.num_q_heads is not None:
-                self._plan_attention(meta, c.num_q_heads, work, work_addresses)
+                # slots and lengths first: their addresses stay put while tables widen
+                slots_at, lens_at, tables_at, *work_at = staging.put(
+                    [slots, lens, tables, *work.arrays] if work else [slots, lens, tables],
+                    stream)
+                fields.update(_staging=staging, _addresses=(tables_at, lens_at, slots_at),
+                              _write=self._write_launch(staging, n, slots_at, stream))
+                if work is not None:
+                    fields["_attention"] = self._attention_launch(
+                        staging, found, num_q_heads, work, tables.shape[1], tables_at,
+                        lens_at, work_at, stream)
         except BaseException:  # the upload may be queued: its slot waits for it all the same
-            if meta._staging is not None:
-                meta._staging.fence.mark(stream)
+            if staging is not None:
+                staging.fence.mark(stream)
             raise
+        meta = BatchMetadata._planned(**fields)
         self.retire()  # only now: a plan that failed leaves the current one current
         self.current = meta
         return meta
 
-    def _write_launch(self, meta: BatchMetadata) -> Launch:
-        """The K/V write of ``meta``'s step, reused from its staging slot when it can be."""
-        c, (n, width) = self.config, meta.block_tables.shape
-        key = ("write", n, width, meta.stream)
-        staging = meta._staging
-        assert staging is not None  # planned on the device
+    def _write_launch(self, staging: Staging, n: int, slots_at: int, stream: Stream | None
+                      ) -> Launch:
+        """The K/V write of a step of ``n`` sequences whose slots are at ``slots_at``,
+        reused from its staging slot when it can be."""
+        c = self.config
+        key = ("write", n, stream)
         launch = staging.launches.get(key)
         if launch is None:
             launch = staging.launches[key] = write_kernel(
                 self.backend, self.device, self.act, c.dtype).prepare(
                 n, WRITE_THREADS, *write_arguments(
-                    0, 0, 0, 0, meta._addresses[2], c.num_kv_heads, c.block_size,
-                    c.head_dim * self.act.itemsize, c.dtype), stream=meta.stream,
+                    0, 0, 0, 0, slots_at, c.num_kv_heads, c.block_size,
+                    c.head_dim * self.act.itemsize, c.dtype), stream=stream,
                 patch=WRITE_PATCH)
+        else:
+            launch.set_int(WRITE_SLOTS_ARG, slots_at)
         return launch
 
     def retire(self) -> None:
@@ -293,62 +307,77 @@ class StepPlanner:
                              f" in {start:#x}..{end:#x}): the kernel would write over, or read "
                              f"while writing, cached K/V; give {name} memory of its own")
 
-    def _work(self, meta: BatchMetadata, num_q_heads: int) -> WorkSplit:
-        """The work split of ``meta``'s step over its sequences' real lengths."""
-        c = self.config
-        self._check_heads(num_q_heads)
-        found = attention_kernel(self.backend, self.device, self.act, c.head_dim,
-                                 num_q_heads // c.num_kv_heads, c.dtype)
-        return plan_work(c.num_kv_heads * found.groups, found.slots, meta._kv_shape[0],
-                         meta.seq_lens)
+    def _kernel(self, num_q_heads: int) -> AttentionKernel | None:
+        """The attention kernel for ``num_q_heads`` (checked), looked up once per count;
+        None on the host, which runs no kernel."""
+        found = self._kernels.get(num_q_heads)
+        if found is None:
+            self._check_heads(num_q_heads)
+            if self.on_host:
+                return None
+            c = self.config
+            found = self._kernels[num_q_heads] = attention_kernel(
+                self.backend, self.device, self.act, c.head_dim, num_q_heads // c.num_kv_heads,
+                c.dtype)
+        return found
 
-    def _plan_attention(self, meta: BatchMetadata, num_q_heads: int,
-                        work: WorkSplit | None = None,
-                        work_addresses: Sequence[int] = ()) -> None:
-        """The attention launch of ``meta``'s step: its work split over the step's lengths
-        (with the device addresses of its arrays; planned and uploaded here when not given),
-        the launch itself reused from the staging slot when an earlier step prepared one
-        for the same shapes and addresses. ``meta`` changes only once all of it is done."""
-        c, n = self.config, meta._kv_shape[0]
-        self._check_heads(num_q_heads)
-        if not self.on_host and n:
-            meta._set(_attention=self._attention_launch(meta, num_q_heads, work,
-                                                        work_addresses))
-        meta._set(_q_shape=(n, num_q_heads, c.head_dim), _scale=self.default_scale,
-                  _q_bytes=n * num_q_heads * c.head_dim * self.act.itemsize)
+    def _query_fields(self, n: int, num_q_heads: int) -> dict[str, Any]:
+        """A plan's query fields: its shape and bytes, at the default scale."""
+        return dict(_q_shape=(n, num_q_heads, self.config.head_dim), _scale=self.default_scale,
+                    _q_bytes=n * num_q_heads * self.config.head_dim * self.act.itemsize)
 
-    def _attention_launch(self, meta: BatchMetadata, num_q_heads: int,
-                          work: WorkSplit | None, work_addresses: Sequence[int]
-                          ) -> Launch:
-        """The attention launch of ``meta``'s step at the default scale (see
-        ``_plan_attention``)."""
-        c, n = self.config, meta._kv_shape[0]
-        found = attention_kernel(self.backend, self.device, self.act, c.head_dim,
-                                 num_q_heads // c.num_kv_heads, c.dtype)
-        slot, width = meta._staging, meta.block_tables.shape[1]
-        assert slot is not None  # planned on the device
-        if work is None:  # num_q_heads came with the first attention call
-            work = self._work(meta, num_q_heads)
-            work_addresses = slot.put(work.arrays, meta.stream, append=True)
-        plan = AttentionPlan(found.kernel, found.group, work, found.shared_bytes, n,
-                             num_q_heads, c.num_kv_heads, c.head_dim, c.block_size, width)
-        part_buf, count_buf = slot.workspace.get(*plan.workspace_sizes, self.slab, meta.stream)
-        cum16, first_seq = work_addresses
-        key = (num_q_heads, n, width, part_buf.ptr, count_buf.ptr, cum16, first_seq,
-               meta.stream)
-        launch = slot.launches.get(key)
+    def _split(self, found: AttentionKernel, lens: np.ndarray) -> WorkSplit:
+        """The work split of a step over its sequences' real lengths."""
+        return plan_work(self.config.num_kv_heads * found.groups, found.slots, lens.shape[0],
+                         lens)
+
+    def _plan_attention(self, meta: BatchMetadata, num_q_heads: int) -> None:
+        """Attention for ``num_q_heads`` planned into ``meta`` by its first attention call
+        (a cache without ``num_q_heads``): the work split planned and appended to the
+        slot's upload, the launch prepared. ``meta`` changes only once all of it is done."""
+        found = self._kernel(num_q_heads)
+        n = meta._kv_shape[0]
+        fields = self._query_fields(n, num_q_heads)
+        if found is not None and n:
+            staging = meta._staging
+            assert staging is not None  # planned on the device
+            work = self._split(found, meta.seq_lens)
+            work_at = staging.put(work.arrays, meta.stream, append=True)
+            tables_at, lens_at, _ = meta._addresses
+            fields["_attention"] = self._attention_launch(
+                staging, found, num_q_heads, work, meta.block_tables.shape[1], tables_at,
+                lens_at, work_at, meta.stream)
+        meta._set(**fields)
+
+    def _attention_launch(self, staging: Staging, found: AttentionKernel, num_q_heads: int,
+                          work: WorkSplit, width: int, tables_at: int, lens_at: int,
+                          work_at: Sequence[int], stream: Stream | None) -> Launch:
+        """The attention launch of a step at the default scale: prepared once per staging
+        slot, shape and stream, then given each step's grid, addresses, table width and
+        work split (``STEP_ARGS``) in one call."""
+        c, n = self.config, work.cum16.shape[0] - 1
+        part_bytes, counters = split_workspace(work.num_ctas, found.group, c.head_dim,
+                                               n * work.groups)
+        part_buf, count_buf = staging.workspace.ready(part_bytes, counters) or (
+            staging.workspace.get(part_bytes, counters, self.slab, stream))
+        cum16_at, first_seq_at = work_at
+        key = (num_q_heads, n, stream)
+        launch = staging.launches.get(key)
         if launch is None:
-            if len(slot.launches) > 64:  # widths and addresses change as sequences grow
-                slot.launches.clear()
-            tables, lens_ptr, _ = meta._addresses
-            launch = slot.launches[key] = plan.kernel.prepare(
-                plan.grid, THREADS, *plan.arguments(0, 0, 0, 0, tables, lens_ptr,
+            if len(staging.launches) > 64:  # shapes and streams come and go
+                staging.launches.clear()
+            plan = AttentionPlan(found.kernel, found.group, work, found.shared_bytes, n,
+                                 num_q_heads, c.num_kv_heads, c.head_dim, c.block_size, width)
+            launch = staging.launches[key] = plan.kernel.prepare(
+                plan.grid, THREADS, *plan.arguments(0, 0, 0, 0, tables_at, lens_at,
                                                     self.default_scale, part_buf.ptr,
-                                                    count_buf.ptr, cum16, first_seq),
-                shared_bytes=plan.shared_bytes, stream=meta.stream, patch=ATTENTION_PATCH)
-        else:
-            plan.update(launch)  # this step's split
-            launch.set_float(SCALE_ARG, self.default_scale)  # an earlier step changed it?
+                                                    count_buf.ptr, cum16_at, first_seq_at),
+                shared_bytes=plan.shared_bytes, stream=stream, patch=ATTENTION_PATCH)
+            return launch
+        launch.set_grid(work.num_ctas)
+        launch.set_ints(STEP_ARGS, step_arguments(work, part_buf.ptr, count_buf.ptr, tables_at,
+                                                  lens_at, cum16_at, first_seq_at, width))
+        launch.set_float(SCALE_ARG, self.default_scale)  # an earlier step changed it?
         return launch
 
     def _check(self, name: str, array: Any, shape: tuple[int, ...] | None) -> None:

@@ -41,6 +41,7 @@ from .attention import (
     NARROW_ROW_BYTES,
     OUT_SCALE_ARG,
     SCALE_ARG,
+    STEP_ARGS,
     THREADS,
     WORK_ARGS,
     AttentionKernel,
@@ -50,6 +51,7 @@ from .attention import (
     attention_shared_bytes,
     kernel_scales,
     plan_attention,
+    step_arguments,
 )
 from .work import (
     ALIGNED_SHARE_TOKENS,
@@ -60,17 +62,25 @@ from .work import (
     plan_work,
     split_workspace,
 )
-from .writes import WRITE_PATCH, WRITE_SCALE_ARGS, WRITE_THREADS, write_arguments, write_kernel
+from .writes import (
+    WRITE_PATCH,
+    WRITE_SCALE_ARGS,
+    WRITE_SLOTS_ARG,
+    WRITE_THREADS,
+    write_arguments,
+    write_kernel,
+)
 
 __all__ = [
     "ALIGNED_SHARE_TOKENS", "ALIGNED_STRETCH", "ATTENTION_PATCH", "ATTENTION_STAGES",
     "BLOCK_SIZES", "CODE_STAGE_TOKENS", "DTYPES", "FP8_CODE_FACTOR", "FP8_DTYPES",
     "GROUP_SIZES", "HEAD_DIMS", "MAX_CACHE_ROWS", "MIN_TOKENS_PER_CTA", "NARROW_ROW_BYTES",
-    "OUT_SCALE_ARG", "SCALE_ARG", "THREADS", "WORK_ARGS", "WORK_GRANULE", "WRITE_PATCH",
-    "WRITE_SCALE_ARGS", "WRITE_THREADS", "AttentionKernel", "AttentionPlan", "WorkSplit",
-    "attention_instance", "attention_kernel", "attention_shared_bytes",
-    "check_attention_arrays", "check_cache_dtype", "check_disjoint", "check_kv_scales",
-    "check_options", "check_slots", "check_tables", "check_write_arrays", "default_scale",
-    "device_ints", "expect", "fp8_scale_range", "host_ints", "kernel_scales", "plan_attention",
-    "plan_work", "split_workspace", "write_arguments", "write_kernel",
+    "OUT_SCALE_ARG", "SCALE_ARG", "STEP_ARGS", "THREADS", "WORK_ARGS", "WORK_GRANULE",
+    "WRITE_PATCH", "WRITE_SCALE_ARGS", "WRITE_SLOTS_ARG", "WRITE_THREADS", "AttentionKernel",
+    "AttentionPlan", "WorkSplit", "attention_instance", "attention_kernel",
+    "attention_shared_bytes", "check_attention_arrays", "check_cache_dtype", "check_disjoint",
+    "check_kv_scales", "check_options", "check_slots", "check_tables", "check_write_arrays",
+    "default_scale", "device_ints", "expect", "fp8_scale_range", "host_ints", "kernel_scales",
+    "plan_attention", "plan_work", "split_workspace", "step_arguments", "write_arguments",
+    "write_kernel",
 ]

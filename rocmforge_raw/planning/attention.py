@@ -108,15 +108,6 @@ class AttentionPlan:
                 i64(work.per_cta), i64(work.total), np.float32(out_scale))
 
 
-    def update(self, launch: Any) -> None:
-        """Make a launch prepared from another plan of the same shapes (``Launch``) run
-        this plan's work split: its grid and its three work arguments."""
-        launch.set_grid(self.work.num_ctas)
-        for index, value in zip(WORK_ARGS, (self.work.uniform16, self.work.per_cta,
-                                            self.work.total)):
-            launch.set_int(index, value)
-
-
 #: Indices in ``AttentionPlan.arguments``: the scale, the work split's numbers (uniform16,
 #: per_cta, total) and the pointers a prepared launch replaces per call (``Kernel.prepare``'s
 #: ``patch``).
@@ -124,6 +115,21 @@ SCALE_ARG = 10
 WORK_ARGS = (16, 17, 18)
 OUT_SCALE_ARG = 19
 ATTENTION_PATCH = (0, 3, 4, 5)  # out, query, k_cache, v_cache
+#: Indices in ``AttentionPlan.arguments`` that differ between two steps of one shape (same
+#: kernel, sequences and query heads): workspace, metadata addresses, table width and the
+#: work split (``step_arguments`` gives their values). With the grid, ATTENTION_PATCH and
+#: the scales, they are all a launch prepared for one step needs to run another.
+STEP_ARGS = (1, 2, 6, 7, 8, 9, 13, *WORK_ARGS)
+
+
+def step_arguments(work: WorkSplit, partials: int, counters: int, tables: int, lens: int,
+                   cum16: int, first_seq: int, max_blocks: int) -> tuple[int, ...]:
+    """The values of STEP_ARGS for a step of work split ``work`` (as
+    ``AttentionPlan.arguments`` passes them; addresses as there)."""
+    if work.cum16 is None:
+        cum16 = first_seq = 0
+    return (partials, counters, tables, lens, cum16, first_seq, max_blocks, work.uniform16,
+            work.per_cta, work.total)
 
 
 @dataclass(frozen=True)

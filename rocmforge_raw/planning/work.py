@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .._worksplit import first_sequences, prefix_sums
+from .._worksplit import balanced_share, first_sequences, prefix_sums, split_lengths
 
 #: Work is counted in tokens rounded up to this (and every unit owns at least this many, so an
 #: empty sequence still has a position): pieces start at multiples of it.
@@ -57,16 +57,8 @@ def _round16(tokens: int) -> int:
     return max(WORK_GRANULE, -(-tokens // WORK_GRANULE) * WORK_GRANULE)
 
 
-def _aligned_share(share: int, unit: int) -> int:
-    """The least multiple of WORK_GRANULE from ``share`` to ``ALIGNED_STRETCH * share`` that
-    divides ``unit`` or that ``unit`` divides (both multiples of WORK_GRANULE); ``share``
-    when there is none."""
-    whole = unit // WORK_GRANULE
-    for granules in range(share // WORK_GRANULE,
-                          int(ALIGNED_STRETCH * share) // WORK_GRANULE + 1):
-        if whole % granules == 0 or granules % whole == 0:
-            return granules * WORK_GRANULE
-    return share
+#: The share rule's constants, as ``_worksplit`` takes them.
+_RULE = (WORK_GRANULE, MIN_TOKENS_PER_CTA, ALIGNED_SHARE_TOKENS, ALIGNED_STRETCH)
 
 
 def plan_work(groups: int, slots: int, num_seqs: int, lens: np.ndarray | None = None,
@@ -76,25 +68,27 @@ def plan_work(groups: int, slots: int, num_seqs: int, lens: np.ndarray | None = 
     ``MIN_TOKENS_PER_CTA`` tokens each; aligned to the units where they are short and the
     units of one length: ``ALIGNED_SHARE_TOKENS``). ``lens`` (host, int32) gives each
     sequence's length; without it every sequence counts ``max_len``. ``num_partitions``
-    instead cuts the longest sequence into that many pieces (a test and tuning knob)."""
+    instead cuts the longest sequence into that many pieces (a test and tuning knob).
+    With lengths and no ``num_partitions`` (a decode step's case) it is one call into the
+    compiled core (``_worksplit.split_lengths``)."""
+    if lens is not None and num_partitions is None:
+        num_ctas, per_cta, total, cum16, first_seq = split_lengths(
+            np.ascontiguousarray(lens, np.int32), groups, slots, *_RULE)
+        return WorkSplit(num_ctas, per_cta, total, groups, 0, cum16, first_seq)
     if lens is not None:
         cum16 = np.empty(num_seqs + 1, np.int64)
-        total = prefix_sums(np.ascontiguousarray(lens, np.int32), WORK_GRANULE, cum16) * groups
-        longest = int(_round16(int(lens.max(initial=0)))) if num_partitions else 0
+        lens = np.ascontiguousarray(lens, np.int32)
+        total = prefix_sums(lens, WORK_GRANULE, cum16) * groups
+        longest = int(_round16(int(lens.max(initial=0))))
         uniform16 = 0
     else:
         cum16, uniform16 = None, int(_round16(max_len))
         total, longest = num_seqs * groups * uniform16, uniform16
     if num_partitions is not None:
         share = -(-longest // max(1, int(num_partitions)))
+        per_cta = -(-share // WORK_GRANULE) * WORK_GRANULE
     else:
-        share = max(MIN_TOKENS_PER_CTA, -(-total // max(slots, 1)))
-        if MIN_TOKENS_PER_CTA < share < ALIGNED_SHARE_TOKENS and num_seqs:
-            work16 = np.diff(cum16) if cum16 is not None else None
-            if work16 is None or (work16 == work16[0]).all():  # units of one length
-                unit = uniform16 or int(work16[0])
-                share = _aligned_share(_round16(share), unit)
-    per_cta = -(-share // WORK_GRANULE) * WORK_GRANULE
+        per_cta = balanced_share(total, slots, uniform16 if num_seqs else 0, *_RULE)
     num_ctas = -(-total // per_cta)
     first_seq = None
     if cum16 is not None:

@@ -14,6 +14,7 @@ from .arguments import DTYPES, FP8_DTYPES
 
 WRITE_THREADS = 256  # RF_CO_THREADS
 WRITE_PATCH = (0, 1, 2, 3)  # k_cache, v_cache, key, value
+WRITE_SLOTS_ARG = 4  # slot_mapping
 
 
 def write_kernel(backend: Backend, device: int, dtype: np.dtype | None = None,

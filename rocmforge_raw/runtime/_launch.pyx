@@ -134,6 +134,26 @@ cdef class Launch:
             raise IndexError(f"argument {index} outside [0, {self.num_args})")
         self.slots[index] = <uint64_t>value
 
+    def set_ints(self, tuple indices, tuple values):
+        """Arguments ``indices[i]`` become the integers ``values[i]`` (as ``set_int``; a
+        pointer up to 2**64 too): a step's changed arguments in one call. Every index and
+        value is checked before any slot changes."""
+        cdef Py_ssize_t i, n = len(indices)
+        cdef int index
+        cdef int where[MAX_ARGS]
+        cdef uint64_t given[MAX_ARGS]
+        if len(values) != n or n > MAX_ARGS:
+            raise ValueError(f"{n} indices and {len(values)} values must pair up, at most "
+                             f"{MAX_ARGS}")
+        for i in range(n):
+            index = where[i] = indices[i]
+            if not 0 <= index < self.num_args:
+                raise IndexError(f"argument {index} outside [0, {self.num_args})")
+            value = values[i]  # a pointer (up to 2**64) or a signed integer
+            given[i] = <unsigned long long>value if value >= 0 else <uint64_t><long long>value
+        for i in range(n):
+            self.slots[where[i]] = given[i]
+
     def set_grid(self, unsigned int x, unsigned int y=1, unsigned int z=1):
         """The grid of the following launches (CTAs along x, y, z; each at least 1)."""
         if x == 0 or y == 0 or z == 0:
