@@ -34,7 +34,6 @@ from ..planning import (
     THREADS,
     WRITE_PATCH,
     WRITE_SCALE_ARGS,
-    WRITE_SLOTS_ARG,
     WRITE_THREADS,
     AttentionKernel,
     AttentionPlan,
@@ -164,6 +163,7 @@ class StepPlanner:
                 fields.update(_staging=staging, _addresses=(tables_at, lens_at, slots_at),
                               _write=self._write_launch(staging, n, slots_at, stream))
                 if work is not None:
+                    assert found is not None and num_q_heads is not None  # (planned with it)
                     fields["_attention"] = self._attention_launch(
                         staging, found, num_q_heads, work, tables.shape[1], tables_at,
                         lens_at, work_at, stream)
@@ -179,7 +179,8 @@ class StepPlanner:
     def _write_launch(self, staging: Staging, n: int, slots_at: int, stream: Stream | None
                       ) -> Launch:
         """The K/V write of a step of ``n`` sequences whose slots are at ``slots_at``,
-        reused from its staging slot when it can be."""
+        reused from its staging slot: the slots are its upload's first array, so their
+        address is the slot's until it grows (which drops its launches)."""
         c = self.config
         key = ("write", n, stream)
         launch = staging.launches.get(key)
@@ -190,8 +191,6 @@ class StepPlanner:
                     0, 0, 0, 0, slots_at, c.num_kv_heads, c.block_size,
                     c.head_dim * self.act.itemsize, c.dtype), stream=stream,
                 patch=WRITE_PATCH)
-        else:
-            launch.set_int(WRITE_SLOTS_ARG, slots_at)
         return launch
 
     def retire(self) -> None:
@@ -355,7 +354,7 @@ class StepPlanner:
         """The attention launch of a step at the default scale: prepared once per staging
         slot, shape and stream, then given each step's grid, addresses, table width and
         work split (``STEP_ARGS``) in one call."""
-        c, n = self.config, work.cum16.shape[0] - 1
+        c, n = self.config, len(work.arrays[0]) - 1  # (the split of real lengths)
         part_bytes, counters = split_workspace(work.num_ctas, found.group, c.head_dim,
                                                n * work.groups)
         part_buf, count_buf = staging.workspace.ready(part_bytes, counters) or (
@@ -374,6 +373,7 @@ class StepPlanner:
                                                     count_buf.ptr, cum16_at, first_seq_at),
                 shared_bytes=plan.shared_bytes, stream=stream, patch=ATTENTION_PATCH)
             return launch
+        assert isinstance(launch, Launch)
         launch.set_grid(work.num_ctas)
         launch.set_ints(STEP_ARGS, step_arguments(work, part_buf.ptr, count_buf.ptr, tables_at,
                                                   lens_at, cum16_at, first_seq_at, width))

@@ -1,0 +1,287 @@
+"""A decode step's plan for a GPU, checked on the CPU: the bytes ``batch`` uploads, the
+arguments of the launches it prepares, and their reuse from step to step.
+
+No GPU answers here, so the backend is a test double (``PretendGpu``): the host backend
+(memory, copies, events) under a GPU's name and properties, whose modules load nothing and
+whose launches are recorded, never run. Its "device" memory is host memory, so the
+uploaded bytes can be read back at the addresses the launches pass. The GPU suite runs the
+same plans on real devices (test_step, test_graph).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+
+import numpy as np
+import pytest
+
+from rocmforge_raw import module
+from rocmforge_raw._steprows import pack_host
+from rocmforge_raw._worksplit import split_lengths
+from rocmforge_raw.cache import CacheConfig, KvCache
+from rocmforge_raw.module import pack_args
+from rocmforge_raw.planning import (
+    ALIGNED_SHARE_TOKENS,
+    ALIGNED_STRETCH,
+    ATTENTION_PATCH,
+    MIN_TOKENS_PER_CTA,
+    STEP_ARGS,
+    WORK_GRANULE,
+    WRITE_SLOTS_ARG,
+    AttentionPlan,
+    attention_kernel,
+    plan_work,
+    step_arguments,
+)
+from rocmforge_raw.runtime.host import HostBackend
+from rocmforge_raw.staging import Workspace
+
+
+class PretendGpu(HostBackend):
+    """The host backend as an H100 (132 SMs, two attention CTAs each) that launches
+    nothing: each launch is recorded as (grid, arguments' addresses)."""
+
+    name = "cuda"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.launches: list[tuple[tuple[int, int, int], int]] = []
+
+    def properties(self, device):
+        return dataclasses.replace(super().properties(device), backend="cuda", arch="sm_90",
+                                   multiprocessors=132)
+
+    def module_load(self, image, device):
+        return object()
+
+    def module_function(self, module, name):
+        return 1
+
+    def max_active_blocks(self, function, threads, shared_bytes):
+        return 2
+
+    def launch(self, function, grid, block, shared_bytes, stream, params_addr):
+        self.launches.append((grid, params_addr))
+
+
+@pytest.fixture
+def double(monkeypatch):
+    """A fresh ``PretendGpu``; the modules it loads stay out of the process's cache of
+    loaded kernels (a real cuda backend in this process must not find them)."""
+    monkeypatch.setattr(module, "_loaded", {})
+    monkeypatch.setattr(module, "_origins", {})
+    return PretendGpu()
+
+
+def _read(address, dtype, count):
+    """``count`` elements of ``dtype`` at a "device" address of the double (host memory)."""
+    nbytes = count * np.dtype(dtype).itemsize
+    return np.frombuffer(ctypes.string_at(address, nbytes), dtype).copy()
+
+
+def _cache(double, lens, num_q_heads=32):
+    config = CacheConfig(2, 8, 128, 16, 4000, "bfloat16", num_q_heads=num_q_heads)
+    cache = KvCache(config, backend=double)
+    for seq, length in enumerate(lens):
+        cache.add_sequence(seq, int(length))
+    return cache
+
+
+def _expected_attention(cache, meta, workspace):
+    """The attention arguments (each as its 8-byte slot) and CTAs of a launch prepared for
+    ``meta``'s step alone, and the work split it reads."""
+    c, steps = cache.config, cache._steps
+    found = attention_kernel(steps.backend, steps.device, steps.act, c.head_dim,
+                             c.num_q_heads // c.num_kv_heads, c.dtype)
+    n, width = meta.block_tables.shape
+    work = plan_work(c.num_kv_heads * found.groups, found.slots, n, meta.seq_lens)
+    plan = AttentionPlan(found.kernel, found.group, work, found.shared_bytes, n,
+                         c.num_q_heads, c.num_kv_heads, c.head_dim, c.block_size, width)
+    launch = meta._attention
+    tables_at, lens_at, _ = meta._addresses
+    args = plan.arguments(0, 0, 0, 0, tables_at, lens_at, steps.default_scale,
+                          workspace._partials.ptr, workspace._counters.ptr, launch.slot(8),
+                          launch.slot(9))
+    raw = pack_args(args).slots.raw
+    slots = [int.from_bytes(raw[8 * i : 8 * i + 8], "little") for i in range(len(args))]
+    return slots, work
+
+
+def test_each_step_uploads_its_metadata_and_launches_with_its_own_arguments(double, rng):
+    """Step after step (tables widening, a sequence finishing, new ones joining), the
+    attention and write launches each slot prepared once are reused, and every argument
+    equals what a launch prepared for that step alone passes; the addresses hold the
+    step's tables, lengths, slots and work split."""
+    lens = rng.integers(20, 200, 6)
+    with _cache(double, lens) as cache:
+        ids = list(range(6))
+        launches = set()
+        for step in range(120):
+            if step == 40:
+                cache.finish(ids.pop(2))
+            if step == 80:
+                cache.add_sequence(99, 500)
+                ids.append(99)
+            cache.append(ids)
+            meta = cache.batch(ids)
+            n, width = meta.block_tables.shape
+            tables_at, lens_at, slots_at = meta._addresses
+            np.testing.assert_array_equal(
+                _read(tables_at, np.int32, n * width).reshape(n, width), meta.block_tables)
+            np.testing.assert_array_equal(_read(lens_at, np.int32, n), meta.seq_lens)
+            np.testing.assert_array_equal(_read(slots_at, np.int64, n), meta.slot_mapping)
+            want, work = _expected_attention(cache, meta, meta._staging.workspace)
+            attention = meta._attention
+            got = [attention.slot(i) for i in range(attention.num_args)]
+            for i in ATTENTION_PATCH:  # each call's pointers
+                got[i] = want[i]
+            assert got == want, step
+            np.testing.assert_array_equal(_read(attention.slot(8), np.int64, n + 1), work.cum16)
+            np.testing.assert_array_equal(_read(attention.slot(9), np.int32, work.num_ctas),
+                                          work.first_seq)
+            assert meta._write.slot(WRITE_SLOTS_ARG) == slots_at
+            attention(1, 2, 3, 4)  # the double records the grid
+            assert double.launches[-1][0] == (work.num_ctas, 1, 1)
+            launches.update((id(meta._attention), id(meta._write)))
+        assert len(launches) <= 2 * 2 * 3  # per slot, kind and batch size: prepared once
+
+
+def test_a_launch_updated_to_another_step_equals_one_prepared_for_it():
+    """``STEP_ARGS`` are every argument two steps of one shape may differ in: the first
+    step's arguments with ``step_arguments`` of the second are the second's."""
+    def arguments(lens, width, pointers):
+        work = plan_work(2, 396, 3, np.asarray(lens, np.int32))
+        plan = AttentionPlan(None, 4, work, 0, 3, 8, 2, 128, 16, width)
+        return plan.arguments(0, 0, 0, 0, pointers[0], pointers[1], 0.125, *pointers[2:]), \
+            work
+
+    before, _ = arguments([100, 7, 3000], 188, [i << 40 for i in range(1, 7)])
+    want, work = arguments([101, 8, 3100], 194, [i << 36 for i in range(1, 7)])
+    pointers = [i << 36 for i in range(1, 7)]
+    updated = list(before)
+    for index, value in zip(STEP_ARGS, step_arguments(work, pointers[2], pointers[3],
+                                                       pointers[0], pointers[1], pointers[4],
+                                                       pointers[5], 194)):
+        updated[index] = type(updated[index])(value)
+    assert [type(a) for a in updated] == [type(a) for a in want]
+    assert [float(a) if isinstance(a, np.floating) else int(a) for a in updated] == [
+        float(a) if isinstance(a, np.floating) else int(a) for a in want]
+
+
+def test_a_failed_plan_leaves_the_current_plan_current_and_fences_its_slot(double, rng,
+                                                                           monkeypatch):
+    with _cache(double, rng.integers(20, 200, 4)) as cache:
+        ids = [0, 1, 2, 3]
+        meta = cache.batch(ids)
+        steps = cache._steps
+        used = len(steps.ring.slots)
+
+        def broken(*args):
+            raise RuntimeError("launch preparation failed")
+
+        monkeypatch.setattr(steps, "_attention_launch", broken)
+        with pytest.raises(RuntimeError, match="launch preparation failed"):
+            cache.batch(ids)
+        assert steps.current is meta and len(steps.ring.slots) == used
+        # the failed plan's slot waits for its queued upload; the current one's is unfenced
+        assert [slot.fence._pending for slot in steps.ring.slots] == [
+            slot is not meta._staging for slot in steps.ring.slots]
+        monkeypatch.undo()
+        key, value = _kv(cache, meta)
+        cache.write(0, key, value, meta)  # still current: it launches
+        assert double.launches
+
+
+def _kv(cache, meta):
+    """A new token's key and value for each sequence of ``meta`` on the double."""
+    from rocmforge_raw.array import DeviceArray
+    from rocmforge_raw.buffer import HipBuffer
+
+    shape, act = meta._kv_shape, cache._steps.act
+    nbytes = int(np.prod(shape)) * act.itemsize
+    return [DeviceArray(HipBuffer(nbytes, 0, cache._steps.backend), act, shape)
+            for _ in range(2)]
+
+
+# --- the compiled pieces against Python -------------------------------------------------
+def _reference_split(lens, groups, slots):
+    """``plan_work``'s rule over real lengths, written out in Python."""
+    work16 = [max(WORK_GRANULE, -(-max(int(n), 1) // WORK_GRANULE) * WORK_GRANULE)
+              for n in lens]
+    cum16 = np.concatenate([[0], np.cumsum(work16)]).astype(np.int64)
+    total = int(cum16[-1]) * groups
+    share = max(MIN_TOKENS_PER_CTA, -(-total // max(slots, 1)))
+    if MIN_TOKENS_PER_CTA < share < ALIGNED_SHARE_TOKENS and len(set(work16)) == 1:
+        whole, start = work16[0] // WORK_GRANULE, -(-share // WORK_GRANULE)
+        for granules in range(start, int(ALIGNED_STRETCH * start * WORK_GRANULE)
+                              // WORK_GRANULE + 1):
+            if whole % granules == 0 or granules % whole == 0:
+                share = granules * WORK_GRANULE
+                break
+    per_cta = -(-share // WORK_GRANULE) * WORK_GRANULE
+    num_ctas = -(-total // per_cta)
+    first = [int(np.searchsorted(cum16 * groups, c * per_cta, "right")) - 1
+             for c in range(num_ctas)]
+    return num_ctas, per_cta, total, cum16, np.array(first, np.int32)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_split_lengths_equals_the_rule_in_python(seed):
+    rng = np.random.default_rng(seed)
+    n = int(rng.integers(0, 40))
+    same = rng.random() < 0.4
+    lens = np.full(n, rng.integers(0, 5000), np.int32) if same else rng.integers(
+        0, 5000 if rng.random() < 0.5 else 300, n).astype(np.int32)
+    groups, slots = int(rng.choice([1, 2, 8, 32])), int(rng.choice([1, 7, 264, 396]))
+    got = split_lengths(lens, groups, slots, WORK_GRANULE, MIN_TOKENS_PER_CTA,
+                        ALIGNED_SHARE_TOKENS, ALIGNED_STRETCH)
+    want = _reference_split(lens, groups, slots)
+    assert got[:3] == want[:3]
+    np.testing.assert_array_equal(got[3], want[3])
+    np.testing.assert_array_equal(got[4], want[4])
+    assert got[4].dtype == np.int32 and got[3].dtype == np.int64
+
+
+def test_pack_host_aligns_each_array_and_copies_only_what_fits(rng):
+    arrays = [rng.integers(-9, 9, (3, 5)).astype(np.int32), np.arange(7, dtype=np.int64),
+              rng.integers(0, 9, (6, 8)).astype(np.int32)[:, ::3]]  # strided
+    memory = np.full(4096, 0xAB, np.uint8)
+    base = memory.ctypes.data
+    end, offsets = pack_host(base, 300, arrays, 64, 256)  # does not fit: nothing copied
+    assert (end, offsets) == (64 + 3 * 256, [64, 320, 576])
+    assert (memory == 0xAB).all()
+    end, offsets = pack_host(base, memory.nbytes, arrays, 64, 256)
+    for array, offset in zip(arrays, offsets):
+        np.testing.assert_array_equal(
+            memory[offset : offset + array.nbytes].view(array.dtype).reshape(array.shape),
+            array)
+    assert (memory[:64] == 0xAB).all() and (memory[end:] == 0xAB).all()
+    assert (memory[64 + 60 : 320] == 0xAB).all()  # the gaps stay untouched
+
+
+def test_set_ints_checks_every_index_before_it_changes_a_slot(double):
+    loaded = module.Module(b"\0" * 16, backend=double)
+    launch = loaded.function("k").prepare(1, 1, 1, 2, 3, patch=())
+    with pytest.raises(IndexError, match="argument 3 outside"):
+        launch.set_ints((0, 3), (7, 8))
+    with pytest.raises(OverflowError):
+        launch.set_ints((0, 1), (7, 1 << 64))
+    with pytest.raises(ValueError, match="pair up"):
+        launch.set_ints((0, 1), (7,))
+    assert [launch.slot(i) for i in range(3)] == [1, 2, 3]
+    launch.set_ints((2, 0), ((1 << 64) - 1, -2))
+    assert [launch.slot(i) for i in range(3)] == [(1 << 64) - 2, 2, (1 << 64) - 1]
+
+
+def test_a_workspace_ready_hands_out_only_buffers_that_hold_enough(double):
+    from rocmforge_raw.array import DeviceArray
+    from rocmforge_raw.buffer import HipBuffer
+
+    workspace = Workspace()
+    assert workspace.ready(1, 1) is None
+    like = DeviceArray(HipBuffer(64, 0, double), np.int32, (16,))
+    partials, counters = workspace.get(1000, 10, like)
+    assert workspace.ready(1000, 10) == (partials, counters)
+    assert workspace.ready(1001, 10) is None and workspace.ready(1000, 11) is None
+    workspace.close()
