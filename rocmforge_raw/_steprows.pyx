@@ -22,8 +22,9 @@ from cpython.buffer cimport (
     PyBuffer_ToContiguous,
     PyObject_GetBuffer,
 )
+from cpython.mem cimport PyMem_Free, PyMem_Malloc
 from cpython.ref cimport PyObject, _Py_REFCNT
-from libc.string cimport memcpy
+from libc.string cimport memcpy, memset
 from libc.stdint cimport int32_t, int64_t, uint8_t, uint32_t
 
 import numpy as np
@@ -183,26 +184,37 @@ cdef class RowArrays:
         several batch members sharing a block keeps it (``SequenceRows.append_need``) is
         left to the caller: it is rare."""
         self._check_rows(rows)
-        cdef Py_ssize_t i, n = rows.shape[0], blocks = ref_cnt.shape[0]
-        cdef int64_t row, last, mask = block_size - 1, total = 0, copies = 0
-        kinds = np.empty(n, np.uint8)
+        kinds = np.empty(rows.shape[0], np.uint8)
         cdef uint8_t[::1] k = kinds
-        for i in range(n):
+        cdef int64_t copies = 0
+        cdef int64_t total = self._kinds(rows, &ref_cnt[0] if ref_cnt.shape[0] else NULL,
+                                         ref_cnt.shape[0], block_size,
+                                         &k[0] if k.shape[0] else NULL, &copies)
+        return total, kinds, copies
+
+    cdef int64_t _kinds(self, const int64_t[::1] rows, const int32_t* ref_cnt,
+                        Py_ssize_t blocks, int64_t block_size, uint8_t* kinds,
+                        int64_t* copies) except -1:
+        """``need``'s loop: each row's kind into ``kinds``; the blocks needed (COW rows
+        counted into ``copies`` too)."""
+        cdef Py_ssize_t i
+        cdef int64_t row, last, mask = block_size - 1, total = 0
+        for i in range(rows.shape[0]):
             row = rows[i]
             if self.c_lens[row] & mask == 0:
-                k[i] = KIND_GROW
+                kinds[i] = KIND_GROW
                 total += 1
                 continue
             last = self.c_last_block[row]
             if not 0 <= last < blocks:
                 raise IndexError(f"row {row}'s last block {last} outside [0, {blocks})")
             if ref_cnt[last] > 1:
-                k[i] = KIND_COW
+                kinds[i] = KIND_COW
                 total += 1
-                copies += 1
+                copies[0] += 1
             else:
-                k[i] = KIND_PLAIN
-        return total, kinds, copies
+                kinds[i] = KIND_PLAIN
+        return total
 
     def extend_rows(self, const int64_t[::1] rows, const uint8_t[::1] kinds,
                     const int32_t[::1] new,
@@ -212,8 +224,7 @@ cdef class RowArrays:
         of the COW rows, in row order; ``slots[i]`` gets row i's new slot. Returns 0, or,
         changing nothing, the table width a GROW row needs when the tables are narrower."""
         self._check_rows(rows)
-        cdef Py_ssize_t i, n = rows.shape[0], grown = 0, copied = 0, num_grow = 0
-        cdef int64_t row, count, length
+        cdef Py_ssize_t i, n = rows.shape[0], copied = 0, num_grow = 0
         if kinds.shape[0] != n or slots.shape[0] != n:
             raise ValueError(f"kinds ({kinds.shape[0]}) and slots ({slots.shape[0]}) must "
                              f"have one entry per row ({n})")
@@ -226,6 +237,16 @@ cdef class RowArrays:
                 copied += 1
         if new.shape[0] != num_grow + copied:
             raise ValueError(f"{num_grow + copied} new blocks needed, {new.shape[0]} given")
+        if n:
+            self._extend(rows, &kinds[0], &new[0] if new.shape[0] else NULL, 1,
+                         &new[num_grow] if copied else NULL, block_size, now, &slots[0])
+        return 0
+
+    cdef void _extend(self, const int64_t[::1] rows, const uint8_t* kinds,
+                      const int32_t* grown, Py_ssize_t step, const int32_t* copies,
+                      int64_t block_size, double now, int64_t* slots) noexcept:
+        """``extend_rows``' loop over checked arguments: the GROW rows take ``grown[0]``,
+        ``grown[step]``, ... in row order, the COW rows ``copies[0]``, ``copies[1]``, ..."""
         # locals: a store through one pointer may not alias another, nor the tick
         cdef int32_t* tables = self.c_tables
         cdef int64_t* lens = self.c_lens
@@ -235,20 +256,21 @@ cdef class RowArrays:
         cdef double* accessed = self.c_accessed
         cdef int64_t* recency = self.c_recency
         cdef int64_t width = self.width, mask = block_size - 1, tick = self.tick, block
-        copied = 0
-        for i in range(n):
+        cdef int64_t row, count, length
+        cdef Py_ssize_t i, g = 0, c = 0
+        for i in range(rows.shape[0]):
             row = rows[i]
             count = nblocks[row]
             block = last_block[row]
             if kinds[i] == KIND_GROW:
-                block = new[grown]
+                block = grown[g * step]
                 tables[row * width + count] = <int32_t>block
                 nblocks[row] = count + 1
-                grown += 1
+                g += 1
             elif kinds[i] == KIND_COW:
-                block = new[num_grow + copied]
+                block = copies[c]
                 tables[row * width + count - 1] = <int32_t>block
-                copied += 1
+                c += 1
             last_block[row] = block
             length = lens[row]
             last_slot[row] = slots[i] = block * block_size + (length & mask)
@@ -257,7 +279,46 @@ cdef class RowArrays:
             accessed[row] = now
             recency[row] = tick
         self.tick = tick
-        return 0
+
+    def append_plain(self, const int64_t[::1] rows, const int32_t[::1] free,
+                     Py_ssize_t top, int32_t[::1] ref_cnt, int64_t block_size, double now,
+                     int64_t[::1] slots):
+        """An append's common case in one call (``need``, ``pop_blocks`` and
+        ``extend_rows``): one more token for each of ``rows`` (distinct), the rows whose
+        last block is full taking new blocks off the top of the free stack ``free[:top]``
+        (ref count 1; the caller lowers its top by the count returned). Returns -1,
+        changing nothing, where the case does not hold: a last block with other holders
+        (copy-on-write), a full table, or fewer blocks on the stack than needed."""
+        self._check_rows(rows)
+        cdef Py_ssize_t i, n = rows.shape[0], blocks = ref_cnt.shape[0]
+        if slots.shape[0] != n or not 0 <= top <= free.shape[0]:
+            raise ValueError(f"slots ({slots.shape[0]}) must have one entry per row ({n}), "
+                             f"top {top} lie in [0, {free.shape[0]}]")
+        if n == 0:
+            return 0
+        cdef uint8_t* k = <uint8_t*>PyMem_Malloc(n)
+        if k == NULL:
+            raise MemoryError()
+        cdef int64_t copies = 0, block, need
+        try:
+            need = self._kinds(rows, &ref_cnt[0] if blocks else NULL, blocks, block_size, k,
+                               &copies)
+            if copies or need > top:
+                return -1
+            for i in range(n):
+                if k[i] == KIND_GROW and self.c_nblocks[rows[i]] >= self.width:
+                    return -1
+            for i in range(need):
+                block = free[top - 1 - i]
+                if not 0 <= block < blocks:
+                    raise IndexError(f"free block {block} outside [0, {blocks})")
+            for i in range(need):
+                ref_cnt[free[top - 1 - i]] = 1
+            self._extend(rows, k, &free[top - 1] if need else NULL, -1, NULL, block_size,
+                         now, &slots[0])
+            return need
+        finally:
+            PyMem_Free(k)
 
     def gather_rows(self, object rows, int64_t num_blocks, int64_t block_size):
         """A step's host metadata of ``rows`` (int64, in order): block tables int32
@@ -282,18 +343,23 @@ cdef class RowArrays:
                 width = count
         if width > self.width:
             raise IndexError(f"a row holds {width} blocks, its table {self.width}")
-        cdef _Snapshot snap = None, found = None
+        cdef _Snapshot snap = None, found = None, narrower = None
         for snap in self.snapshots:
-            if (snap.rows is rows and snap.touches == self.touches and snap.width == width
-                    and snap.free()):
-                found = snap
-                break
+            if snap.rows is rows and snap.touches == self.touches and snap.free():
+                if snap.width == width:
+                    found = snap
+                    break
+                if snap.width < width:
+                    narrower = snap
         if found is None:
             found = _Snapshot(rows, n, width, self.touches)
-            if len(self.snapshots) == 2:
+            if narrower is not None:  # the tables widened: start from it, not from scratch
+                found.copy_rows(narrower)
+                self.snapshots.remove(narrower)
+            elif len(self.snapshots) == 2:
                 self.snapshots.pop(0)
             self.snapshots.append(found)
-        else:
+        if n and found.c_counts[0] >= 0:  # brought up to date, not gathered from scratch
             self.patched += 1
         sound = self._fill(r, found, num_blocks, block_size)
         return found.view, found.lens_view, found.slots_view, sound
@@ -373,6 +439,17 @@ cdef class _Snapshot:
         self.c_slots = &slots[0] if n else NULL
         self.view, self.lens_view, self.slots_view = (
             _frozen(self.base), _frozen(self.lens), _frozen(self.slots))
+
+    cdef void copy_rows(self, _Snapshot narrower) noexcept:
+        """Take ``narrower``'s tables (each row zero-padded to this width) and counts: its
+        state, from which ``_fill`` patches as from ``narrower``."""
+        cdef Py_ssize_t i, n = len(self.counts), old = narrower.width
+        for i in range(n):
+            memcpy(&self.c_tables[i * self.width], &narrower.c_tables[i * old],
+                   old * sizeof(int32_t))
+            memset(&self.c_tables[i * self.width + old], 0,
+                   (self.width - old) * sizeof(int32_t))
+            self.c_counts[i] = narrower.c_counts[i]
 
     cdef bint free(self):
         """Whether nobody but this snapshot holds its arrays (each view by this snapshot

@@ -80,6 +80,71 @@ def test_need_and_extend_equal_the_rules_in_numpy(rng):
     np.testing.assert_array_equal(table.lens[untouched], before["lens"][untouched])
 
 
+def _state(table, free, ref_cnt):
+    arrays = {name: getattr(table, name).copy() for name in
+              ("tables", "lens", "nblocks", "last_slot", "last_block", "accessed", "recency")}
+    return arrays, free.copy(), ref_cnt.copy(), table.tick
+
+
+def _same(a, b):
+    for name in a[0]:
+        np.testing.assert_array_equal(a[0][name], b[0][name], err_msg=name)
+    np.testing.assert_array_equal(a[1], b[1])
+    np.testing.assert_array_equal(a[2], b[2])
+    assert a[3] == b[3]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_append_plain_equals_need_pop_and_extend(seed):
+    """The common append in one call leaves the rows, the stack's blocks and the ref counts
+    as ``append_need``, ``pop_blocks`` and ``extend`` do, and the same slots."""
+    from rocmforge_raw._steprows import pop_blocks
+
+    rng = np.random.default_rng(seed)
+    table, twin = _filled(rng), SequenceRows(40, 64)
+    table.widen(64)
+    for name in ("tables", "lens", "nblocks", "last_slot", "last_block"):
+        getattr(twin, name)[:] = getattr(table, name)
+    used = np.unique(table.tables)
+    free = np.setdiff1d(np.arange(1, 500, dtype=np.int32), used)[::-1].copy()
+    ref_cnt = np.zeros(500, np.int32)
+    ref_cnt[used[used > 0]] = 1
+    free2, ref2 = free.copy(), ref_cnt.copy()
+    rows = rng.permutation(40)[: int(rng.integers(1, 41))].astype(np.int64)
+    for step in range(40):
+        slots = np.empty(rows.size, np.int64)
+        top = free.size
+        popped = table.append_plain(rows, free, top, ref_cnt, 16, 3.0 + step, slots)
+        total, kinds, copies = twin.append_need(rows, ref2, 16)
+        assert copies == 0 and popped == total
+        new = pop_blocks(free2, top, total, ref2)
+        want = twin.extend(rows, kinds, new, 16, 3.0 + step)
+        np.testing.assert_array_equal(slots, want)
+        _same(_state(table, free, ref_cnt), _state(twin, free2, ref2))
+        free, free2 = free[:top - popped].copy(), free2[:top - total].copy()
+
+
+@pytest.mark.parametrize("case", ["shared last block", "full table", "short stack"])
+def test_append_plain_changes_nothing_where_the_common_case_does_not_hold(case):
+    table = SequenceRows(4, 2)
+    table.tables[0, :2], table.tables[1, :1] = [5, 6], [7]
+    table.lens[:2], table.nblocks[:2], table.last_block[:2] = [20, 16], [2, 1], [6, 7]
+    ref_cnt = np.ones(10, np.int32)
+    free = np.array([9, 8], np.int32)
+    rows = np.array([0, 1], np.int64)
+    if case == "shared last block":
+        ref_cnt[6] = 2
+    elif case == "full table":
+        table.lens[0] = 32
+    else:
+        free = free[:0]
+    before = _state(table, free, ref_cnt)
+    slots = np.zeros(2, np.int64)
+    assert table.append_plain(rows, free, free.size, ref_cnt, 16, 1.0, slots) == -1
+    _same(_state(table, free, ref_cnt), before)
+    assert (slots == 0).all()
+
+
 def test_extend_widens_full_tables_and_changes_nothing_before(rng):
     table = SequenceRows(4, 2)
     table.tables[1, :2] = [5, 6]

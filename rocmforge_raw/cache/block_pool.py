@@ -14,7 +14,7 @@ index included).
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -99,6 +99,17 @@ class BlockPool:
             self.ref_cnt[evicted] = 1
             ids = np.concatenate([ids, evicted])
         return ids
+
+    def pop_plain(self, pop: Callable[[np.ndarray, int, np.ndarray], int]) -> int:
+        """Let ``pop(free, top, ref_cnt)`` take blocks off the top of the free stack
+        ``free[:top]``, giving each ref count 1, and return how many (-1: none, nothing
+        changed): ``allocate`` for a caller that takes them in C
+        (``RowArrays.append_plain``)."""
+        count = pop(self._free, self._top, self.ref_cnt)
+        if count >= 0:
+            self._top -= count
+            self._evicted = []
+        return count
 
     def peek(self, count: int, taking: Sequence[int] = ()
              ) -> tuple[np.ndarray, list[tuple[int, bytes]]]:

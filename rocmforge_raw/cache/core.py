@@ -172,6 +172,21 @@ class CacheCore:
         self._changed()
         return slots
 
+    def _append_plain(self, rows: np.ndarray, now: float) -> np.ndarray | None:
+        """``_extend`` of an append's common case in one C call (no copy-on-write, full
+        tables or demotion, blocks enough on the free stack): the new slots, or None with
+        nothing changed (then the general path)."""
+        if self._host is not None:  # allocations may demote to the host tier: general path
+            return None
+        slots = np.empty(rows.size, np.int64)
+        block_size, extend = self.config.block_size, self._rows.append_plain
+        popped = self.pool.pop_plain(
+            lambda free, top, ref_cnt: extend(rows, free, top, ref_cnt, block_size, now, slots))
+        if popped < 0:
+            return None
+        self._changed()
+        return slots
+
     def _need_of(self, live: list[Hashable], ref_cnt: np.ndarray) -> int:
         """Blocks that appending a token to each of ``live`` needs, given ``ref_cnt``."""
         return self._rows.append_need(self._rows.rows(live), ref_cnt,
@@ -207,7 +222,8 @@ class CacheCore:
     def _allocate(self, count: int, stream: Stream | None, taking: Sequence[int] = (),
                   fill: list[int] | None = None) -> np.ndarray:
         """``pool.take(taking)``, then ``count`` fresh blocks (see ``PrefixTiers``)."""
-        self.pool.take(list(taking))
+        if taking:
+            self.pool.take(list(taking))
         ids = self.pool.allocate(count)
         assert ids is not None  # the caller counted them free
         return ids

@@ -249,6 +249,12 @@ class KvCache(TierOps):
             if tokens.size != len(ids):
                 raise ValueError(f"tokens holds {tokens.size} ids for {len(ids)} sequences")
         now = self._now()
+        lens = self._rows.lens[rows] if self._chains.count else None
+        slots = self._append_plain(rows, now)
+        if slots is not None:  # the common case, in one call
+            if lens is not None:
+                self._chain(rows, lens, tokens)
+            return Reservation(slots, [])
         need = self._append_need(rows)
         live, saved = ids, None
         preempted: list[Hashable] = []
