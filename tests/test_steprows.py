@@ -36,6 +36,14 @@ def test_gather_equals_numpy_fancy_indexing(rng):
     assert tables.dtype == lens.dtype == np.int32 and slots.dtype == np.int64
 
 
+def test_gather_hands_out_read_only_arrays(rng):
+    table = _filled(rng)
+    for array in table.gather(np.arange(5, dtype=np.int64), 500, 16)[:3]:
+        assert not array.flags.writeable
+        with pytest.raises(ValueError, match="read-only"):
+            array[0] = 1
+
+
 def test_gather_of_no_rows_is_one_empty_column(rng):
     tables, lens, slots = _filled(rng).gather(np.zeros(0, np.int64), 500, 16)
     assert tables.shape == (0, 1) and lens.shape == slots.shape == (0,)
@@ -276,13 +284,16 @@ def test_a_planned_batch_is_what_its_dataclass_init_makes():
     from rocmforge_raw.cache.step import BatchMetadata
 
     def arrays():
-        return np.zeros((2, 3), np.int32), np.ones(2, np.int32), np.full(2, -1, np.int64)
+        made = np.zeros((2, 3), np.int32), np.ones(2, np.int32), np.full(2, -1, np.int64)
+        for array in made:
+            array.setflags(write=False)  # as gather hands them out
+        return made
 
     made = BatchMetadata(("a", "b"), *arrays(), None, "owner", 7, _kv_shape=(2, 1, 64))
-    planned = BatchMetadata._planned(seq_ids=("a", "b"), block_tables=arrays()[0],
-                                     seq_lens=arrays()[1], slot_mapping=arrays()[2],
-                                     stream=None, _owner="owner", _epoch=7,
-                                     _kv_shape=(2, 1, 64))
+    planned = BatchMetadata._planned(dict(seq_ids=("a", "b"), block_tables=arrays()[0],
+                                          seq_lens=arrays()[1], slot_mapping=arrays()[2],
+                                          stream=None, _owner="owner", _epoch=7,
+                                          _kv_shape=(2, 1, 64)))
     for f in dataclasses.fields(BatchMetadata):
         want, got = getattr(made, f.name), getattr(planned, f.name)
         if isinstance(want, np.ndarray):

@@ -350,7 +350,8 @@ class KvCache(TierOps):
         now = self._now()
         c = self.config
         tables, lens, slots = rows_of.gather(rows, c.num_blocks, c.block_size)
-        meta = self._steps.plan(self, self._epoch, ids, tables, lens, slots, stream)
+        meta = self._steps.plan(self, self._epoch, rows_of.last_ids(), tables, lens, slots,
+                                stream)
         rows_of.touch(rows, now)
         return meta
 

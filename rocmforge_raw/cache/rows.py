@@ -42,7 +42,8 @@ class SequenceRows(RowArrays):
         self.free = list(range(rows - 1, -1, -1))
         self.index: dict[Hashable, int] = {}
         self.version = 0  # bumped whenever a sequence gets or gives up its row
-        self._memo: tuple[int, list[Hashable], np.ndarray, bool] | None = None
+        # (version, ids, their rows, distinct, ids as a tuple): the last ``rows`` call
+        self._memo: tuple[int, list[Hashable], np.ndarray, bool, tuple] | None = None
 
     def row(self, seq_id: Hashable) -> int:
         try:
@@ -67,12 +68,17 @@ class SequenceRows(RowArrays):
         except TypeError:
             bad = next(s for s in ids if not isinstance(s, Hashable))
             raise TypeError(f"sequence id {bad!r} is not hashable") from None
-        self._memo = (self.version, list(ids), rows, len(set(ids)) == len(ids))
+        self._memo = (self.version, list(ids), rows, len(set(ids)) == len(ids), tuple(ids))
         return rows
 
     def distinct(self) -> bool:
         """Whether the ids of the last ``rows`` call list no sequence twice."""
         return self._memo is not None and self._memo[3]
+
+    def last_ids(self) -> tuple[Hashable, ...]:
+        """The ids of the last ``rows`` call, as a tuple (made once per list)."""
+        assert self._memo is not None, "no rows call yet"
+        return self._memo[4]
 
     def add(self, seq_id: Hashable, blocks: int) -> int:
         """A fresh row for ``seq_id`` wide enough for ``blocks`` blocks."""
