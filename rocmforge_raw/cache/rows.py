@@ -43,7 +43,8 @@ class SequenceRows(RowArrays):
         self.index: dict[Hashable, int] = {}
         self.version = 0  # bumped whenever a sequence gets or gives up its row
         # (version, ids, their rows, distinct, ids as a tuple): the last ``rows`` call
-        self._memo: tuple[int, list[Hashable], np.ndarray, bool, tuple] | None = None
+        self._memo: tuple[int, list[Hashable], np.ndarray, bool,
+                          tuple[Hashable, ...]] | None = None
 
     def row(self, seq_id: Hashable) -> int:
         try:
