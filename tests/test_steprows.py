@@ -303,3 +303,19 @@ def test_a_planned_batch_is_what_its_dataclass_init_makes():
             assert got == want, f.name
     with pytest.raises(dataclasses.FrozenInstanceError):
         planned.seq_ids = ()
+
+
+def test_a_plain_reservation_is_what_its_dataclass_init_makes():
+    import dataclasses
+
+    from rocmforge_raw.cache.kv_cache import Reservation
+
+    slots = np.arange(3, dtype=np.int64)
+    made, plain = Reservation(slots, []), Reservation._plain(slots)
+    assert dataclasses.asdict(plain).keys() == dataclasses.asdict(made).keys()
+    for f in dataclasses.fields(Reservation):
+        assert getattr(plain, f.name) is slots if f.name == "slot_mapping" else (
+            getattr(plain, f.name) == getattr(made, f.name)), f.name
+    assert plain.swapped is not Reservation._plain(slots).swapped  # a list of its own
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        plain.preempted = ["x"]

@@ -76,6 +76,15 @@ class Reservation:
     num_cached_tokens: int = 0
     swapped: list[Hashable] = field(default_factory=list)
 
+    @classmethod
+    def _plain(cls, slot_mapping: np.ndarray) -> Reservation:
+        """``Reservation(slot_mapping, [])`` without the frozen ``__init__``'s
+        ``object.__setattr__`` per field (an append's common case)."""
+        made = cls.__new__(cls)
+        made.__dict__.update(slot_mapping=slot_mapping, preempted=[], num_cached_tokens=0,
+                             swapped=[])
+        return made
+
 
 class KvCache(TierOps):
     """A paged KV cache on one device. ``strict=True`` raises ``CacheFullError`` where the
@@ -254,7 +263,7 @@ class KvCache(TierOps):
         if slots is not None:  # the common case, in one call
             if lens is not None:
                 self._chain(rows, lens, tokens)
-            return Reservation(slots, [])
+            return Reservation._plain(slots)
         need = self._append_need(rows)
         live, saved = ids, None
         preempted: list[Hashable] = []
