@@ -264,7 +264,9 @@ CORE = {"_freelist.pxd": POOL_TESTS, "pool.pyx": POOL_TESTS,
         "_registry.pyx": ("tests/test_buffer.py", "tests/test_core.py", "tests/test_pool.py"),
         "buffer.pyx": ("tests/test_buffer.py", "tests/test_core.py"),
         "_steprows.pyx": ("tests/test_steprows.py", "tests/test_cache.py",
-                          "tests/test_cache_contracts.py")}
+                          "tests/test_cache_contracts.py", "tests/test_step_plans.py"),
+        "_worksplit.pyx": ("tests/test_step_plans.py", "tests/test_ops.py",
+                           "tests/test_graph.py")}
 
 #: Where a .pxd's inline code is compiled (its .c and .so are put back after a mutant).
 COMPILED_INTO = {"rocmforge_raw/_freelist.pxd": "rocmforge_raw/pool"}
