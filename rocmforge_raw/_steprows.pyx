@@ -16,7 +16,7 @@ every row. Not locked: the cache's lock covers calls.
 
 from cpython.buffer cimport (
     PyBUF_C_CONTIGUOUS,
-    PyBUF_RECORDS_RO,
+    PyBUF_STRIDES,
     PyBuffer_IsContiguous,
     PyBuffer_Release,
     PyBuffer_ToContiguous,
@@ -537,7 +537,7 @@ def pack_host(size_t base, size_t capacity, list arrays, size_t start, size_t al
     if end > capacity:
         return end, offsets
     for i in range(n):
-        PyObject_GetBuffer(arrays[i], &view, PyBUF_RECORDS_RO)
+        PyObject_GetBuffer(arrays[i], &view, PyBUF_STRIDES)  # no format: numpy makes one
         try:
             if <size_t>view.len != <size_t>sizes[i]:
                 raise ValueError(f"array {i} changed size while packed")
