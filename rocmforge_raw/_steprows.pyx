@@ -25,7 +25,7 @@ from cpython.buffer cimport (
 from cpython.mem cimport PyMem_Free, PyMem_Malloc
 from cpython.ref cimport PyObject, _Py_REFCNT
 from libc.string cimport memcpy, memset
-from libc.stdint cimport int32_t, int64_t, uint8_t, uint32_t
+from libc.stdint cimport int32_t, int64_t, uint8_t, uint32_t, uint64_t
 
 import numpy as np
 
@@ -159,7 +159,12 @@ cdef class RowArrays:
         for i in range(1, 8):
             if self.lengths[i] < limit:
                 limit = self.lengths[i]
-        for i in range(rows.shape[0]):
+        cdef uint64_t top = 0  # the largest row as unsigned: a negative one is huge
+        for i in range(rows.shape[0]):  # a reduction the compiler vectorizes
+            top = max(top, <uint64_t>rows[i])
+        if top < <uint64_t>limit:
+            return 0
+        for i in range(rows.shape[0]):  # say which
             if not 0 <= rows[i] < limit:
                 raise IndexError(f"row {rows[i]} outside the {limit} rows")
         return 0
