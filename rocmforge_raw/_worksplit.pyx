@@ -79,22 +79,84 @@ def balanced_share(long long total, long long slots, long long unit, long long g
 
 def split_lengths(const int[::1] lens, long long groups, long long slots,
                   long long granule, long long min_tokens, long long aligned_tokens,
-                  double stretch):
+                  double stretch, long long sms=0, long long piece_cost=0,
+                  long long quantum=1):
     """``planning.plan_work`` over real lengths in one call: (num_ctas, per_cta, total,
     cum16, first_seq) of ``len(lens)`` sequences of ``groups`` units each (see
-    ``prefix_sums``, ``first_sequences`` and ``balanced_share``)."""
+    ``prefix_sums``, ``first_sequences`` and ``balanced_share``). With ``sms`` (the device's
+    multiprocessors; 0: unknown) a short launch of at most ``slots`` units is padded to
+    piece boundaries instead (``padded_share``): ``cum16`` then counts each sequence's work
+    tokens rounded up to a multiple of ``per_cta``, the padding past its length skipped by
+    the kernel."""
     cdef Py_ssize_t i, n = lens.shape[0]
     cum16 = np.empty(n + 1, np.int64)
     cdef long long[::1] c = cum16
-    cdef long long total = _prefix(lens, granule, c) * groups, unit = 0
+    cdef long long total = _prefix(lens, granule, c) * groups, unit = 0, padded = 0
     if n:
         unit = c[1]
         for i in range(1, n):
             if c[i + 1] - c[i] != unit:
                 unit = 0
                 break
-    cdef long long per_cta = _share(total, slots, unit, granule, min_tokens, aligned_tokens,
-                                    stretch)
+    cdef long long per_cta = _share(total, slots, 0, granule, min_tokens, aligned_tokens,
+                                    stretch)  # balanced
+    if sms > 0 and n * groups <= slots and per_cta < aligned_tokens:
+        padded = _padded(c, groups, slots, sms, granule, min_tokens, piece_cost, quantum)
+    if not padded:
+        per_cta = _share(total, slots, unit, granule, min_tokens, aligned_tokens, stretch)
+    if padded:
+        per_cta = padded
+        for i in range(n):  # each sequence's work up to a multiple of per_cta, from the end
+            c[n - i] = (c[n - i] - c[n - i - 1] + per_cta - 1) // per_cta * per_cta
+        c[0] = 0
+        for i in range(n):
+            c[i + 1] += c[i]
+        total = c[n] * groups
     first_seq = np.empty((total + per_cta - 1) // per_cta, np.int32)
     _first(c, groups, per_cta, first_seq)
     return first_seq.shape[0], per_cta, total, cum16, first_seq
+
+
+def padded_share(const long long[::1] cum16, long long groups, long long slots,
+                 long long sms, long long granule, long long min_tokens,
+                 long long piece_cost, long long quantum=1) -> int:
+    """The share per CTA (work tokens, a multiple of ``granule``, at least ``min_tokens``)
+    of sequences whose work ``cum16`` sums (``prefix_sums``), each sequence's work padded up
+    to a multiple of it so that every CTA holds one piece of one unit: the share whose
+    busiest multiprocessor does least, ``ceil(ctas / sms) * (share + piece_cost)`` with the
+    share rounded up to ``quantum`` (the kernel's tile: a piece costs whole tiles) and one
+    wave of at most ``slots`` CTAs (``piece_cost`` is a piece's fixed work in tokens); on a
+    tie the fewer pieces, then the smaller share (less padding); no share that leaves one CTA
+    a multiprocessor unless the smallest does. 0 when no share fits one wave."""
+    return _padded(cum16, groups, slots, sms, granule, min_tokens, piece_cost, quantum)
+
+
+cdef long long _padded(const long long[::1] cum16, long long groups, long long slots,
+                       long long sms, long long granule, long long min_tokens,
+                       long long piece_cost, long long quantum) noexcept:
+    cdef Py_ssize_t i, n = cum16.shape[0] - 1
+    cdef long long share, pieces, load, best = 0, best_load = 0, best_pieces = 0, longest = 0
+    if n <= 0 or sms <= 0 or slots <= 0 or quantum <= 0:
+        return 0
+    for i in range(n):
+        if cum16[i + 1] - cum16[i] > longest:
+            longest = cum16[i + 1] - cum16[i]
+    share = (cum16[n] * groups + slots - 1) // slots  # fewer tokens need more than a wave
+    share = max(share, min_tokens)
+    share = (share + granule - 1) // granule * granule
+    while share <= longest:  # (a multiple of granule) past it: one piece per unit
+        if best and share + piece_cost > best_load:
+            break  # every later share loads its multiprocessors more
+        pieces = 0
+        for i in range(n):
+            pieces += (cum16[i + 1] - cum16[i] + share - 1) // share
+        pieces *= groups
+        if pieces <= slots:
+            if best and pieces <= sms:
+                break  # one CTA a multiprocessor: too few loads in flight to stream
+            load = (pieces + sms - 1) // sms * (
+                (share + quantum - 1) // quantum * quantum + piece_cost)
+            if not best or load < best_load or (load == best_load and pieces < best_pieces):
+                best, best_load, best_pieces = share, load, pieces
+        share += granule
+    return best

@@ -69,11 +69,12 @@ def wave(request):
 
 # --- paged attention ---------------------------------------------------------------------
 def attention(emulator, rng, dtype, head_dim, block_size, ratio, lens, num_kv_heads=2,
-              num_partitions=None, seed=0, slots=7, uniform=False, cache_dtype=None):
+              num_partitions=None, seed=0, slots=7, uniform=False, cache_dtype=None, sms=0):
     """One emulated launch planned by ``rocmforge_raw.planning`` as ops.paged_attention plans
     it for the hip backend, on a device of ``slots`` resident workgroups (``uniform``: the
     lengths stay on the device; ``cache_dtype``: an fp8 cache of codes, quantized with
-    per-tensor scales): (output as float64, float64 reference, counters after)."""
+    per-tensor scales; ``sms``: the multiprocessors, which pad a short launch's sequences to
+    whole pieces): (output as float64, float64 reference, counters after)."""
     num_q_heads, num_seqs = num_kv_heads * ratio, len(lens)
     num_blocks = sum(math.ceil(n / block_size) for n in lens) + 3
     shape = (num_blocks, num_kv_heads, block_size, head_dim)
@@ -97,7 +98,9 @@ def attention(emulator, rng, dtype, head_dim, block_size, ratio, lens, num_kv_he
                                              cache_dtype is not None)
     work = planning.plan_work(num_kv_heads * math.ceil(ratio / group), slots, num_seqs,
                               None if uniform else lens, tables.shape[1] * block_size,
-                              num_partitions)
+                              num_partitions, sms)
+    if sms:  # padded: each sequence's work is whole pieces, more than its length
+        assert (np.diff(work.cum16) % work.per_cta == 0).all() and work.total > sum(lens)
     plan = planning.AttentionPlan(emulator.kernel(name, seed), group, work, shared, num_seqs,
                                   num_q_heads, num_kv_heads, head_dim, block_size,
                                   tables.shape[1])
@@ -114,19 +117,20 @@ def attention(emulator, rng, dtype, head_dim, block_size, ratio, lens, num_kv_he
     return out.astype(np.float64), want, counters
 
 
-@pytest.mark.parametrize("mode", ["balanced", "partitions", "uniform"])
+@pytest.mark.parametrize("mode", ["balanced", "partitions", "uniform", "padded"])
 @pytest.mark.parametrize("row", range(len(CASES)),
                          ids=[f"{d.name}-d{h}-r{r}-bs{b}" for d, h, r, b in CASES])
 def test_paged_attention_matches_reference(libraries, wave, rng, row, mode):
     dtype, head_dim, ratio, block_size = CASES[row]
     lens = [0, 1, block_size - 1, block_size + 1, LONG]
     # balanced: one wave of 7 shares, so units split at arbitrary 16-token boundaries;
-    # partitions: the longest cut into 3, 5 or 7 pieces; uniform: lengths on the device only.
+    # partitions: the longest cut into 3, 5 or 7 pieces; uniform: lengths on the device only;
+    # padded: 24 workgroups on 8 multiprocessors, each sequence padded to whole pieces.
     # The split runs with a seeded schedule (workgroups, waves and lanes shuffled), so the
     # piece that combines is not always the last.
     seed = row + 1
     options = {"balanced": {}, "partitions": {"num_partitions": 3 + 2 * (row % 3)},
-               "uniform": {"uniform": True, "slots": 5}}[mode]
+               "uniform": {"uniform": True, "slots": 5}, "padded": {"slots": 24, "sms": 8}}[mode]
     emulator = libraries["paged_attention", wave]
     ops_before = emulator.matrix_ops
     got, want, counters = attention(emulator, rng, dtype, head_dim, block_size, ratio, lens,

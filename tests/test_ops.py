@@ -392,6 +392,47 @@ def _ceil16(tokens: int) -> int:
     return -(-tokens // 16) * 16
 
 
+@pytest.mark.parametrize("lens, groups, per_cta, num_ctas", [
+    ([976] * 8, 8, 256, 256),         # the balanced 160 cut each unit 7 times, the last short
+    ([1104] * 8, 8, 192, 384),        # 1104 = 6 x 192 - 48: six pieces, the last shorter
+    ([12000], 8, 384, 256),           # 368 would take as many tiles in 33 pieces, not 32
+    ([5000] * 4, 8, 640, 256),
+    ([100, 3000, 777], 8, 128, 256),  # lengths that differ are padded each to the share
+    ([1024] * 8, 8, 256, 256)])       # a share that divides the units: no padding
+def test_a_short_launch_pads_each_sequence_to_whole_pieces(lens, groups, per_cta, num_ctas):
+    """With the device's multiprocessors known (132, three CTAs each), a short launch pads
+    each sequence's work up to whole shares (chosen as NOTES.md v27 says): every CTA holds
+    one piece of one unit, the padding past a sequence's length is empty, and every token is
+    covered once."""
+    lens = np.asarray(lens, np.int32)
+    split = ops.plan_work(groups, 396, len(lens), lens, sms=132)
+    assert (split.per_cta, split.num_ctas) == (per_cta, num_ctas)
+    work16 = np.diff(split.cum16)
+    assert (work16 % per_cta == 0).all()
+    assert (work16 - per_cta < np.maximum(lens, 1)).all()  # no piece of padding alone
+    assert split.total == int(work16.sum()) * groups
+    pieces = walk(split, lens)
+    assert len(pieces) == split.num_ctas
+    assert all(len(items) == 1 for items in pieces.values())  # one piece of one unit
+    covered = sorted(item for items in pieces.values() for item in items)
+    for s, n in enumerate(lens):
+        for x in range(groups):
+            ranges = [(a, b) for t, y, a, b in covered if (t, y) == (s, x)]
+            assert ranges[0][0] == 0 and ranges[-1][1] == n
+            assert all(a[1] == b[0] for a, b in itertools.pairwise(ranges))
+
+
+def test_a_launch_of_more_units_than_one_wave_or_a_long_share_is_not_padded():
+    rng = np.random.default_rng(5)
+    for lens, groups in (([512] * 256, 8), ([4096] * 64, 8), ([16384] * 14, 8)):
+        lens = np.asarray(lens, np.int32)
+        assert ops.plan_work(groups, 396, len(lens), lens, sms=132).per_cta == \
+            ops.plan_work(groups, 396, len(lens), lens).per_cta
+    lens = rng.integers(1, 8193, 64).astype(np.int32)  # 512 units > 396 CTAs
+    padded = ops.plan_work(8, 396, 64, lens, sms=132)
+    np.testing.assert_array_equal(padded.cum16, ops.plan_work(8, 396, 64, lens).cum16)
+
+
 def test_few_tokens_get_few_ctas():
     split = ops.plan_work(1, 396, 2, np.array([10, 20], np.int32))
     assert split.per_cta == planning.MIN_TOKENS_PER_CTA and split.num_ctas == 1

@@ -26,6 +26,8 @@ from rocmforge_raw.planning import (
     ALIGNED_STRETCH,
     ATTENTION_PATCH,
     MIN_TOKENS_PER_CTA,
+    PIECE_COST_TOKENS,
+    PIECE_QUANTUM_TOKENS,
     STEP_ARGS,
     WORK_GRANULE,
     WRITE_SLOTS_ARG,
@@ -95,7 +97,8 @@ def _expected_attention(cache, meta, workspace):
     found = attention_kernel(steps.backend, steps.device, steps.act, c.head_dim,
                              c.num_q_heads // c.num_kv_heads, c.dtype)
     n, width = meta.block_tables.shape
-    work = plan_work(c.num_kv_heads * found.groups, found.slots, n, meta.seq_lens)
+    work = plan_work(c.num_kv_heads * found.groups, found.slots, n, meta.seq_lens,
+                     sms=found.sms)
     plan = AttentionPlan(found.kernel, found.group, work, found.shared_bytes, n,
                          c.num_q_heads, c.num_kv_heads, c.head_dim, c.block_size, width)
     launch = meta._attention
@@ -205,25 +208,48 @@ def _kv(cache, meta):
 
 
 # --- the compiled pieces against Python -------------------------------------------------
-def _reference_split(lens, groups, slots):
+def _reference_split(lens, groups, slots, sms=0):
     """``plan_work``'s rule over real lengths, written out in Python."""
     work16 = [max(WORK_GRANULE, -(-max(int(n), 1) // WORK_GRANULE) * WORK_GRANULE)
               for n in lens]
-    cum16 = np.concatenate([[0], np.cumsum(work16)]).astype(np.int64)
-    total = int(cum16[-1]) * groups
+    total = sum(work16) * groups
     share = max(MIN_TOKENS_PER_CTA, -(-total // max(slots, 1)))
-    if MIN_TOKENS_PER_CTA < share < ALIGNED_SHARE_TOKENS and len(set(work16)) == 1:
+    balanced = -(-share // WORK_GRANULE) * WORK_GRANULE
+    padded = 0
+    if sms and 0 < len(lens) * groups <= slots and balanced < ALIGNED_SHARE_TOKENS:
+        padded = _reference_padding(work16, groups, slots, sms, balanced)
+    if padded:
+        share = padded
+        work16 = [-(-w // padded) * padded for w in work16]
+        total = sum(work16) * groups
+    elif MIN_TOKENS_PER_CTA < share < ALIGNED_SHARE_TOKENS and len(set(work16)) == 1:
         whole, start = work16[0] // WORK_GRANULE, -(-share // WORK_GRANULE)
         for granules in range(start, int(ALIGNED_STRETCH * start * WORK_GRANULE)
                               // WORK_GRANULE + 1):
             if whole % granules == 0 or granules % whole == 0:
                 share = granules * WORK_GRANULE
                 break
+    cum16 = np.concatenate([[0], np.cumsum(work16)]).astype(np.int64)
     per_cta = -(-share // WORK_GRANULE) * WORK_GRANULE
     num_ctas = -(-total // per_cta)
     first = [int(np.searchsorted(cum16 * groups, c * per_cta, "right")) - 1
              for c in range(num_ctas)]
     return num_ctas, per_cta, total, cum16, np.array(first, np.int32)
+
+
+def _reference_padding(work16, groups, slots, sms, balanced):
+    """The padded share: over every share from the balanced one to the longest work, those
+    whose pieces fit one wave and (but for the first) keep two CTAs on some multiprocessor,
+    the least busiest-multiprocessor load (pieces in whole quanta, plus their cost), then the
+    fewest pieces, then the smallest share."""
+    candidates = []
+    for share in range(balanced, max(work16) + 1, WORK_GRANULE):
+        pieces = groups * sum(-(-w // share) for w in work16)
+        if pieces > slots or (candidates and pieces <= sms):
+            continue
+        tiles = -(-share // PIECE_QUANTUM_TOKENS) * PIECE_QUANTUM_TOKENS
+        candidates.append((-(-pieces // sms) * (tiles + PIECE_COST_TOKENS), pieces, share))
+    return min(candidates)[2] if candidates else 0
 
 
 @pytest.mark.parametrize("seed", range(40))
@@ -234,9 +260,11 @@ def test_split_lengths_equals_the_rule_in_python(seed):
     lens = np.full(n, rng.integers(0, 5000), np.int32) if same else rng.integers(
         0, 5000 if rng.random() < 0.5 else 300, n).astype(np.int32)
     groups, slots = int(rng.choice([1, 2, 8, 32])), int(rng.choice([1, 7, 264, 396]))
+    sms = int(rng.choice([0, 1, 66, 132]))
     got = split_lengths(lens, groups, slots, WORK_GRANULE, MIN_TOKENS_PER_CTA,
-                        ALIGNED_SHARE_TOKENS, ALIGNED_STRETCH)
-    want = _reference_split(lens, groups, slots)
+                        ALIGNED_SHARE_TOKENS, ALIGNED_STRETCH, sms, PIECE_COST_TOKENS,
+                        PIECE_QUANTUM_TOKENS)
+    want = _reference_split(lens, groups, slots, sms)
     assert got[:3] == want[:3]
     np.testing.assert_array_equal(got[3], want[3])
     np.testing.assert_array_equal(got[4], want[4])

@@ -329,7 +329,7 @@ class StepPlanner:
     def _split(self, found: AttentionKernel, lens: np.ndarray) -> WorkSplit:
         """The work split of a step over its sequences' real lengths."""
         return plan_work(self.config.num_kv_heads * found.groups, found.slots, lens.shape[0],
-                         lens)
+                         lens, sms=found.sms)
 
     def _plan_attention(self, meta: BatchMetadata, num_q_heads: int) -> None:
         """Attention for ``num_q_heads`` planned into ``meta`` by its first attention call

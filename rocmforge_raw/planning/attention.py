@@ -136,13 +136,14 @@ def step_arguments(work: WorkSplit, partials: int, counters: int, tables: int, l
 class AttentionKernel:
     """The attention kernel for one dtype, head size and GQA ratio on one device: ``group``
     query heads per CTA, ``groups`` CTAs per kv head, dynamic shared memory (bytes) and
-    ``slots``, the CTAs the device runs at once."""
+    ``slots``, the CTAs the device runs at once on its ``sms`` multiprocessors."""
 
     kernel: Kernel
     group: int
     groups: int
     shared_bytes: int
     slots: int
+    sms: int
 
 
 def kernel_scales(cache: np.dtype, scale: float, k_scale: float, v_scale: float
@@ -181,7 +182,8 @@ def attention_kernel(backend: Backend, device: int, dtype: np.dtype, head_dim: i
                                     cache_dtype in FP8_DTYPES)
     multiprocessors = backend.cached_properties(device).multiprocessors
     slots = kernel.max_active_blocks(THREADS, shared) * multiprocessors
-    return AttentionKernel(kernel, group, math.ceil(ratio / group), shared, slots)
+    return AttentionKernel(kernel, group, math.ceil(ratio / group), shared, slots,
+                           multiprocessors)
 
 
 def plan_attention(backend: Backend, device: int, dtype: np.dtype, num_seqs: int,
@@ -195,6 +197,6 @@ def plan_attention(backend: Backend, device: int, dtype: np.dtype, num_seqs: int
     found = attention_kernel(backend, device, dtype, head_dim, num_q_heads // num_kv_heads,
                              cache_dtype)
     work = plan_work(num_kv_heads * found.groups, found.slots, num_seqs, lens,
-                     max_blocks * block_size, num_partitions)
+                     max_blocks * block_size, num_partitions, found.sms)
     return AttentionPlan(found.kernel, found.group, work, found.shared_bytes, num_seqs,
                          num_q_heads, num_kv_heads, head_dim, block_size, max_blocks)

@@ -23,6 +23,15 @@ MIN_TOKENS_PER_CTA = 64
 #: 22; measured up to 1.52 times the balanced share, so at least 5/8 of the slots stay busy).
 ALIGNED_SHARE_TOKENS = 1024
 ALIGNED_STRETCH = 1.6
+#: With the device's multiprocessors known, a short launch (a balanced share under
+#: ALIGNED_SHARE_TOKENS) of at most one wave of units pads each sequence's work up to a
+#: multiple of the share instead (``_worksplit.padded_share``): every CTA then holds one piece
+#: of one unit, whatever the lengths. The share is the one whose busiest multiprocessor does
+#: least, each piece counted in whole PIECE_QUANTUM_TOKENS (a tile of the 16-bit head_dim
+#: 128 NVIDIA instances) plus PIECE_COST_TOKENS for its fixed work (H200, NOTES.md v27:
+#: 8 x 976 tokens 22.3 -> 17.5 us a launch).
+PIECE_COST_TOKENS = 32
+PIECE_QUANTUM_TOKENS = 64
 
 
 @dataclass(frozen=True)
@@ -62,18 +71,20 @@ _RULE = (WORK_GRANULE, MIN_TOKENS_PER_CTA, ALIGNED_SHARE_TOKENS, ALIGNED_STRETCH
 
 
 def plan_work(groups: int, slots: int, num_seqs: int, lens: np.ndarray | None = None,
-              max_len: int = 0, num_partitions: int | None = None) -> WorkSplit:
+              max_len: int = 0, num_partitions: int | None = None, sms: int = 0
+              ) -> WorkSplit:
     """The split of ``num_seqs`` sequences x ``groups`` units over a device that runs
-    ``slots`` CTAs at once: one wave of CTAs with equal shares (at least
-    ``MIN_TOKENS_PER_CTA`` tokens each; aligned to the units where they are short and the
-    units of one length: ``ALIGNED_SHARE_TOKENS``). ``lens`` (host, int32) gives each
-    sequence's length; without it every sequence counts ``max_len``. ``num_partitions``
-    instead cuts the longest sequence into that many pieces (a test and tuning knob).
-    With lengths and no ``num_partitions`` (a decode step's case) it is one call into the
-    compiled core (``_worksplit.split_lengths``)."""
+    ``slots`` CTAs at once on ``sms`` multiprocessors (0: not known): one wave of CTAs with
+    equal shares (at least ``MIN_TOKENS_PER_CTA`` tokens each; aligned to the units where
+    they are short: ``ALIGNED_SHARE_TOKENS``, ``PIECE_COST_TOKENS``). ``lens`` (host, int32)
+    gives each sequence's length; without it every sequence counts ``max_len``.
+    ``num_partitions`` instead cuts the longest sequence into that many pieces (a test and
+    tuning knob). With lengths and no ``num_partitions`` (a decode step's case) it is one
+    call into the compiled core (``_worksplit.split_lengths``)."""
     if lens is not None and num_partitions is None:
         num_ctas, per_cta, total, cum16, first_seq = split_lengths(
-            np.ascontiguousarray(lens, np.int32), groups, slots, *_RULE)
+            np.ascontiguousarray(lens, np.int32), groups, slots, *_RULE, sms,
+            PIECE_COST_TOKENS, PIECE_QUANTUM_TOKENS)
         return WorkSplit(num_ctas, per_cta, total, groups, 0, cum16, first_seq)
     if lens is not None:
         cum16 = np.empty(num_seqs + 1, np.int64)
