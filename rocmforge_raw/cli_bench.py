@@ -85,8 +85,11 @@ def _cache(result: dict[str, Any]) -> list[str]:
                f"MISSED: {row['median_us'] / row['target_us']:.1f}x the target")
     return [f"cache decode step ({row['num_seqs']} seqs x ~{row['context']} tokens, "
             f"block {row['block_size']}): append + batch median {row['median_us']:.1f} us "
-            f"(append {row['append_us']:.1f}, batch {row['batch_us']:.1f}), "
-            f"p90 {row['p90_us']:.1f} us (target {row['target_us']:.0f} us: {verdict})"]
+            f"(append {row['append_us']:.1f}, batch {row['batch_us']:.1f}; the best of "
+            f"{row['runs']} runs of {row['steps']} steps, whose medians were "
+            f"{', '.join(f'{m:.1f}' for m in row['run_medians_us'])}), over every step: "
+            f"median {row['median_all_us']:.1f}, p90 {row['p90_us']:.1f} us "
+            f"(target {row['target_us']:.0f} us: {verdict})"]
 
 
 def _transfer(backend: Backend, device: int, transport: str, iters: int,

@@ -198,3 +198,70 @@ def test_owners_of_device_memory_cannot_be_duplicated(backend, duplicate):
             duplicate(buf)
         with pytest.raises(TypeError, match="MemoryPool owns device memory"):
             duplicate(pool)
+
+
+# --- the step's other driver calls from C (runtime._launch.DriverCalls) ----------------------
+def test_both_gpu_backends_find_their_bindings_c_driver_calls():
+    """The signatures named in cuda.py and hip.py match the installed bindings: a mismatch
+    would silently leave every event record, query and upload on the slower Python path."""
+    from rocmforge_raw.runtime.cuda import CudaBackend
+    from rocmforge_raw.runtime.hip import HipBackend
+
+    for backend_type in (CudaBackend, HipBackend):
+        assert object.__new__(backend_type).make_driver_calls() is not None
+
+
+def test_driver_calls_of_a_binding_with_another_signature_are_refused():
+    from rocmforge_raw.runtime._launch import DriverCalls
+
+    capi = {"hipEventRecord": _capsule("enum hipError_t (hipEvent_t, hipStream_t)"),
+            "hipEventQuery": _capsule("int (void)"),
+            "hipMemcpyHtoDAsync": _capsule("enum hipError_t (void *)")}
+    with pytest.raises(ImportError, match=r"hipEventQuery is 'int \(void\)'"):
+        DriverCalls(capi, ("hipEventRecord", "enum hipError_t (hipEvent_t, hipStream_t)"),
+                    ("hipEventQuery", "enum hipError_t (hipEvent_t)"),
+                    ("hipMemcpyHtoDAsync", "enum hipError_t (void *, void const *, size_t, "
+                                           "hipStream_t)"), 600)
+
+
+def test_hip_driver_calls_reach_debians_runtime_and_fall_back_to_report_its_status(
+        hip_runtime_without_device):
+    """With no device, libamdhip64's answers are failures: the C calls say so (False,
+    None) and the backend's methods then raise DeviceError naming the call, as before."""
+    from rocmforge_raw.errors import DeviceError
+    from rocmforge_raw.runtime.hip import HipBackend
+
+    hip = object.__new__(HipBackend)  # its __init__ refuses: no device answers here
+    calls = hip.driver_calls
+    assert calls is not None
+    assert calls.record(0, 0) is False and calls.query(0) is None
+    assert calls.upload(0, 0, 16, 0) is False
+    for api, call in (("hipEventRecord", lambda: hip.event_record(None)),
+                      ("hipEventQuery", lambda: hip.event_query(None)),
+                      ("hipMemcpyAsync", lambda: hip.upload(0, 0, 16))):
+        with pytest.raises(DeviceError, match=api):
+            call()
+
+
+def test_driver_calls_record_query_and_upload_on_the_device(gpu):
+    """On a real device the C calls succeed: an upload from pinned memory lands, and an
+    event recorded after it is found complete once the stream is done."""
+    from rocmforge_raw.staging import PinnedBuffer
+    from rocmforge_raw.stream import Event, Stream
+
+    calls = gpu.driver_calls
+    assert calls is not None
+    device = gpu.get_device()
+    stream, event = Stream(device, gpu), Event(device, gpu)
+    pinned = PinnedBuffer(4096, device, gpu)
+    data = np.random.default_rng(3).integers(0, 255, 4096).astype(np.uint8)
+    pinned.array(np.uint8, 4096)[:] = data
+    with rf.HipBuffer(4096, device, gpu) as buf:
+        assert calls.upload(buf.ptr, pinned.ptr, 4096, int(stream.handle))
+        assert calls.record(int(event.handle), int(stream.handle))
+        stream.synchronize()
+        assert calls.query(int(event.handle)) is True
+        np.testing.assert_array_equal(buf.to_numpy(np.uint8, (4096,)), data)
+    pinned.close()
+    event.close()
+    stream.close()

@@ -1,5 +1,6 @@
 # cython: language_level=3, boundscheck=False, wraparound=False
-"""Kernel launches from C: arguments packed once, one binding call per launch.
+"""Kernel launches from C: arguments packed once, one binding call per launch; and the other
+driver calls a step's plan makes each step (``DriverCalls``).
 
 A ``Launch`` is one kernel's launch made ready: function, grid, block, dynamic shared bytes,
 stream, and its arguments in 8-byte slots with a ``void*[]`` of the slots' addresses
@@ -26,6 +27,10 @@ ctypedef int (*launch_fn)(void* function, unsigned int grid_x, unsigned int grid
                           unsigned int block_z, unsigned int shared_bytes, void* stream,
                           void** params, void** extra) noexcept
 
+ctypedef int (*record_fn)(void* event, void* stream) noexcept
+ctypedef int (*query_fn)(void* event) noexcept
+ctypedef int (*upload_fn)(uintptr_t dst, const void* src, size_t nbytes, void* stream) noexcept
+
 cdef enum:
     MAX_ARGS = 32   # kernel arguments a Launch holds
     MAX_PATCH = 4   # pointer arguments a call may replace
@@ -43,6 +48,49 @@ cdef class LaunchApi:
             raise TypeError(f"the C launch path needs a binding allocator, not {guard!r}")
         self.guard = <BindingAllocator>guard
         self.launch = <launch_fn>binding_function(capi, name, signature)
+
+
+cdef class DriverCalls:
+    """A GPU binding's C entries for the other driver calls of a decode step's plan: record
+    an event, ask whether one completed, queue a copy from pinned host memory. Each is the
+    very call the backend's Python method makes, with the same handles (as integers) and the
+    same current context, without the binding's Python wrapper (2-3 us a call on a slow
+    host). A call whose status is not success answers False (``query``: None), having
+    changed nothing the caller sees: the backend then makes its Python call, which raises
+    with the status (errors are reported in one place, the backend file)."""
+
+    cdef record_fn c_record
+    cdef query_fn c_query
+    cdef upload_fn c_upload
+    cdef int not_ready
+
+    def __init__(self, dict capi, tuple record, tuple query, tuple upload, int not_ready):
+        """``record``, ``query`` and ``upload``: (name, signature) of each C function in
+        ``capi`` (see ``_alloc.binding_function``); ``not_ready``: the status of an event
+        not yet reached."""
+        self.c_record = <record_fn>binding_function(capi, record[0], record[1])
+        self.c_query = <query_fn>binding_function(capi, query[0], query[1])
+        self.c_upload = <upload_fn>binding_function(capi, upload[0], upload[1])
+        self.not_ready = not_ready
+
+    def record(self, uintptr_t event, uintptr_t stream):
+        """Record ``event`` on ``stream`` (0: the default stream); False if that failed."""
+        return binding_ok(self.c_record(<void*>event, <void*>stream))
+
+    def query(self, uintptr_t event):
+        """Whether the work before ``event`` completed; None if the query failed."""
+        cdef int status = self.c_query(<void*>event)
+        if status == 0:
+            return True
+        if status == self.not_ready:
+            return False
+        binding_ok(status)  # (clears an error the binding may have set)
+        return None
+
+    def upload(self, uintptr_t dst, uintptr_t src, size_t nbytes, uintptr_t stream):
+        """Queue a copy of ``nbytes`` from pinned host address ``src`` to device address
+        ``dst`` on ``stream``; False if that failed."""
+        return binding_ok(self.c_upload(dst, <const void*>src, nbytes, <void*>stream))
 
 
 cdef class Launch:

@@ -20,7 +20,7 @@ from typing import Any, ClassVar, TypeVar
 from .. import checks
 from ..errors import BackendUnavailableError
 from ._alloc import Allocator, BackendAllocator
-from ._launch import LaunchApi
+from ._launch import DriverCalls, LaunchApi
 
 _log = logging.getLogger(__name__)
 
@@ -240,6 +240,15 @@ class Backend(ABC):
         return None
 
     @cached_property
+    def driver_calls(self) -> DriverCalls | None:
+        """The binding's C entries for event record/query and uploads (``runtime._launch``),
+        or None where there are none: the backend's Python calls then serve alone."""
+        return self.make_driver_calls()
+
+    def make_driver_calls(self) -> DriverCalls | None:
+        return None
+
+    @cached_property
     def allocator(self) -> Allocator:
         """What raw (unpooled) HipBuffers allocate through: ``make_allocator()``, made once."""
         return self.make_allocator()
@@ -340,6 +349,12 @@ class ThreadDevices:
         finally:
             if before is not None and before != device:
                 self.activate(before)
+
+
+def address(handle: Any) -> int:
+    """A binding's handle (stream, event; None: the null handle) as the integer its C
+    functions take."""
+    return 0 if handle is None else int(handle)
 
 
 def unwrap(api: str, result: Any, success: Any, describe: Any) -> Any:

@@ -17,8 +17,16 @@ from ..errors import (
     OutOfMemoryError,
 )
 from ._alloc import Allocator, CudaAllocator
-from ._launch import LaunchApi
-from .base import Backend, DeviceProperties, ThreadDevices, as_text, peer_enabled, unwrap
+from ._launch import DriverCalls, LaunchApi
+from .base import (
+    Backend,
+    DeviceProperties,
+    ThreadDevices,
+    address,
+    as_text,
+    peer_enabled,
+    unwrap,
+)
 
 try:
     from cuda.bindings import driver as cu
@@ -147,6 +155,19 @@ class CudaBackend(ThreadDevices, Backend):
         except (ImportError, AttributeError, TypeError):  # no matching C layer
             return None
 
+    def make_driver_calls(self) -> DriverCalls | None:
+        try:
+            from cuda.bindings import cydriver
+
+            return DriverCalls(cydriver.__pyx_capi__,
+                               ("cuEventRecord", "CUresult (CUevent, CUstream)"),
+                               ("cuEventQuery", "CUresult (CUevent)"),
+                               ("cuMemcpyHtoDAsync",
+                                "CUresult (CUdeviceptr, void const *, size_t, CUstream)"),
+                               int(_NOT_READY))
+        except (ImportError, AttributeError, TypeError):  # no matching C layer
+            return None
+
     def host_alloc(self, nbytes: int, device: int) -> int:
         self.activate(device)
         portable = 1  # CU_MEMHOSTALLOC_PORTABLE: page-locked for every context
@@ -162,6 +183,9 @@ class CudaBackend(ThreadDevices, Backend):
             check("cuMemcpyHtoDAsync", cu.cuMemcpyHtoDAsync(dst, src_host, nbytes, stream))
 
     def upload(self, dst: int, src_pinned: int, nbytes: int, stream: Any = None) -> None:
+        calls = self.driver_calls
+        if calls is not None and calls.upload(dst, src_pinned, nbytes, address(stream)):
+            return
         check("cuMemcpyHtoDAsync", cu.cuMemcpyHtoDAsync(dst, src_pinned, nbytes,
                                                         0 if stream is None else stream))
 
@@ -266,6 +290,9 @@ class CudaBackend(ThreadDevices, Backend):
         check("cuEventDestroy", self.restoring(device, lambda: cu.cuEventDestroy(event)))
 
     def event_record(self, event: Any, stream: Any = None) -> None:
+        calls = self.driver_calls
+        if calls is not None and calls.record(address(event), address(stream)):
+            return
         check("cuEventRecord", cu.cuEventRecord(event, 0 if stream is None else stream))
 
     def stream_wait_event(self, stream: Any, event: Any) -> None:
@@ -276,6 +303,9 @@ class CudaBackend(ThreadDevices, Backend):
         check("cuEventSynchronize", cu.cuEventSynchronize(event))
 
     def event_query(self, event: Any) -> bool:
+        calls = self.driver_calls
+        if calls is not None and (done := calls.query(address(event))) is not None:
+            return done
         (status,) = cu.cuEventQuery(event)
         if status == _NOT_READY:
             return False

@@ -17,8 +17,16 @@ from ..errors import (
     OutOfMemoryError,
 )
 from ._alloc import Allocator, HipAllocator
-from ._launch import LaunchApi
-from .base import Backend, DeviceProperties, ThreadDevices, as_text, peer_enabled, unwrap
+from ._launch import DriverCalls, LaunchApi
+from .base import (
+    Backend,
+    DeviceProperties,
+    ThreadDevices,
+    address,
+    as_text,
+    peer_enabled,
+    unwrap,
+)
 
 try:
     from hip import hip, hiprtc
@@ -132,6 +140,22 @@ class HipBackend(ThreadDevices, Backend):
         except (ImportError, AttributeError, TypeError):  # no matching C layer
             return None
 
+    def make_driver_calls(self) -> DriverCalls | None:
+        try:
+            try:
+                from rocm.bindings import cyhip as chip
+            except ImportError:
+                from hip import chip
+
+            return DriverCalls(chip.__pyx_capi__,
+                               ("hipEventRecord", "enum hipError_t (hipEvent_t, hipStream_t)"),
+                               ("hipEventQuery", "enum hipError_t (hipEvent_t)"),
+                               ("hipMemcpyHtoDAsync", "enum hipError_t (void *, void const *, "
+                                                      "size_t, hipStream_t)"),
+                               int(_NOT_READY))
+        except (ImportError, AttributeError, TypeError):  # no matching C layer
+            return None
+
     def host_alloc(self, nbytes: int, device: int) -> int:
         self.activate(device)
         portable = 1  # hipHostMallocPortable: page-locked for every device
@@ -150,6 +174,9 @@ class HipBackend(ThreadDevices, Backend):
         self._copy(dst, src_host, nbytes, _KIND.hipMemcpyHostToDevice, stream)
 
     def upload(self, dst: int, src_pinned: int, nbytes: int, stream: Any = None) -> None:
+        calls = self.driver_calls
+        if calls is not None and calls.upload(dst, src_pinned, nbytes, address(stream)):
+            return
         check("hipMemcpyAsync", hip.hipMemcpyAsync(
             dst, src_pinned, nbytes, _KIND.hipMemcpyHostToDevice, stream))
 
@@ -238,6 +265,9 @@ class HipBackend(ThreadDevices, Backend):
         check("hipEventDestroy", self.restoring(device, lambda: hip.hipEventDestroy(event)))
 
     def event_record(self, event: Any, stream: Any = None) -> None:
+        calls = self.driver_calls
+        if calls is not None and calls.record(address(event), address(stream)):
+            return
         check("hipEventRecord", hip.hipEventRecord(event, stream))
 
     def stream_wait_event(self, stream: Any, event: Any) -> None:
@@ -247,6 +277,9 @@ class HipBackend(ThreadDevices, Backend):
         check("hipEventSynchronize", hip.hipEventSynchronize(event))
 
     def event_query(self, event: Any) -> bool:
+        calls = self.driver_calls
+        if calls is not None and (done := calls.query(address(event))) is not None:
+            return done
         (status,) = hip.hipEventQuery(event)
         if status == _NOT_READY:
             return False
