@@ -84,10 +84,10 @@ def split_lengths(const int[::1] lens, long long groups, long long slots,
     """``planning.plan_work`` over real lengths in one call: (num_ctas, per_cta, total,
     cum16, first_seq) of ``len(lens)`` sequences of ``groups`` units each (see
     ``prefix_sums``, ``first_sequences`` and ``balanced_share``). With ``sms`` (the device's
-    multiprocessors; 0: unknown) a short launch of at most ``slots`` units is padded to
-    piece boundaries instead (``padded_share``): ``cum16`` then counts each sequence's work
-    tokens rounded up to a multiple of ``per_cta``, the padding past its length skipped by
-    the kernel."""
+    multiprocessors; 0: unknown) a launch of at most ``slots`` units is padded to piece
+    boundaries instead (``padded_share``): ``cum16`` then counts each sequence's work tokens
+    rounded up to a multiple of ``per_cta``, the padding past its length skipped by the
+    kernel."""
     cdef Py_ssize_t i, n = lens.shape[0]
     cum16 = np.empty(n + 1, np.int64)
     cdef long long[::1] c = cum16
@@ -100,7 +100,7 @@ def split_lengths(const int[::1] lens, long long groups, long long slots,
                 break
     cdef long long per_cta = _share(total, slots, 0, granule, min_tokens, aligned_tokens,
                                     stretch)  # balanced
-    if sms > 0 and n * groups <= slots and per_cta < aligned_tokens:
+    if sms > 0 and n * groups <= slots:
         padded = _padded(c, groups, slots, sms, granule, min_tokens, piece_cost, quantum)
     if not padded:
         per_cta = _share(total, slots, unit, granule, min_tokens, aligned_tokens, stretch)

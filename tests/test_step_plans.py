@@ -216,7 +216,7 @@ def _reference_split(lens, groups, slots, sms=0):
     share = max(MIN_TOKENS_PER_CTA, -(-total // max(slots, 1)))
     balanced = -(-share // WORK_GRANULE) * WORK_GRANULE
     padded = 0
-    if sms and 0 < len(lens) * groups <= slots and balanced < ALIGNED_SHARE_TOKENS:
+    if sms and 0 < len(lens) * groups <= slots:
         padded = _reference_padding(work16, groups, slots, sms, balanced)
     if padded:
         share = padded

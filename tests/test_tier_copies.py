@@ -185,11 +185,11 @@ def test_work_on_another_stream_waits_for_a_swap_that_reads_what_it_reuses(gpu):
         rows.buffer.root.close()
 
 
-def test_scattered_blocks_swap_out_by_one_launch_and_runs_by_2d_copies(backend, monkeypatch):
-    """A sequence whose blocks alternate with another's swaps out through ``rf_copy_pieces``
-    (no 2-D copy on a GPU: many short ones would cost more than the launch) and back in by
-    2-D copies, one whose blocks are consecutive by one 2-D copy each way; the bytes are
-    exact either way. The host backend always copies in 2-D."""
+def test_scattered_blocks_swap_by_one_launch_and_runs_by_2d_copies(backend, monkeypatch):
+    """A sequence whose blocks alternate with another's swaps out and back in (to blocks
+    that alternate again) through ``rf_copy_pieces`` (no 2-D copy on a GPU: many short ones
+    would cost more than the launch), one whose blocks are consecutive by one 2-D copy each
+    way; the bytes are exact either way. The host backend always copies in 2-D."""
     calls = []
     memcpy_2d = backend.memcpy_2d
     monkeypatch.setattr(backend, "memcpy_2d", lambda *a: (calls.append(a), memcpy_2d(*a)))
@@ -210,7 +210,8 @@ def test_scattered_blocks_swap_out_by_one_launch_and_runs_by_2d_copies(backend, 
         cache.remove("b")
         calls.clear()
         cache.swap_in(["a"])
-        assert 1 <= len(calls) <= 3
+        assert np.diff(cache.block_ids("a")).min() > 1  # scattered again
+        assert len(calls) == (3 if backend.name == "host" else 0)
         np.testing.assert_array_equal(read(cache, "a"), np.arange(100, 124))
     with _cache(backend) as cache:
         write(cache, cache.add_sequence("c", 24).slot_mapping, np.arange(300, 324))

@@ -36,11 +36,12 @@ from .chains import Chain
 from .config import CacheConfig
 from .events import HOST, EventQueue
 
-#: A swap-out moves by one kernel launch rather than 2-D copies when those would average
-#: fewer bytes than this each. Measured on an H200 (bench --offload, 256 blocks of 2 MiB,
-#: every other one): 2-D copies 82.8 % of a pinned copy's bandwidth out, the launch
-#: 88.1-88.9 % (95 % timed alone); one copy of 512 MiB 98 %. Swap-ins keep their 2-D
-#: copies: a launch reading pinned memory was no faster (51.4 vs 51.1 GB/s timed alone).
+#: A swap moves by one kernel launch rather than 2-D copies when those would average fewer
+#: bytes than this each. Measured on an H200 (bench --offload, 256 blocks of 2 MiB, every
+#: other one, each way by 2-D copies or one launch, alternating in one process): out by
+#: launch 86.9-88.7 % of a pinned copy's bandwidth, by 2-D copies 82.6-85.2 %; and pinned
+#: memory that the other method touched last moves 5-8 points slower (2-D swap-ins after a
+#: launch's swap-out 82.4-84.1 %, after 2-D ones 88.3-90.2 %): so both ways by launch.
 KERNEL_BELOW_BYTES = 4 << 20
 
 
@@ -208,10 +209,10 @@ class HostTier:
              ) -> int:
         """Queue the copies of device blocks ``device_ids[i]`` to host blocks ``host_ids[i]``
         (``to_host``) or back, on ``stream``: one 2-D copy per run of blocks consecutive on
-        both sides (one per plane where a pitch exceeds ``MAX_PITCH``), or, out to the host
-        where that would be many short copies, one launch that writes every run of every
-        plane (``ops.copy_pieces``; the device reaches pinned memory directly). Returns the
-        bytes."""
+        both sides (one per plane where a pitch exceeds ``MAX_PITCH``), or, where that would
+        be many short copies, one launch that moves every run of every plane either way
+        (``ops.copy_pieces``; the device reaches pinned memory directly;
+        ``KERNEL_BELOW_BYTES``). Returns the bytes."""
         dev, host = np.asarray(device_ids, np.int64), np.asarray(host_ids, np.int64)
         if not dev.size:
             return 0
@@ -224,9 +225,10 @@ class HostTier:
         dev_pitch, host_pitch = self.slab_blocks * chunk, self.num_blocks * chunk
         rows = 1 if max(dev_pitch, host_pitch) > MAX_PITCH else self.planes
         calls = len(starts) * (self.planes // rows)
-        if to_host and calls > 1 and dev.size * self.block_bytes < calls * KERNEL_BELOW_BYTES \
+        if calls > 1 and dev.size * self.block_bytes < calls * KERNEL_BELOW_BYTES \
                 and self.by_kernel:
-            self._copy_by_kernel(dev[starts], host[starts], lengths, stream)
+            ops.copy_pieces(self.backend, self.device,
+                            self._pieces(dev[starts], host[starts], lengths, to_host), stream)
             return int(dev.size) * self.block_bytes
         handle = stream_handle(stream, "stream", self.backend, self.device)
         for start, length in zip(starts.tolist(), lengths.tolist()):
@@ -242,17 +244,21 @@ class HostTier:
                                            False, handle)
         return int(dev.size) * self.block_bytes
 
-    def _copy_by_kernel(self, dev: np.ndarray, host: np.ndarray, lengths: np.ndarray,
-                        stream: Stream | None) -> None:
-        """One ``rf_copy_pieces`` launch that writes the runs starting at device blocks
-        ``dev``, ``lengths`` blocks each, to host blocks ``host``, in every plane."""
+    def _pieces(self, dev: np.ndarray, host: np.ndarray, lengths: np.ndarray,
+                to_host: bool) -> np.ndarray:
+        """The ``rf_copy_pieces`` table (``ops.cut_pieces``' rows: src address, dst address,
+        bytes) of the runs starting at device blocks ``dev`` and host blocks ``host``,
+        ``lengths`` blocks each, in every plane, out to the host (``to_host``) or in."""
         planes = np.arange(self.planes, dtype=np.int64)[:, None]
-        dev_at = (planes * self.slab_blocks + dev) * self.chunk
-        host_at = (planes * self.num_blocks + host) * self.chunk
-        sizes = np.broadcast_to(lengths * self.chunk, dev_at.shape)
-        spans = np.stack([dev_at.ravel(), host_at.ravel(), sizes.ravel()], 1)
-        ops.copy_pieces(self.backend, self.device,
-                        ops.cut_pieces(self.memory.ptr, self.slab_ptr, spans), stream)
+        dev_at = self.slab_ptr + (planes * self.slab_blocks + dev) * self.chunk
+        host_at = self.memory.ptr + (planes * self.num_blocks + host) * self.chunk
+        table = np.empty((self.planes, dev.size, 3), np.int64)
+        table[..., 0], table[..., 1] = (dev_at, host_at) if to_host else (host_at, dev_at)
+        table[..., 2] = lengths * self.chunk
+        table = table.reshape(-1, 3)
+        if self.chunk * int(lengths.max()) <= ops.PIECE_BYTES:  # a piece a run and plane
+            return table
+        return ops.cut_pieces(0, 0, table)
 
     def close(self) -> None:
         """Free the pinned memory (the caller has waited for the last copies)."""

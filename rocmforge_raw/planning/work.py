@@ -23,13 +23,13 @@ MIN_TOKENS_PER_CTA = 64
 #: 22; measured up to 1.52 times the balanced share, so at least 5/8 of the slots stay busy).
 ALIGNED_SHARE_TOKENS = 1024
 ALIGNED_STRETCH = 1.6
-#: With the device's multiprocessors known, a short launch (a balanced share under
-#: ALIGNED_SHARE_TOKENS) of at most one wave of units pads each sequence's work up to a
-#: multiple of the share instead (``_worksplit.padded_share``): every CTA then holds one piece
-#: of one unit, whatever the lengths. The share is the one whose busiest multiprocessor does
-#: least, each piece counted in whole PIECE_QUANTUM_TOKENS (a tile of the 16-bit head_dim
-#: 128 NVIDIA instances) plus PIECE_COST_TOKENS for its fixed work (H200, NOTES.md v27:
-#: 8 x 976 tokens 22.3 -> 17.5 us a launch).
+#: With the device's multiprocessors known, a launch of at most one wave of units pads each
+#: sequence's work up to a multiple of the share instead (``_worksplit.padded_share``):
+#: every CTA then holds one piece of one unit, whatever the lengths. The share is the one
+#: whose busiest multiprocessor does least, each piece counted in whole PIECE_QUANTUM_TOKENS
+#: (a tile of the 16-bit head_dim 128 NVIDIA instances) plus PIECE_COST_TOKENS for its fixed
+#: work (H200, NOTES.md v27: 8 x 976 tokens 22.3 -> 17.5 us a launch, 16 x 8192 with 64/8
+#: heads 148.7 -> 144.7 us).
 PIECE_COST_TOKENS = 32
 PIECE_QUANTUM_TOKENS = 64
 
@@ -76,11 +76,11 @@ def plan_work(groups: int, slots: int, num_seqs: int, lens: np.ndarray | None = 
     """The split of ``num_seqs`` sequences x ``groups`` units over a device that runs
     ``slots`` CTAs at once on ``sms`` multiprocessors (0: not known): one wave of CTAs with
     equal shares (at least ``MIN_TOKENS_PER_CTA`` tokens each; aligned to the units where
-    they are short: ``ALIGNED_SHARE_TOKENS``, ``PIECE_COST_TOKENS``). ``lens`` (host, int32)
-    gives each sequence's length; without it every sequence counts ``max_len``.
-    ``num_partitions`` instead cuts the longest sequence into that many pieces (a test and
-    tuning knob). With lengths and no ``num_partitions`` (a decode step's case) it is one
-    call into the compiled core (``_worksplit.split_lengths``)."""
+    they fit one wave: ``PIECE_COST_TOKENS``, else where short: ``ALIGNED_SHARE_TOKENS``).
+    ``lens`` (host, int32) gives each sequence's length; without it every sequence counts
+    ``max_len``. ``num_partitions`` instead cuts the longest sequence into that many pieces
+    (a test and tuning knob). With lengths and no ``num_partitions`` (a decode step's case)
+    it is one call into the compiled core (``_worksplit.split_lengths``)."""
     if lens is not None and num_partitions is None:
         num_ctas, per_cta, total, cum16, first_seq = split_lengths(
             np.ascontiguousarray(lens, np.int32), groups, slots, *_RULE, sms,
