@@ -56,6 +56,45 @@ def test_padded_work_refuses_lengths_past_the_captured_total():
     assert padded_work(np.zeros(0, np.int32), 2, 64, 64, 1) is None
 
 
+def test_a_padded_capture_lays_each_step_out_in_whole_pieces(rng):
+    """Captured with a split padded to whole pieces (the device's multiprocessors known),
+    each replay gives every sequence its work in whole pieces, so every CTA holds one piece
+    of one unit; the rest of the capture's work goes to the last sequence, past its length."""
+    lens = np.full(8, 1000, np.int32)
+    room = lens + 128
+    split = plan_work(8, 396, 8, room, sms=132)
+    assert (np.diff(split.cum16) % split.per_cta == 0).all()  # the capture is padded
+    bound = sum(_round16(n) for n in room)
+    for step in range(0, 129, 16):
+        grown = lens + step
+        cum16, first_seq = padded_work(grown, 8, split.total, split.per_cta, split.num_ctas,
+                                       bound)
+        work = np.diff(cum16)
+        assert cum16[-1] * 8 == split.total and (work % split.per_cta == 0).all()
+        assert (work >= [_round16(n) for n in grown]).all()
+        for cta, seq in enumerate(first_seq):
+            start = cta * split.per_cta  # a CTA starts a piece inside one sequence's units
+            assert cum16[seq] * 8 <= start < cum16[seq + 1] * 8
+            assert (start - cum16[seq] * 8) % split.per_cta == 0
+
+
+def test_a_padded_capture_is_outgrown_by_its_headroom_not_by_its_padding():
+    lens = np.full(8, 1000, np.int32)
+    room = lens + 8
+    split = plan_work(8, 396, 8, room, sms=132)
+    bound = sum(_round16(n) for n in room)
+    assert split.total // 8 > bound  # the padding holds more than the headroom
+    assert padded_work(lens + 8, 8, split.total, split.per_cta, split.num_ctas, bound)
+    assert padded_work(lens + 9, 8, split.total, split.per_cta, split.num_ctas, bound) is None
+    # one past its own room by more than a piece, the others shorter: within the bound,
+    # but no longer in whole pieces: each gets its work and an even share of the slack
+    uneven = np.array([1040] + [992] * 7, np.int32)
+    cum16, _ = padded_work(uneven, 8, split.total, split.per_cta, split.num_ctas, bound)
+    work = np.diff(cum16)
+    assert cum16[-1] * 8 == split.total and (work % split.per_cta != 0).any()
+    assert (work >= [_round16(n) for n in uneven]).all() and work.max() - work.min() <= 64
+
+
 def test_a_capture_is_replayed_only_for_its_members_activations_width_and_work():
     lens = np.array([40, 70], np.int32)
     split = plan_work(8, 100, 2, lens + 16)

@@ -27,12 +27,14 @@ from typing import Any
 import numpy as np
 
 from .. import checks
+from .._worksplit import prefix_sums
 from ..buffer import HipBuffer
 from ..planning import (
     ATTENTION_PATCH,
     OUT_SCALE_ARG,
     SCALE_ARG,
     THREADS,
+    WORK_GRANULE,
     WRITE_PATCH,
     WRITE_SCALE_ARGS,
     WRITE_THREADS,
@@ -134,9 +136,10 @@ class StepGraph:
                                  q_heads // c.num_kv_heads, c.dtype)
         room = (lens.astype(np.int64) + self.headroom).astype(np.int32)
         width = max(meta.block_tables.shape[1], -(-int(room.max()) // c.block_size))
-        split = plan_work(c.num_kv_heads * found.groups, found.slots, n, room)
+        split = plan_work(c.num_kv_heads * found.groups, found.slots, n, room, sms=found.sms)
+        bound = prefix_sums(room, WORK_GRANULE, np.empty(n + 1, np.int64))  # (unpadded)
         shape = GraphShape(members, activations, width, c.num_kv_heads * found.groups,
-                           split.total, split.per_cta, split.num_ctas)
+                           split.total, split.per_cta, split.num_ctas, bound)
         work = shape.admits(members, activations, width, lens)
         assert work is not None  # the room holds these lengths
         layout: list[tuple[int, tuple[int, ...]]] = []

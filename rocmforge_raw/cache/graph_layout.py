@@ -1,10 +1,11 @@
 """What a captured step fixes and what each replay uploads (``graph.StepGraph``).
 
 ``padded_work`` lays a step's real work out over the split a graph was captured with (every
-sequence its own work plus an even share of the slack, which the kernel skips past each
-sequence's length); ``GraphShape`` says which steps replay a capture; ``PinnedUploads``
-copies each replay's metadata into pinned host memory and queues its upload to the graph's
-fixed device addresses, each pinned buffer reused once the event after its upload passed.
+sequence its own work in whole pieces where that fits, else plus an even share of the slack;
+the kernel skips what lies past each sequence's length); ``GraphShape`` says which steps
+replay a capture; ``PinnedUploads`` copies each replay's metadata into pinned host memory
+and queues its upload to the graph's fixed device addresses, each pinned buffer reused once
+the event after its upload passed.
 """
 
 from __future__ import annotations
@@ -26,24 +27,34 @@ Layer = tuple[DeviceArray, DeviceArray, DeviceArray, DeviceArray]  # key, value,
 Activations = tuple[tuple[Any, Any], ...]
 
 
-def padded_work(lens: np.ndarray, groups: int, total: int, per_cta: int, num_ctas: int
-                ) -> tuple[np.ndarray, np.ndarray] | None:
+def padded_work(lens: np.ndarray, groups: int, total: int, per_cta: int, num_ctas: int,
+                bound: int | None = None) -> tuple[np.ndarray, np.ndarray] | None:
     """The work layout of a split captured for ``total`` work tokens (``num_ctas`` CTAs of
-    ``per_cta``) over sequences of ``lens`` (int32): ``cum16`` (int64 ``[n + 1]``) gives each
-    sequence its own work (its length rounded up to WORK_GRANULE, at least one granule) plus
-    an even share of the slack in whole granules, the first ones one more, so that
-    ``cum16[n] * groups == total``; ``first_seq`` (int32 ``[num_ctas]``) the sequence holding
-    each CTA's first work token. None when the lengths need more than ``total``."""
+    ``per_cta``) over sequences of ``lens`` (int32): ``cum16`` (int64 ``[n + 1]``) and
+    ``first_seq`` (int32 ``[num_ctas]``, the sequence holding each CTA's first work token),
+    with ``cum16[n] * groups == total``. Each sequence gets its own work (its length rounded
+    up to WORK_GRANULE, at least one granule) up to whole shares of ``per_cta`` where all of
+    that fits (every CTA then holds one piece of one unit, as ``plan_work`` pads a split;
+    the last sequence takes the rest), else its own work plus an even share of the slack in
+    whole granules, the first ones one more. None when the lengths need more than ``bound``
+    work tokens a group (None: ``total // groups``)."""
     n = lens.size
     cum16 = np.empty(n + 1, np.int64)
     need = prefix_sums(np.ascontiguousarray(lens, np.int32), WORK_GRANULE, cum16)
-    if n == 0 or total % groups or need > total // groups:
+    room = total // groups
+    if n == 0 or total % groups or need > (room if bound is None else min(bound, room)):
         return None
-    spare, extra = divmod((total // groups - need) // WORK_GRANULE, n)
-    pads = np.full(n + 1, spare * WORK_GRANULE, np.int64)
-    pads[0] = 0
-    pads[1 : extra + 1] += WORK_GRANULE
-    cum16 += np.cumsum(pads)
+    work = np.diff(cum16)
+    whole = -(-work // per_cta) * per_cta
+    if room % per_cta == 0 and int(whole.sum()) <= room:
+        whole[-1] += room - int(whole.sum())  # whole shares: the rest is too
+        cum16[1:] = np.cumsum(whole)
+    else:
+        spare, extra = divmod((room - need) // WORK_GRANULE, n)
+        pads = np.full(n + 1, spare * WORK_GRANULE, np.int64)
+        pads[0] = 0
+        pads[1 : extra + 1] += WORK_GRANULE
+        cum16 += np.cumsum(pads)
     first_seq = np.empty(num_ctas, np.int32)
     first_sequences(cum16, groups, per_cta, first_seq)
     return cum16, first_seq
@@ -53,7 +64,9 @@ def padded_work(lens: np.ndarray, groups: int, total: int, per_cta: int, num_cta
 class GraphShape:
     """What a captured graph fixed: its members in order, their activations' addresses and
     shapes, the block tables' width and the attention's split (``total`` work tokens in
-    ``num_ctas`` CTAs of ``per_cta``, ``groups`` units per sequence)."""
+    ``num_ctas`` CTAs of ``per_cta``, ``groups`` units per sequence), and the work tokens a
+    group the members' lengths may need before a re-capture (``bound``: their room, rounded
+    as their work is; None: ``total // groups``)."""
 
     members: tuple[Hashable, ...]
     activations: Activations
@@ -62,6 +75,7 @@ class GraphShape:
     total: int
     per_cta: int
     num_ctas: int
+    bound: int | None = None
 
     def admits(self, members: tuple[Hashable, ...], activations: Activations, width: int,
                lens: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
@@ -69,7 +83,8 @@ class GraphShape:
         width and lengths if it replays this capture; None if it must re-capture."""
         if members != self.members or activations != self.activations or width > self.width:
             return None
-        return padded_work(lens, self.groups, self.total, self.per_cta, self.num_ctas)
+        return padded_work(lens, self.groups, self.total, self.per_cta, self.num_ctas,
+                           self.bound)
 
 
 def activations_of(layers: Sequence[Layer]) -> Activations:
