@@ -80,14 +80,14 @@ def balanced_share(long long total, long long slots, long long unit, long long g
 def split_lengths(const int[::1] lens, long long groups, long long slots,
                   long long granule, long long min_tokens, long long aligned_tokens,
                   double stretch, long long sms=0, long long piece_cost=0,
-                  long long quantum=1):
+                  long long quantum=1, double margin=1.0):
     """``planning.plan_work`` over real lengths in one call: (num_ctas, per_cta, total,
     cum16, first_seq) of ``len(lens)`` sequences of ``groups`` units each (see
     ``prefix_sums``, ``first_sequences`` and ``balanced_share``). With ``sms`` (the device's
     multiprocessors; 0: unknown) a launch of at most ``slots`` units is padded to piece
-    boundaries instead (``padded_share``): ``cum16`` then counts each sequence's work tokens
-    rounded up to a multiple of ``per_cta``, the padding past its length skipped by the
-    kernel."""
+    boundaries instead where ``padded_share`` finds a share: ``cum16`` then counts each
+    sequence's work tokens rounded up to a multiple of ``per_cta``, the padding past its
+    length skipped by the kernel."""
     cdef Py_ssize_t i, n = lens.shape[0]
     cum16 = np.empty(n + 1, np.int64)
     cdef long long[::1] c = cum16
@@ -98,14 +98,12 @@ def split_lengths(const int[::1] lens, long long groups, long long slots,
             if c[i + 1] - c[i] != unit:
                 unit = 0
                 break
-    cdef long long per_cta = _share(total, slots, 0, granule, min_tokens, aligned_tokens,
-                                    stretch)  # balanced
     if sms > 0 and n * groups <= slots:
-        padded = _padded(c, groups, slots, sms, granule, min_tokens, piece_cost, quantum)
-    if not padded:
-        per_cta = _share(total, slots, unit, granule, min_tokens, aligned_tokens, stretch)
+        padded = _padded(c, groups, slots, sms, granule, min_tokens, piece_cost, quantum,
+                         margin)
+    cdef long long per_cta = padded or _share(total, slots, unit, granule, min_tokens,
+                                              aligned_tokens, stretch)
     if padded:
-        per_cta = padded
         for i in range(n):  # each sequence's work up to a multiple of per_cta, from the end
             c[n - i] = (c[n - i] - c[n - i - 1] + per_cta - 1) // per_cta * per_cta
         c[0] = 0
@@ -119,44 +117,67 @@ def split_lengths(const int[::1] lens, long long groups, long long slots,
 
 def padded_share(const long long[::1] cum16, long long groups, long long slots,
                  long long sms, long long granule, long long min_tokens,
-                 long long piece_cost, long long quantum=1) -> int:
+                 long long piece_cost, long long quantum=1, double margin=1.0) -> int:
     """The share per CTA (work tokens, a multiple of ``granule``, at least ``min_tokens``)
     of sequences whose work ``cum16`` sums (``prefix_sums``), each sequence's work padded up
-    to a multiple of it so that every CTA holds one piece of one unit: the share whose
-    busiest multiprocessor does least, ``ceil(ctas / sms) * (share + piece_cost)`` with the
-    share rounded up to ``quantum`` (the kernel's tile: a piece costs whole tiles) and one
-    wave of at most ``slots`` CTAs (``piece_cost`` is a piece's fixed work in tokens); on a
-    tie the fewer pieces, then the smaller share (less padding); no share that leaves one CTA
-    a multiprocessor unless the smallest does. 0 when no share fits one wave."""
-    return _padded(cum16, groups, slots, sms, granule, min_tokens, piece_cost, quantum)
+    to a multiple of it so that every CTA holds one piece of one unit; 0 for none.
+
+    A CTA's cost is its share rounded up to ``quantum`` (the kernel's tile: a piece costs
+    whole tiles) plus ``piece_cost`` (a piece's fixed work, tokens); a multiprocessor's load
+    is its CTAs' cost, the busiest one's ``ceil(ctas / sms)`` of them. The candidates cut
+    the longest sequence's work into k pieces for each k (each the least share for its k),
+    within one wave of at most ``slots`` CTAs and, but for the first, with two CTAs on some
+    multiprocessor; the least load wins, then the fewer pieces. It is taken only if its load
+    is at most ``margin`` times the balanced split's (``balanced_share`` of the unpadded
+    work, which cuts units anywhere), else 0: with lengths far apart, whole pieces would
+    leave a long sequence to one CTA."""
+    return _padded(cum16, groups, slots, sms, granule, min_tokens, piece_cost, quantum,
+                   margin)
+
+
+cdef inline long long _cost(long long share, long long quantum, long long piece_cost
+                            ) noexcept:
+    return (share + quantum - 1) // quantum * quantum + piece_cost
 
 
 cdef long long _padded(const long long[::1] cum16, long long groups, long long slots,
                        long long sms, long long granule, long long min_tokens,
-                       long long piece_cost, long long quantum) noexcept:
+                       long long piece_cost, long long quantum, double margin) noexcept:
     cdef Py_ssize_t i, n = cum16.shape[0] - 1
-    cdef long long share, pieces, load, best = 0, best_load = 0, best_pieces = 0, longest = 0
+    cdef long long k, share, last = 0, pieces, load, longest = 0, total, balanced
+    cdef long long best = 0, best_load = 0, best_pieces = 0
     if n <= 0 or sms <= 0 or slots <= 0 or quantum <= 0:
         return 0
     for i in range(n):
         if cum16[i + 1] - cum16[i] > longest:
             longest = cum16[i + 1] - cum16[i]
-    share = (cum16[n] * groups + slots - 1) // slots  # fewer tokens need more than a wave
-    share = max(share, min_tokens)
-    share = (share + granule - 1) // granule * granule
-    while share <= longest:  # (a multiple of granule) past it: one piece per unit
-        if best and share + piece_cost > best_load:
+    total = cum16[n] * groups
+    balanced = _share(total, slots, 0, granule, min_tokens, 0, 1.0)
+    k = (longest + balanced - 1) // balanced  # fewer pieces: a larger share than balanced
+    while k >= 1:
+        share = max((longest + k - 1) // k, min_tokens)
+        share = (share + granule - 1) // granule * granule
+        k -= 1
+        if share == last:
+            continue
+        last = share
+        if best and _cost(share, quantum, piece_cost) > best_load:
             break  # every later share loads its multiprocessors more
+        if groups * (n - 1 + (longest + share - 1) // share) > slots:
+            continue  # with a piece at least for every other sequence: more than a wave
         pieces = 0
         for i in range(n):
             pieces += (cum16[i + 1] - cum16[i] + share - 1) // share
         pieces *= groups
-        if pieces <= slots:
-            if best and pieces <= sms:
-                break  # one CTA a multiprocessor: too few loads in flight to stream
-            load = (pieces + sms - 1) // sms * (
-                (share + quantum - 1) // quantum * quantum + piece_cost)
-            if not best or load < best_load or (load == best_load and pieces < best_pieces):
-                best, best_load, best_pieces = share, load, pieces
-        share += granule
-    return best
+        if pieces > slots:
+            continue
+        if best and pieces <= sms:
+            break  # one CTA a multiprocessor: too few loads in flight to stream
+        load = (pieces + sms - 1) // sms * _cost(share, quantum, piece_cost)
+        if not best or load < best_load or (load == best_load and pieces < best_pieces):
+            best, best_load, best_pieces = share, load, pieces
+    if best and best_load <= margin * (
+            ((total + balanced - 1) // balanced + sms - 1) // sms
+            * _cost(balanced, quantum, piece_cost)):
+        return best
+    return 0

@@ -335,8 +335,9 @@ def bench_cache(num_seqs: int = 256, context: int = 2048, block_size: int = 16,
     from .cache import CacheConfig, KvCache
 
     rng = np.random.default_rng(7)
-    lens = rng.integers(context - context // 16, context + context // 16, num_seqs)
-    total = steps * max(runs, 1)
+    total = steps * max(runs, 1)  # tokens each sequence grows by: about ``context`` midway
+    lens = rng.integers(context - context // 16, context + context // 16, num_seqs) - min(
+        total // 2, context // 2)
     blocks = int((-(-(lens + total) // block_size)).sum()) + 2
     config = CacheConfig(1, 1, 64, block_size, blocks, "float16")
     clock = time.perf_counter_ns

@@ -125,12 +125,15 @@ def test_paged_attention_matches_reference(libraries, wave, rng, row, mode):
     lens = [0, 1, block_size - 1, block_size + 1, LONG]
     # balanced: one wave of 7 shares, so units split at arbitrary 16-token boundaries;
     # partitions: the longest cut into 3, 5 or 7 pieces; uniform: lengths on the device only;
-    # padded: 24 workgroups on 8 multiprocessors, each sequence padded to whole pieces.
+    # padded: 24 workgroups on 8 multiprocessors, lengths close enough that each sequence is
+    # padded to whole pieces (an empty and a short one among them).
     # The split runs with a seeded schedule (workgroups, waves and lanes shuffled), so the
     # piece that combines is not always the last.
     seed = row + 1
     options = {"balanced": {}, "partitions": {"num_partitions": 3 + 2 * (row % 3)},
                "uniform": {"uniform": True, "slots": 5}, "padded": {"slots": 24, "sms": 8}}[mode]
+    if mode == "padded":
+        lens = [LONG, LONG - 30, LONG - 60, 17, 0]
     emulator = libraries["paged_attention", wave]
     ops_before = emulator.matrix_ops
     got, want, counters = attention(emulator, rng, dtype, head_dim, block_size, ratio, lens,

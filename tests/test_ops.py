@@ -433,6 +433,18 @@ def test_a_launch_of_more_units_than_one_wave_is_not_padded():
     np.testing.assert_array_equal(padded.cum16, ops.plan_work(8, 396, 64, lens).cum16)
 
 
+def test_lengths_far_apart_keep_the_balanced_split():
+    """Whole pieces would leave the long sequence to one CTA a unit (every other unit takes
+    a CTA of the one wave): the padded split's load is far past the balanced one's, so the
+    balanced split stays, the long sequence cut across many CTAs."""
+    for lens in ([131072] + [200] * 48, [32768] + [512] * 48):
+        lens = np.asarray(lens, np.int32)
+        split = ops.plan_work(8, 396, len(lens), lens, sms=132)
+        unpadded = ops.plan_work(8, 396, len(lens), lens)
+        assert split.per_cta == unpadded.per_cta < lens[0] // 8
+        np.testing.assert_array_equal(split.cum16, unpadded.cum16)
+
+
 def test_a_long_launch_of_one_wave_of_units_is_padded_too():
     """16 sequences of 8192 tokens with 64 query heads over 8 (128 units): two pieces of
     4096 a unit on 256 CTAs rather than 395 CTAs of 2656 that cut units anywhere (H200:

@@ -26,6 +26,7 @@ from rocmforge_raw.planning import (
     ALIGNED_STRETCH,
     ATTENTION_PATCH,
     MIN_TOKENS_PER_CTA,
+    PAD_MARGIN,
     PIECE_COST_TOKENS,
     PIECE_QUANTUM_TOKENS,
     STEP_ARGS,
@@ -238,18 +239,27 @@ def _reference_split(lens, groups, slots, sms=0):
 
 
 def _reference_padding(work16, groups, slots, sms, balanced):
-    """The padded share: over every share from the balanced one to the longest work, those
-    whose pieces fit one wave and (but for the first) keep two CTAs on some multiprocessor,
-    the least busiest-multiprocessor load (pieces in whole quanta, plus their cost), then the
-    fewest pieces, then the smallest share."""
-    candidates = []
-    for share in range(balanced, max(work16) + 1, WORK_GRANULE):
+    """The padded share: over the least share cutting the longest work into k pieces, each
+    k from the balanced share's count down, those whose pieces fit one wave and (but for the
+    first) keep two CTAs on some multiprocessor, the least busiest-multiprocessor load
+    (pieces in whole quanta, plus their cost), then the fewest pieces; taken if within
+    PAD_MARGIN of the balanced split's load."""
+    def cost(share):
+        return -(-share // PIECE_QUANTUM_TOKENS) * PIECE_QUANTUM_TOKENS + PIECE_COST_TOKENS
+
+    longest, candidates = max(work16), []
+    shares = sorted({-(-max(-(-longest // k), MIN_TOKENS_PER_CTA) // WORK_GRANULE)
+                     * WORK_GRANULE for k in range(1, -(-longest // balanced) + 1)})
+    for share in shares:
         pieces = groups * sum(-(-w // share) for w in work16)
         if pieces > slots or (candidates and pieces <= sms):
             continue
-        tiles = -(-share // PIECE_QUANTUM_TOKENS) * PIECE_QUANTUM_TOKENS
-        candidates.append((-(-pieces // sms) * (tiles + PIECE_COST_TOKENS), pieces, share))
-    return min(candidates)[2] if candidates else 0
+        candidates.append((-(-pieces // sms) * cost(share), pieces, share))
+    if not candidates:
+        return 0
+    load, _, share = min(candidates)
+    ctas = -(-(sum(work16) * groups) // balanced)
+    return share if load <= PAD_MARGIN * -(-ctas // sms) * cost(balanced) else 0
 
 
 @pytest.mark.parametrize("seed", range(40))
@@ -263,7 +273,7 @@ def test_split_lengths_equals_the_rule_in_python(seed):
     sms = int(rng.choice([0, 1, 66, 132]))
     got = split_lengths(lens, groups, slots, WORK_GRANULE, MIN_TOKENS_PER_CTA,
                         ALIGNED_SHARE_TOKENS, ALIGNED_STRETCH, sms, PIECE_COST_TOKENS,
-                        PIECE_QUANTUM_TOKENS)
+                        PIECE_QUANTUM_TOKENS, PAD_MARGIN)
     want = _reference_split(lens, groups, slots, sms)
     assert got[:3] == want[:3]
     np.testing.assert_array_equal(got[3], want[3])

@@ -221,3 +221,21 @@ def test_scattered_blocks_swap_by_one_launch_and_runs_by_2d_copies(backend, monk
         assert len(calls) == 1
         cache.swap_in(["c"])
         np.testing.assert_array_equal(read(cache, "c"), np.arange(300, 324))
+
+
+@pytest.mark.parametrize("to_host", [True, False])
+def test_the_launch_table_names_the_same_bytes_as_the_2d_copies(to_host):
+    """``HostTier._pieces``: each row of the table one launch reads is one run of one plane,
+    from the slab to the host tier's pinned memory (``to_host``) or back, at the addresses
+    and of the size the 2-D copies would move."""
+    with _cache(rf.get_backend("host")) as cache:
+        tier = cache._tier
+        dev, host = np.array([1, 5, 8], np.int64), np.array([0, 2, 4], np.int64)
+        lengths = np.array([2, 1, 3], np.int64)
+        table = tier._pieces(dev, host, lengths, to_host).reshape(tier.planes, 3, 3)
+        for plane in range(tier.planes):
+            for run in range(3):
+                at_dev = tier.slab_ptr + (plane * tier.slab_blocks + dev[run]) * tier.chunk
+                at_host = tier.memory.ptr + (plane * tier.num_blocks + host[run]) * tier.chunk
+                src, dst = (at_dev, at_host) if to_host else (at_host, at_dev)
+                assert table[plane, run].tolist() == [src, dst, lengths[run] * tier.chunk]

@@ -32,6 +32,10 @@ ALIGNED_STRETCH = 1.6
 #: heads 148.7 -> 144.7 us).
 PIECE_COST_TOKENS = 32
 PIECE_QUANTUM_TOKENS = 64
+#: ... taken only where its busiest multiprocessor's load is at most this many times the
+#: balanced split's, which cuts units anywhere (that costs 15-25 % the model does not count;
+#: lengths far apart would leave a long sequence to one CTA of a padded split).
+PAD_MARGIN = 1.15
 
 
 @dataclass(frozen=True)
@@ -42,9 +46,11 @@ class WorkSplit:
     ``[c * per_cta, min((c + 1) * per_cta, total))``.
 
     With the lengths known on the host, ``cum16`` (int64 ``[num_seqs + 1]``, exclusive prefix
-    sums of each sequence's ``len16``) and ``first_seq`` (int32 ``[num_ctas]``, the sequence
-    holding each CTA's first work token) go to the device; without them (None) every
-    sequence counts ``uniform16`` work tokens and the kernel skips what its length lacks.
+    sums of each sequence's ``len16``, which a padded split rounds up to whole ``per_cta``:
+    the kernel skips what lies past a sequence's length) and ``first_seq`` (int32
+    ``[num_ctas]``, the sequence holding each CTA's first work token) go to the device;
+    without them (None) every sequence counts ``uniform16`` work tokens and the kernel skips
+    what its length lacks.
     """
 
     num_ctas: int
@@ -75,8 +81,9 @@ def plan_work(groups: int, slots: int, num_seqs: int, lens: np.ndarray | None = 
               ) -> WorkSplit:
     """The split of ``num_seqs`` sequences x ``groups`` units over a device that runs
     ``slots`` CTAs at once on ``sms`` multiprocessors (0: not known): one wave of CTAs with
-    equal shares (at least ``MIN_TOKENS_PER_CTA`` tokens each; aligned to the units where
-    they fit one wave: ``PIECE_COST_TOKENS``, else where short: ``ALIGNED_SHARE_TOKENS``).
+    equal shares (at least ``MIN_TOKENS_PER_CTA`` tokens each), aligned to the units: padded
+    to whole pieces where the units fit one wave (``PIECE_COST_TOKENS``, ``PAD_MARGIN``),
+    else where the shares are short and the units of one length (``ALIGNED_SHARE_TOKENS``).
     ``lens`` (host, int32) gives each sequence's length; without it every sequence counts
     ``max_len``. ``num_partitions`` instead cuts the longest sequence into that many pieces
     (a test and tuning knob). With lengths and no ``num_partitions`` (a decode step's case)
@@ -84,7 +91,7 @@ def plan_work(groups: int, slots: int, num_seqs: int, lens: np.ndarray | None = 
     if lens is not None and num_partitions is None:
         num_ctas, per_cta, total, cum16, first_seq = split_lengths(
             np.ascontiguousarray(lens, np.int32), groups, slots, *_RULE, sms,
-            PIECE_COST_TOKENS, PIECE_QUANTUM_TOKENS)
+            PIECE_COST_TOKENS, PIECE_QUANTUM_TOKENS, PAD_MARGIN)
         return WorkSplit(num_ctas, per_cta, total, groups, 0, cum16, first_seq)
     if lens is not None:
         cum16 = np.empty(num_seqs + 1, np.int64)
