@@ -252,10 +252,10 @@ class HostTier:
         planes = np.arange(self.planes, dtype=np.int64)[:, None]
         dev_at = self.slab_ptr + (planes * self.slab_blocks + dev) * self.chunk
         host_at = self.memory.ptr + (planes * self.num_blocks + host) * self.chunk
-        table = np.empty((self.planes, dev.size, 3), np.int64)
-        table[..., 0], table[..., 1] = (dev_at, host_at) if to_host else (host_at, dev_at)
-        table[..., 2] = lengths * self.chunk
-        table = table.reshape(-1, 3)
+        runs = np.empty((self.planes, dev.size, 3), np.int64)
+        runs[..., 0], runs[..., 1] = (dev_at, host_at) if to_host else (host_at, dev_at)
+        runs[..., 2] = lengths * self.chunk
+        table = runs.reshape(-1, 3)
         if self.chunk * int(lengths.max()) <= ops.PIECE_BYTES:  # a piece a run and plane
             return table
         return ops.cut_pieces(0, 0, table)
