@@ -208,14 +208,10 @@ class TierOps(PrefixTiers):
         for victim in victims:
             row = rows.index[victim]
             table = rows.tables[row, : rows.nblocks[row]].tolist()
-            if pool.hashes:
-                named = [pool.hashes.get(b) for b in table]
-                found = {host.index[h] for h in named if h is not None and h in host.index}
-                new = [b for b, h in zip(table, named)
-                       if b not in copied and (h is None or h not in host.index)]
-            else:  # no block is named (no prefix caching): every one is new
-                found = set()
-                new = [b for b in table if b not in copied] if copied else table
+            named = [pool.hashes.get(b) for b in table]
+            found = {host.index[h] for h in named if h is not None and h in host.index}
+            new = [b for b, h in zip(table, named)
+                   if b not in copied and (h is None or h not in host.index)]
             pinned = found - shared  # cached ones among them stop being reusable
             cost = len(new) + int(np.count_nonzero(host.ref_cnt[list(pinned)] == 0))
             if cost > room:
@@ -257,13 +253,8 @@ class TierOps(PrefixTiers):
         fills: dict[int, None] = {}
         plan = []
         for seq_id in ids:
-            blocks = host.sequences[seq_id].blocks.tolist()
-            if not host.hashes:  # no block is named: every one comes from the host
-                fills.update(dict.fromkeys(blocks))
-                plan.append([("host", block) for block in blocks])
-                continue
             where = []
-            for block in blocks:
+            for block in host.sequences[seq_id].blocks.tolist():
                 device = index.get(host.hashes.get(block, b""))
                 if device is not None:
                     hits[device] = None
