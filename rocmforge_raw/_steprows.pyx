@@ -27,6 +27,8 @@ from cpython.ref cimport PyObject, _Py_REFCNT
 from libc.string cimport memcpy, memset
 from libc.stdint cimport int32_t, int64_t, uint8_t, uint32_t, uint64_t
 
+from rocmforge_raw._worksplit cimport SplitRule, split_into
+
 import numpy as np
 
 cdef enum:  # what ``need`` says of each row (the Python names below)
@@ -532,26 +534,77 @@ def pack_host(size_t base, size_t capacity, list arrays, size_t start, size_t al
     them). A staging slot's packing in one call (``Staging.put``)."""
     cdef Py_ssize_t i, n = len(arrays)
     cdef size_t end = start
-    cdef Py_buffer view
     offsets = [0] * n
     sizes = [0] * n
     for i in range(n):
         sizes[i] = arrays[i].nbytes
         offsets[i] = end
-        end += (<size_t>sizes[i] + align - 1) // align * align
+        end += _rounded(sizes[i], align)
     if end > capacity:
         return end, offsets
     for i in range(n):
-        PyObject_GetBuffer(arrays[i], &view, PyBUF_STRIDES)  # no format: numpy makes one
-        try:
-            if <size_t>view.len != <size_t>sizes[i]:
-                raise ValueError(f"array {i} changed size while packed")
-            if PyBuffer_IsContiguous(&view, b'C'):
-                _copy_pieces(base + <size_t>offsets[i], <const char*>view.buf,
-                             <size_t>view.len)
-            else:  # strided: element by element, in C order
-                PyBuffer_ToContiguous(<void*>(base + <size_t>offsets[i]), &view, view.len,
-                                      b'C')
-        finally:
-            PyBuffer_Release(&view)
+        _put(base + <size_t>offsets[i], arrays[i], sizes[i], i)
     return end, offsets
+
+
+cdef inline size_t _rounded(size_t nbytes, size_t align) noexcept:
+    return (nbytes + align - 1) // align * align
+
+
+cdef void _put(size_t dst, object array, size_t nbytes, Py_ssize_t i) except *:
+    """``array``'s ``nbytes`` bytes (any layout, in C order) to host memory at ``dst``."""
+    cdef Py_buffer view
+    PyObject_GetBuffer(array, &view, PyBUF_STRIDES)  # no format: numpy makes one
+    try:
+        if <size_t>view.len != nbytes:
+            raise ValueError(f"array {i} changed size while packed")
+        if PyBuffer_IsContiguous(&view, b'C'):
+            _copy_pieces(dst, <const char*>view.buf, <size_t>view.len)
+        else:  # strided: element by element, in C order
+            PyBuffer_ToContiguous(<void*>dst, &view, view.len, b'C')
+    finally:
+        PyBuffer_Release(&view)
+
+
+def pack_step(size_t base, size_t capacity, size_t align, object slots,
+              const int[::1] lens, object tables, long long groups, long long ctas,
+              tuple rule):
+    """A decode step's staging in one call: ``[slots, lens, tables, cum16, first_seq]`` laid
+    out from byte 0 as ``pack_host`` lays a list out, where ``cum16`` and ``first_seq`` are
+    the work split of ``lens`` (``_worksplit.split_lengths`` over ``groups`` units a
+    sequence and ``ctas`` slots, ``rule`` its constants from ``granule`` on), computed
+    straight into that memory. The layout's bound gives ``first_seq`` room for
+    ``max(ctas, 1)`` CTAs (a split never has more); nothing is written unless it fits in
+    ``capacity`` bytes at ``base`` (the caller's).
+
+    Returns (end, offsets of the five, num_ctas, per_cta, total): ``end`` past the bytes
+    written, rounded up to ``align``; ``num_ctas`` 0 when nothing was written, ``end`` then
+    the bound to make room for."""
+    cdef Py_ssize_t n = lens.shape[0]
+    if n < 1:
+        raise ValueError("a step's staging needs at least one sequence")
+    cdef SplitRule c_rule = SplitRule(rule[0], rule[1], rule[2], rule[3], rule[4], rule[5],
+                                      rule[6], rule[7])
+    cdef size_t slots_bytes = slots.nbytes, tables_bytes = tables.nbytes
+    if slots_bytes != 8 * <size_t>n or tables_bytes % (4 * <size_t>n):
+        raise ValueError(f"slots of {slots_bytes} bytes and tables of {tables_bytes} do not "
+                         f"fit {n} sequences")
+    cdef Py_ssize_t room = ctas if ctas > 1 else 1
+    cdef size_t at_lens = _rounded(slots_bytes, align)
+    cdef size_t at_tables = at_lens + _rounded(4 * <size_t>n, align)
+    cdef size_t at_cum16 = at_tables + _rounded(tables_bytes, align)
+    cdef size_t at_first = at_cum16 + _rounded(8 * <size_t>(n + 1), align)
+    cdef size_t bound = at_first + _rounded(4 * <size_t>room, align)
+    if bound > capacity:
+        return bound, (0, at_lens, at_tables, at_cum16, at_first), 0, 0, 0
+    cdef long long per_cta, total
+    cdef Py_ssize_t num_ctas = split_into(&lens[0], n, groups, ctas, &c_rule,
+                                          <long long*>(base + at_cum16),
+                                          <int*>(base + at_first), room, &per_cta, &total)
+    if num_ctas < 1:
+        raise RuntimeError(f"the work split of {n} sequences took more than {room} CTAs")
+    _put(base, slots, slots_bytes, 0)
+    _copy_pieces(base + at_lens, <const char*>&lens[0], 4 * <size_t>n)
+    _put(base + at_tables, tables, tables_bytes, 2)
+    return (at_first + _rounded(4 * <size_t>num_ctas, align),
+            (0, at_lens, at_tables, at_cum16, at_first), num_ctas, per_cta, total)

@@ -3,6 +3,8 @@
 ``KvCache.batch``, so these loops run per step; NumPy's per-call overhead was most of it.
 
 Work tokens: a sequence of ``n`` tokens counts ``max(n, 1)`` rounded up to ``granule``.
+The loops take C pointers: ``split_into`` writes a step's split straight into the pinned
+memory its upload reads (``_steprows.pack_step``), the ``def`` functions into NumPy arrays.
 """
 
 import numpy as np
@@ -13,14 +15,20 @@ def prefix_sums(const int[::1] lens, long long granule, long long[::1] cum16) ->
     entries); returns the total."""
     if cum16.shape[0] != lens.shape[0] + 1:
         raise ValueError(f"cum16 has {cum16.shape[0]} entries for {lens.shape[0]} lengths")
-    return _prefix(lens, granule, cum16)
+    return _prefix(_ints(lens), lens.shape[0], granule, &cum16[0])
 
 
-cdef long long _prefix(const int[::1] lens, long long granule, long long[::1] cum16) noexcept:
+cdef inline const int* _ints(const int[::1] values) noexcept:
+    """The first element's address (NULL for none: no element to index)."""
+    return &values[0] if values.shape[0] else NULL
+
+
+cdef long long _prefix(const int* lens, Py_ssize_t n, long long granule, long long* cum16
+                       ) noexcept:
     cdef Py_ssize_t i
     cdef long long total = 0, tokens
     cum16[0] = 0
-    for i in range(lens.shape[0]):
+    for i in range(n):
         tokens = lens[i] if lens[i] > 1 else 1
         total += (tokens + granule - 1) // granule * granule
         cum16[i + 1] = total
@@ -31,21 +39,24 @@ def first_sequences(const long long[::1] cum16, long long groups, long long per_
                     int[::1] first_seq) -> None:
     """``first_seq[c]`` = the sequence whose units hold work token ``c * per_cta`` (sequence
     ``s``'s units span ``[cum16[s] * groups, cum16[s + 1] * groups)``)."""
-    _first(cum16, groups, per_cta, first_seq)
+    if first_seq.shape[0]:
+        _first(&cum16[0], cum16.shape[0] - 1, groups, per_cta, &first_seq[0],
+               first_seq.shape[0])
 
 
-cdef void _first(const long long[::1] cum16, long long groups, long long per_cta,
-                 int[::1] first_seq) noexcept:
-    cdef Py_ssize_t c, s = 0, last = cum16.shape[0] - 2
+cdef void _first(const long long* cum16, Py_ssize_t n, long long groups, long long per_cta,
+                 int* first_seq, Py_ssize_t ctas) noexcept:
+    cdef Py_ssize_t c, s = 0, last = n - 1
     cdef long long start
-    for c in range(first_seq.shape[0]):
+    for c in range(ctas):
         start = c * per_cta
         while s < last and cum16[s + 1] * groups <= start:
             s += 1
         first_seq[c] = <int>s
 
 
-cdef long long _aligned(long long share, long long unit, long long granule, double stretch):
+cdef long long _aligned(long long share, long long unit, long long granule, double stretch
+                        ) noexcept:
     """The least multiple of ``granule`` from ``share`` to ``stretch * share`` that divides
     ``unit`` or that ``unit`` divides (both multiples of ``granule``); ``share`` when there
     is none."""
@@ -57,7 +68,8 @@ cdef long long _aligned(long long share, long long unit, long long granule, doub
 
 
 cdef long long _share(long long total, long long slots, long long unit, long long granule,
-                      long long min_tokens, long long aligned_tokens, double stretch):
+                      long long min_tokens, long long aligned_tokens, double stretch
+                      ) noexcept:
     """A CTA's work tokens: the balanced share of ``total`` over ``slots`` (at least
     ``min_tokens``), aligned to the units when it is under ``aligned_tokens`` and they are
     all ``unit`` long (0: of several lengths, or none), rounded up to ``granule``."""
@@ -88,31 +100,59 @@ def split_lengths(const int[::1] lens, long long groups, long long slots,
     boundaries instead where ``padded_share`` finds a share: ``cum16`` then counts each
     sequence's work tokens rounded up to a multiple of ``per_cta``, the padding past its
     length skipped by the kernel."""
-    cdef Py_ssize_t i, n = lens.shape[0]
+    cdef SplitRule rule = SplitRule(granule, min_tokens, aligned_tokens, stretch, sms,
+                                    piece_cost, quantum, margin)
+    cdef Py_ssize_t n = lens.shape[0]
     cum16 = np.empty(n + 1, np.int64)
     cdef long long[::1] c = cum16
-    cdef long long total = _prefix(lens, granule, c) * groups, unit = 0, padded = 0
+    cdef long long per_cta, total
+    _split_share(_ints(lens), n, groups, slots, &rule, &c[0], &per_cta, &total)
+    first_seq = np.empty((total + per_cta - 1) // per_cta, np.int32)
+    first_sequences(cum16, groups, per_cta, first_seq)
+    return first_seq.shape[0], per_cta, total, cum16, first_seq
+
+
+cdef Py_ssize_t split_into(const int* lens, Py_ssize_t n, long long groups, long long slots,
+                           const SplitRule* rule, long long* cum16, int* first_seq,
+                           Py_ssize_t capacity, long long* per_cta, long long* total
+                           ) noexcept:
+    """``split_lengths`` of ``n`` lengths (n >= 1) into memory the caller owns: ``cum16``
+    (``n + 1`` entries) and ``first_seq`` (room for ``capacity``), ``per_cta`` and
+    ``total``. Returns the CTAs, or -1 with ``first_seq`` untouched when they are more
+    than ``capacity`` (a split never has more than ``max(slots, 1)``)."""
+    _split_share(lens, n, groups, slots, rule, cum16, per_cta, total)
+    cdef Py_ssize_t ctas = (total[0] + per_cta[0] - 1) // per_cta[0]
+    if ctas > capacity:
+        return -1
+    _first(cum16, n, groups, per_cta[0], first_seq, ctas)
+    return ctas
+
+
+cdef void _split_share(const int* lens, Py_ssize_t n, long long groups, long long slots,
+                       const SplitRule* rule, long long* c, long long* per_cta,
+                       long long* total) noexcept:
+    """``split_lengths``' share: ``c`` (cum16, ``n + 1`` entries), ``per_cta``, ``total``."""
+    cdef Py_ssize_t i
+    cdef long long unit = 0, padded = 0
+    total[0] = _prefix(lens, n, rule.granule, c) * groups
     if n:
         unit = c[1]
         for i in range(1, n):
             if c[i + 1] - c[i] != unit:
                 unit = 0
                 break
-    if sms > 0 and n * groups <= slots:
-        padded = _padded(c, groups, slots, sms, granule, min_tokens, piece_cost, quantum,
-                         margin)
-    cdef long long per_cta = padded or _share(total, slots, unit, granule, min_tokens,
-                                              aligned_tokens, stretch)
+    if rule.sms > 0 and n * groups <= slots:
+        padded = _padded(c, n, groups, slots, rule.sms, rule.granule, rule.min_tokens,
+                         rule.piece_cost, rule.quantum, rule.margin)
+    per_cta[0] = padded or _share(total[0], slots, unit, rule.granule, rule.min_tokens,
+                                  rule.aligned_tokens, rule.stretch)
     if padded:
         for i in range(n):  # each sequence's work up to a multiple of per_cta, from the end
-            c[n - i] = (c[n - i] - c[n - i - 1] + per_cta - 1) // per_cta * per_cta
+            c[n - i] = (c[n - i] - c[n - i - 1] + padded - 1) // padded * padded
         c[0] = 0
         for i in range(n):
             c[i + 1] += c[i]
-        total = c[n] * groups
-    first_seq = np.empty((total + per_cta - 1) // per_cta, np.int32)
-    _first(c, groups, per_cta, first_seq)
-    return first_seq.shape[0], per_cta, total, cum16, first_seq
+        total[0] = c[n] * groups
 
 
 def padded_share(const long long[::1] cum16, long long groups, long long slots,
@@ -131,8 +171,10 @@ def padded_share(const long long[::1] cum16, long long groups, long long slots,
     is at most ``margin`` times the balanced split's (``balanced_share`` of the unpadded
     work, which cuts units anywhere), else 0: with lengths far apart, whole pieces would
     leave a long sequence to one CTA."""
-    return _padded(cum16, groups, slots, sms, granule, min_tokens, piece_cost, quantum,
-                   margin)
+    if cum16.shape[0] < 2:
+        return 0
+    return _padded(&cum16[0], cum16.shape[0] - 1, groups, slots, sms, granule, min_tokens,
+                   piece_cost, quantum, margin)
 
 
 cdef inline long long _cost(long long share, long long quantum, long long piece_cost
@@ -140,10 +182,11 @@ cdef inline long long _cost(long long share, long long quantum, long long piece_
     return (share + quantum - 1) // quantum * quantum + piece_cost
 
 
-cdef long long _padded(const long long[::1] cum16, long long groups, long long slots,
-                       long long sms, long long granule, long long min_tokens,
-                       long long piece_cost, long long quantum, double margin) noexcept:
-    cdef Py_ssize_t i, n = cum16.shape[0] - 1
+cdef long long _padded(const long long* cum16, Py_ssize_t n, long long groups,
+                       long long slots, long long sms, long long granule,
+                       long long min_tokens, long long piece_cost, long long quantum,
+                       double margin) noexcept:
+    cdef Py_ssize_t i
     cdef long long k, share, last = 0, pieces, load, longest = 0, total, balanced
     cdef long long best = 0, best_load = 0, best_pieces = 0
     if n <= 0 or sms <= 0 or slots <= 0 or quantum <= 0:

@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from . import checks
-from ._steprows import pack_host
+from ._steprows import pack_host, pack_step
 from .array import DeviceArray
 from .buffer import HipBuffer
 from .runtime import Backend, get_backend
@@ -212,6 +212,30 @@ class Staging:
         self._used = total
         base = self.buffer.ptr
         return [base + offset for offset in offsets]
+
+    def put_step(self, slots: np.ndarray, lens: np.ndarray, tables: np.ndarray, groups: int,
+                 ctas: int, rule: tuple, stream: Stream | None
+                 ) -> tuple[list[int], tuple[int, int, int]]:
+        """``put`` of a decode step's ``[slots, lens, tables]`` and of their work split
+        (``cum16``, ``first_seq``: ``planning.plan_work`` of ``lens`` over ``groups`` units
+        a sequence, ``ctas`` slots, ``rule`` from ``planning.split_rule``), computed straight
+        into the pinned bytes (``_steprows.pack_step``). Returns the five arrays' device
+        addresses and the split's (num_ctas, per_cta, total)."""
+        capacity = 0 if self.buffer is None else self.buffer.nbytes
+        base = 0 if self.host is None else self.host.ptr
+        end, offsets, num_ctas, per_cta, total = pack_step(
+            base, capacity, ALIGN, slots, lens, tables, groups, ctas, rule)
+        if not num_ctas:  # the step's layout outgrew the slot
+            self._reserve(end)
+            end, offsets, num_ctas, per_cta, total = pack_step(
+                self.host.ptr, self.buffer.nbytes, ALIGN, slots, lens, tables, groups, ctas,
+                rule)
+            assert num_ctas, "a reserved slot holds its step"
+        self.backend.upload(self.buffer.ptr, self.host.ptr, end,
+                            stream_handle(stream, "stream", self.backend, self.device))
+        self._used = end
+        base = self.buffer.ptr
+        return [base + offset for offset in offsets], (num_ctas, per_cta, total)
 
     def _reserve(self, nbytes: int) -> bool:
         """Room for ``nbytes``; True when that took new buffers."""

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from rocmforge_raw import module
-from rocmforge_raw._steprows import pack_host
+from rocmforge_raw._steprows import pack_host, pack_step
 from rocmforge_raw._worksplit import split_lengths
 from rocmforge_raw.cache import CacheConfig, KvCache
 from rocmforge_raw.module import pack_args
@@ -35,6 +35,7 @@ from rocmforge_raw.planning import (
     AttentionPlan,
     attention_kernel,
     plan_work,
+    split_rule,
     step_arguments,
 )
 from rocmforge_raw.runtime.host import HostBackend
@@ -164,9 +165,9 @@ def test_a_launch_updated_to_another_step_equals_one_prepared_for_it():
     want, work = arguments([101, 8, 3100], 194, [i << 36 for i in range(1, 7)])
     pointers = [i << 36 for i in range(1, 7)]
     updated = list(before)
-    for index, value in zip(STEP_ARGS, step_arguments(work, pointers[2], pointers[3],
-                                                       pointers[0], pointers[1], pointers[4],
-                                                       pointers[5], 194)):
+    values = step_arguments((work.uniform16, work.per_cta, work.total), pointers[2],
+                            pointers[3], pointers[0], pointers[1], pointers[4], pointers[5], 194)
+    for index, value in zip(STEP_ARGS, values):
         updated[index] = type(updated[index])(value)
     assert [type(a) for a in updated] == [type(a) for a in want]
     assert [float(a) if isinstance(a, np.floating) else int(a) for a in updated] == [
@@ -296,6 +297,44 @@ def test_pack_host_aligns_each_array_and_copies_only_what_fits(rng):
             array)
     assert (memory[:64] == 0xAB).all() and (memory[end:] == 0xAB).all()
     assert (memory[64 + 60 : 320] == 0xAB).all()  # the gaps stay untouched
+
+
+@pytest.mark.parametrize("lens, sms", [
+    ([1000] * 8, 132),  # one wave of units: padded to whole pieces
+    ([37, 5000, 0, 812, 16, 17], 132),  # ragged, one of them empty
+    (list(range(1, 300, 7)), 132),  # more units than a wave: balanced shares
+    ([32768], 0),  # multiprocessors unknown: the aligned share
+])
+def test_pack_step_lays_out_what_pack_host_does_with_the_split_computed_in_place(
+        rng, lens, sms):
+    """``pack_step``'s bytes are ``pack_host``'s of [slots, lens, tables] and of
+    ``plan_work``'s arrays, with the same (num_ctas, per_cta, total); a layout that does not
+    fit writes nothing and says how many bytes it needs; sizes that do not fit the lengths
+    are refused before any byte is written."""
+    n, groups, ctas = len(lens), 8, 264
+    lens = np.asarray(lens, np.int32)
+    slots = rng.integers(-1, 1 << 40, n).astype(np.int64)
+    tables = rng.integers(0, 4000, (n, 13)).astype(np.int32)
+    work = plan_work(groups, ctas, n, lens, sms=sms)
+    want = np.full(1 << 16, 0xAB, np.uint8)
+    end, offsets = pack_host(want.ctypes.data, want.nbytes,
+                             [slots, lens, tables, *work.arrays], 0, 256)
+    got = np.full(1 << 16, 0xAB, np.uint8)
+    rule = split_rule(sms)
+    needed, _, none, _, _ = pack_step(got.ctypes.data, 512, 256, slots, lens, tables, groups,
+                                      ctas, rule)
+    assert none == 0 and needed >= end and (got == 0xAB).all()
+    done, at, num_ctas, per_cta, total = pack_step(got.ctypes.data, needed, 256, slots, lens,
+                                                   tables, groups, ctas, rule)
+    assert (done, list(at), num_ctas, per_cta, total) == (
+        end, offsets, work.num_ctas, work.per_cta, work.total)
+    np.testing.assert_array_equal(got[:end], want[:end])
+    assert (got[end:] == 0xAB).all()
+    got[:] = 0xAB
+    with pytest.raises(ValueError, match="do not fit"):
+        pack_step(got.ctypes.data, got.nbytes, 256, slots[:-1], lens, tables, groups, ctas,
+                  rule)
+    assert (got == 0xAB).all()
 
 
 def test_set_ints_checks_every_index_before_it_changes_a_slot(double):

@@ -1,10 +1,11 @@
 """The plan of one step: metadata uploaded once, launches made ready once, one launch a call.
 
 ``KvCache.batch`` hands its host snapshots to ``StepPlanner.plan``, which checks them once,
-copies them into a pinned staging slot of the cache's ``StagingRing`` and queues one
-asynchronous upload on the step's stream, then prepares the step's launches (the K/V write
-and the attention kernel with its split-K plan and workspace) with every argument packed
-except the four pointers that change per layer. ``write``/``attention`` then check shapes
+copies them into a pinned staging slot of the cache's ``StagingRing`` with the attention's
+work split computed in place beside them (one compiled call, ``Staging.put_step``) and
+queues one asynchronous upload on the step's stream, then prepares the step's launches (the
+K/V write and the attention kernel with its split-K plan and workspace) with every argument
+packed except the four pointers that change per layer. ``write``/``attention`` then check shapes
 and dtypes (O(1)) and launch once, from C: no allocation, upload or synchronization.
 
 Lifetimes: a plan is current until the cache changes or plans again. Its staging slot's
@@ -42,6 +43,7 @@ from ..planning import (
     default_scale,
     kernel_scales,
     plan_work,
+    split_rule,
     split_workspace,
     step_arguments,
     write_arguments,
@@ -153,21 +155,23 @@ class StepPlanner:
                 found = self._kernel(num_q_heads)
                 fields.update(self._query_fields(n, num_q_heads))
             if not self.on_host and n:
-                # planned now: the work split's arrays go in the same upload
-                work = None if found is None else self._split(found, lens)
                 assert self.ring is not None  # a device cache stages its uploads
                 staging = self.ring.acquire()
-                # slots and lengths first: their addresses stay put while tables widen
-                slots_at, lens_at, tables_at, *work_at = staging.put(
-                    [slots, lens, tables, *work.arrays] if work else [slots, lens, tables],
-                    stream)
+                if found is None:  # attention is planned by its first call
+                    # slots and lengths first: their addresses stay put while tables widen
+                    addresses = staging.put([slots, lens, tables], stream)
+                else:  # with the work split, computed where the upload reads it
+                    addresses, split = staging.put_step(
+                        slots, lens, tables, self.config.num_kv_heads * found.groups,
+                        found.slots, split_rule(found.sms), stream)
+                slots_at, lens_at, tables_at = addresses[:3]
                 fields.update(_staging=staging, _addresses=(tables_at, lens_at, slots_at),
                               _write=self._write_launch(staging, n, slots_at, stream))
-                if work is not None:
-                    assert found is not None and num_q_heads is not None  # (planned with it)
+                if found is not None:
+                    assert num_q_heads is not None  # (found for it)
                     fields["_attention"] = self._attention_launch(
-                        staging, found, num_q_heads, work, tables.shape[1], tables_at,
-                        lens_at, work_at, stream)
+                        staging, found, num_q_heads, n, split, tables.shape[1], addresses,
+                        stream)
         except BaseException:  # the upload may be queued: its slot waits for it all the same
             if staging is not None:
                 staging.fence.mark(stream)
@@ -326,11 +330,6 @@ class StepPlanner:
         return dict(_q_shape=(n, num_q_heads, self.config.head_dim), _scale=self.default_scale,
                     _q_bytes=n * num_q_heads * self.config.head_dim * self.act.itemsize)
 
-    def _split(self, found: AttentionKernel, lens: np.ndarray) -> WorkSplit:
-        """The work split of a step over its sequences' real lengths."""
-        return plan_work(self.config.num_kv_heads * found.groups, found.slots, lens.shape[0],
-                         lens, sms=found.sms)
-
     def _plan_attention(self, meta: BatchMetadata, num_q_heads: int) -> None:
         """Attention for ``num_q_heads`` planned into ``meta`` by its first attention call
         (a cache without ``num_q_heads``): the work split planned and appended to the
@@ -341,43 +340,49 @@ class StepPlanner:
         if found is not None and n:
             staging = meta._staging
             assert staging is not None  # planned on the device
-            work = self._split(found, meta.seq_lens)
-            work_at = staging.put(work.arrays, meta.stream, append=True)
-            tables_at, lens_at, _ = meta._addresses
+            work = plan_work(self.config.num_kv_heads * found.groups, found.slots, n,
+                             meta.seq_lens, sms=found.sms)
+            tables_at, lens_at, slots_at = meta._addresses
+            addresses = [slots_at, lens_at, tables_at,
+                         *staging.put(work.arrays, meta.stream, append=True)]
             fields["_attention"] = self._attention_launch(
-                staging, found, num_q_heads, work, meta.block_tables.shape[1], tables_at,
-                lens_at, work_at, meta.stream)
+                staging, found, num_q_heads, n, (work.num_ctas, work.per_cta, work.total),
+                meta.block_tables.shape[1], addresses, meta.stream)
         meta._set(**fields)
 
     def _attention_launch(self, staging: Staging, found: AttentionKernel, num_q_heads: int,
-                          work: WorkSplit, width: int, tables_at: int, lens_at: int,
-                          work_at: Sequence[int], stream: Stream | None) -> Launch:
-        """The attention launch of a step at the default scale: prepared once per staging
-        slot, shape and stream, then given each step's grid, addresses, table width and
-        work split (``STEP_ARGS``) in one call."""
-        c, n = self.config, len(work.arrays[0]) - 1  # (the split of real lengths)
-        part_bytes, counters = split_workspace(work.num_ctas, found.group, c.head_dim,
-                                               n * work.groups)
+                          n: int, split: tuple[int, int, int], width: int,
+                          addresses: Sequence[int], stream: Stream | None) -> Launch:
+        """The attention launch of a step of ``n`` sequences whose work split is ``split``
+        (num_ctas, per_cta, total of a ``WorkSplit`` of real lengths) and whose slots,
+        lengths, tables, cum16 and first_seq are at ``addresses``: prepared once per staging
+        slot, shape and stream, then given each step's grid, addresses, table width and work
+        split (``STEP_ARGS``) and the default scale."""
+        c = self.config
+        num_ctas, per_cta, total = split
+        part_bytes, counters = split_workspace(num_ctas, found.group, c.head_dim,
+                                               n * c.num_kv_heads * found.groups)
         part_buf, count_buf = staging.workspace.ready(part_bytes, counters) or (
             staging.workspace.get(part_bytes, counters, self.slab, stream))
-        cum16_at, first_seq_at = work_at
+        _, lens_at, tables_at, cum16_at, first_seq_at = addresses
         key = (num_q_heads, n, stream)
         launch = staging.launches.get(key)
         if launch is None:
             if len(staging.launches) > 64:  # shapes and streams come and go
                 staging.launches.clear()
+            work = WorkSplit(num_ctas, per_cta, total, c.num_kv_heads * found.groups, 0)
             plan = AttentionPlan(found.kernel, found.group, work, found.shared_bytes, n,
                                  num_q_heads, c.num_kv_heads, c.head_dim, c.block_size, width)
             launch = staging.launches[key] = plan.kernel.prepare(
                 plan.grid, THREADS, *plan.arguments(0, 0, 0, 0, tables_at, lens_at,
                                                     self.default_scale, part_buf.ptr,
-                                                    count_buf.ptr, cum16_at, first_seq_at),
+                                                    count_buf.ptr),
                 shared_bytes=plan.shared_bytes, stream=stream, patch=ATTENTION_PATCH)
-            return launch
         assert isinstance(launch, Launch)
-        launch.set_grid(work.num_ctas)
-        launch.set_ints(STEP_ARGS, step_arguments(work, part_buf.ptr, count_buf.ptr, tables_at,
-                                                  lens_at, cum16_at, first_seq_at, width))
+        launch.set_grid(num_ctas)  # (a prepared launch's STEP_ARGS are this step's below)
+        launch.set_ints(STEP_ARGS, step_arguments((0, per_cta, total), part_buf.ptr,
+                                                  count_buf.ptr, tables_at, lens_at, cum16_at,
+                                                  first_seq_at, width))
         launch.set_float(SCALE_ARG, self.default_scale)  # an earlier step changed it?
         return launch
 

@@ -63,6 +63,7 @@ from .work import (
     WORK_GRANULE,
     WorkSplit,
     plan_work,
+    split_rule,
     split_workspace,
 )
 from .writes import (
@@ -85,5 +86,6 @@ __all__ = [
     "check_attention_arrays", "check_cache_dtype", "check_disjoint", "check_kv_scales",
     "check_options", "check_slots", "check_tables", "check_write_arrays", "default_scale",
     "device_ints", "expect", "fp8_scale_range", "host_ints", "kernel_scales", "plan_attention",
-    "plan_work", "split_workspace", "step_arguments", "write_arguments", "write_kernel",
+    "plan_work", "split_rule", "split_workspace", "step_arguments", "write_arguments",
+    "write_kernel",
 ]

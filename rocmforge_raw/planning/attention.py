@@ -122,14 +122,12 @@ ATTENTION_PATCH = (0, 3, 4, 5)  # out, query, k_cache, v_cache
 STEP_ARGS = (1, 2, 6, 7, 8, 9, 13, *WORK_ARGS)
 
 
-def step_arguments(work: WorkSplit, partials: int, counters: int, tables: int, lens: int,
-                   cum16: int, first_seq: int, max_blocks: int) -> tuple[int, ...]:
-    """The values of STEP_ARGS for a step of work split ``work`` (as
-    ``AttentionPlan.arguments`` passes them; addresses as there)."""
-    if work.cum16 is None:
-        cum16 = first_seq = 0
-    return (partials, counters, tables, lens, cum16, first_seq, max_blocks, work.uniform16,
-            work.per_cta, work.total)
+def step_arguments(work: tuple[int, int, int], partials: int, counters: int, tables: int,
+                   lens: int, cum16: int, first_seq: int, max_blocks: int) -> tuple[int, ...]:
+    """The values of STEP_ARGS for a step whose work split ``work`` is (uniform16, per_cta,
+    total) of a ``WorkSplit`` (addresses as ``AttentionPlan.arguments`` takes them; 0 for
+    ``cum16``/``first_seq`` in uniform mode)."""
+    return (partials, counters, tables, lens, cum16, first_seq, max_blocks, *work)
 
 
 @dataclass(frozen=True)

@@ -76,6 +76,13 @@ def _round16(tokens: int) -> int:
 _RULE = (WORK_GRANULE, MIN_TOKENS_PER_CTA, ALIGNED_SHARE_TOKENS, ALIGNED_STRETCH)
 
 
+def split_rule(sms: int) -> tuple[int, int, int, float, int, int, int, float]:
+    """Every constant of ``plan_work``'s split of real lengths on a device of ``sms``
+    multiprocessors, in ``_worksplit.split_lengths``' order from ``granule`` on (what
+    ``_steprows.pack_step`` takes)."""
+    return (*_RULE, sms, PIECE_COST_TOKENS, PIECE_QUANTUM_TOKENS, PAD_MARGIN)
+
+
 def plan_work(groups: int, slots: int, num_seqs: int, lens: np.ndarray | None = None,
               max_len: int = 0, num_partitions: int | None = None, sms: int = 0
               ) -> WorkSplit:
@@ -90,8 +97,7 @@ def plan_work(groups: int, slots: int, num_seqs: int, lens: np.ndarray | None = 
     it is one call into the compiled core (``_worksplit.split_lengths``)."""
     if lens is not None and num_partitions is None:
         num_ctas, per_cta, total, cum16, first_seq = split_lengths(
-            np.ascontiguousarray(lens, np.int32), groups, slots, *_RULE, sms,
-            PIECE_COST_TOKENS, PIECE_QUANTUM_TOKENS, PAD_MARGIN)
+            np.ascontiguousarray(lens, np.int32), groups, slots, *split_rule(sms))
         return WorkSplit(num_ctas, per_cta, total, groups, 0, cum16, first_seq)
     if lens is not None:
         cum16 = np.empty(num_seqs + 1, np.int64)
