@@ -47,11 +47,20 @@ RF_DEVICE unsigned rf_smem_addr(const void* smem) {
 }
 // .cg: through L2 only; L2::128B: L2 fetches the whole 128-byte line of each request (the
 // rows are read whole: H100, native/NOTES.md v24, 1-3 % faster than without; RF_COPY_CA
-// caches in L1 too, for A/B).
+// caches in L1 too, RF_COPY_NO_L2_PREFETCH drops the hint, RF_COPY_EVICT_FIRST drops it for
+// an L2 evict-first policy, for A/B).
 RF_DEVICE void rf_copy16_async(void* smem, const void* gmem) {
 #if defined(RF_COPY_CA)
   asm volatile("cp.async.ca.shared.global [%0], [%1], 16;" ::"r"(rf_smem_addr(smem)),
                "l"(gmem) : "memory");
+#elif defined(RF_COPY_NO_L2_PREFETCH)
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(rf_smem_addr(smem)),
+               "l"(gmem) : "memory");
+#elif defined(RF_COPY_EVICT_FIRST)
+  rf_u64 policy;
+  asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
+  asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2;"
+               ::"r"(rf_smem_addr(smem)), "l"(gmem), "l"(policy) : "memory");
 #else
   asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16;" ::"r"(rf_smem_addr(smem)),
                "l"(gmem) : "memory");

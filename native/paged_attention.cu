@@ -64,10 +64,13 @@
 // Whether an instance computes on matrix units (pa_math.h: NVIDIA tensor cores, AMD MFMA or
 // WMMA) rather than CUDA cores / VALU: a 16-bit or fp8 stage and, on NVIDIA, 8+ rows per
 // warp (any group: G = 1 and 2 pad the queries' 8 rows of an m16n8k16 fragment, and still
-// beat CUDA cores, NOTES v26); on AMD 4+ query heads per group.
+// beat CUDA cores, NOTES v26); on AMD 4+ query heads per group. RF_PA_NO_MATRIX: never
+// (an A/B build).
 template <class E, int G, int TOKENS>
 struct rf_pa_matrix_path {
-#if defined(RF_HAVE_MMA)
+#if defined(RF_PA_NO_MATRIX)
+  static constexpr bool value = false;
+#elif defined(RF_HAVE_MMA)
   static constexpr bool value = E::TENSOR_KIND != 0 && TOKENS / RF_PA_WARPS >= 8;
 #elif defined(RF_HAVE_MFMA) || defined(RF_HAVE_WMMA)
   static constexpr bool value = E::TENSOR_KIND != 0 && G >= 4;
