@@ -30,6 +30,7 @@ class RowArrays:
 def pop_blocks(free: np.ndarray, top: int, count: int, ref_cnt: np.ndarray) -> np.ndarray: ...
 
 COPY_PIECE: int
+MAX_GRID: int
 
 def copy_host(dst: int, src: object) -> None: ...
 def pack_host(base: int, capacity: int, arrays: list[np.ndarray], start: int, align: int

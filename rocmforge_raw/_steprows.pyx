@@ -534,6 +534,8 @@ def pack_host(size_t base, size_t capacity, list arrays, size_t start, size_t al
     them). A staging slot's packing in one call (``Staging.put``)."""
     cdef Py_ssize_t i, n = len(arrays)
     cdef size_t end = start
+    if align < 1:
+        raise ValueError(f"align must be at least 1, got {align}")
     offsets = [0] * n
     sizes = [0] * n
     for i in range(n):
@@ -547,8 +549,12 @@ def pack_host(size_t base, size_t capacity, list arrays, size_t start, size_t al
     return end, offsets
 
 
+#: The most CTAs a launch's grid holds (x dimension).
+MAX_GRID = (1 << 31) - 1
+
+
 cdef inline size_t _rounded(size_t nbytes, size_t align) noexcept:
-    return (nbytes + align - 1) // align * align
+    return (nbytes + align - 1) // align * align  # (align >= 1: the callers check)
 
 
 cdef void _put(size_t dst, object array, size_t nbytes, Py_ssize_t i) except *:
@@ -575,7 +581,8 @@ def pack_step(size_t base, size_t capacity, size_t align, object slots,
     sequence and ``ctas`` slots, ``rule`` its constants from ``granule`` on), computed
     straight into that memory. The layout's bound gives ``first_seq`` room for
     ``max(ctas, 1)`` CTAs (a split never has more); nothing is written unless it fits in
-    ``capacity`` bytes at ``base`` (the caller's).
+    ``capacity`` bytes at ``base`` (the caller's). Arguments that do not fit together raise
+    ``ValueError`` before any byte is written.
 
     Returns (end, offsets of the five, num_ctas, per_cta, total): ``end`` past the bytes
     written, rounded up to ``align``; ``num_ctas`` 0 when nothing was written, ``end`` then
@@ -583,12 +590,23 @@ def pack_step(size_t base, size_t capacity, size_t align, object slots,
     cdef Py_ssize_t n = lens.shape[0]
     if n < 1:
         raise ValueError("a step's staging needs at least one sequence")
-    cdef SplitRule c_rule = SplitRule(rule[0], rule[1], rule[2], rule[3], rule[4], rule[5],
-                                      rule[6], rule[7])
+    if align < 1:
+        raise ValueError(f"align must be at least 1, got {align}")
+    if not 0 <= ctas <= MAX_GRID:  # a grid's CTAs: also bounds first_seq's room below
+        raise ValueError(f"ctas must be in [0, {MAX_GRID}], got {ctas}")
+    if groups < 1:
+        raise ValueError(f"groups must be at least 1, got {groups}")
+    granule, min_tokens, aligned_tokens, stretch, sms, piece_cost, quantum, margin = rule
+    if granule < 1 or quantum < 1:
+        raise ValueError(f"the rule's granule and quantum must be at least 1, got {rule}")
+    cdef SplitRule c_rule = SplitRule(granule, min_tokens, aligned_tokens, stretch, sms,
+                                      piece_cost, quantum, margin)
+    if slots.dtype != np.int64 or slots.shape != (n,):
+        raise ValueError(f"slots must be int64 [{n}], got {slots.dtype} {slots.shape}")
+    if tables.dtype != np.int32 or tables.ndim != 2 or tables.shape[0] != n:
+        raise ValueError(f"tables must be int32 [{n}, width], got {tables.dtype} "
+                         f"{tables.shape}")
     cdef size_t slots_bytes = slots.nbytes, tables_bytes = tables.nbytes
-    if slots_bytes != 8 * <size_t>n or tables_bytes % (4 * <size_t>n):
-        raise ValueError(f"slots of {slots_bytes} bytes and tables of {tables_bytes} do not "
-                         f"fit {n} sequences")
     cdef Py_ssize_t room = ctas if ctas > 1 else 1
     cdef size_t at_lens = _rounded(slots_bytes, align)
     cdef size_t at_tables = at_lens + _rounded(4 * <size_t>n, align)

@@ -286,6 +286,13 @@ class StagingRing:
         self._next = (self._next + 1) % len(self.slots)
         return slot
 
+    def put_back(self, slot: Staging) -> None:
+        """``slot``, the last one ``acquire`` handed out, went unused after all (its plan
+        failed; fence it first, for what it may have queued): it is handed out next again,
+        so the slots keep their turns and a slot that another plan still reads is never
+        handed out early (its fence is marked only when that plan retires)."""
+        self._next = self.slots.index(slot)
+
     def close(self) -> None:
         for slot in self.slots:
             slot.close()

@@ -198,6 +198,34 @@ def test_a_failed_plan_leaves_the_current_plan_current_and_fences_its_slot(doubl
         assert double.launches
 
 
+def test_failed_plans_never_hand_out_the_current_plans_slot(double, rng, monkeypatch):
+    """A plan that fails after taking a staging slot gives it back to the ring: the plans
+    after it (failing or not) never reuse the slot whose metadata the current plan's
+    launches read, so those bytes stay the current plan's."""
+    with _cache(double, [100, 150, 180, 190]) as cache:
+        meta = cache.batch([0, 1, 2, 3])
+        steps = cache._steps
+        tables_at, lens_at, slots_at = meta._addresses
+
+        def broken(*args):
+            raise MemoryError("workspace allocation failed")
+
+        monkeypatch.setattr(steps, "_attention_launch", broken)
+        for ids in ([0, 1, 2, 3], [3, 2], [1]):
+            with pytest.raises(MemoryError):
+                cache.batch(ids)
+            assert steps.current is meta
+            assert steps.ring.slots[steps.ring._next] is not meta._staging
+        monkeypatch.undo()
+        np.testing.assert_array_equal(_read(lens_at, np.int32, 4), meta.seq_lens)
+        np.testing.assert_array_equal(_read(slots_at, np.int64, 4), meta.slot_mapping)
+        np.testing.assert_array_equal(
+            _read(tables_at, np.int32, meta.block_tables.size).reshape(
+                meta.block_tables.shape), meta.block_tables)
+        after = cache.batch([3, 2])
+        assert after._staging is not meta._staging
+
+
 def _kv(cache, meta):
     """A new token's key and value for each sequence of ``meta`` on the double."""
     from rocmforge_raw.array import DeviceArray
@@ -309,8 +337,7 @@ def test_pack_step_lays_out_what_pack_host_does_with_the_split_computed_in_place
         rng, lens, sms):
     """``pack_step``'s bytes are ``pack_host``'s of [slots, lens, tables] and of
     ``plan_work``'s arrays, with the same (num_ctas, per_cta, total); a layout that does not
-    fit writes nothing and says how many bytes it needs; sizes that do not fit the lengths
-    are refused before any byte is written."""
+    fit writes nothing and says how many bytes it needs."""
     n, groups, ctas = len(lens), 8, 264
     lens = np.asarray(lens, np.int32)
     slots = rng.integers(-1, 1 << 40, n).astype(np.int64)
@@ -330,11 +357,37 @@ def test_pack_step_lays_out_what_pack_host_does_with_the_split_computed_in_place
         end, offsets, work.num_ctas, work.per_cta, work.total)
     np.testing.assert_array_equal(got[:end], want[:end])
     assert (got[end:] == 0xAB).all()
-    got[:] = 0xAB
-    with pytest.raises(ValueError, match="do not fit"):
-        pack_step(got.ctypes.data, got.nbytes, 256, slots[:-1], lens, tables, groups, ctas,
-                  rule)
-    assert (got == 0xAB).all()
+
+
+def test_pack_step_refuses_arguments_that_do_not_fit_before_writing_a_byte(rng):
+    """Each argument ``pack_step`` is given wrong gets a ValueError naming it, and the
+    memory stays as it was: a short rule, align 0, a grid too large to stage, slots or
+    tables of another dtype or row count; ``pack_host`` refuses align 0 too."""
+    lens = np.asarray([100, 7, 3000], np.int32)
+    slots = rng.integers(0, 1 << 40, 3).astype(np.int64)
+    tables = rng.integers(0, 4000, (3, 9)).astype(np.int32)
+    memory = np.full(1 << 14, 0xAB, np.uint8)
+    base, rule = memory.ctypes.data, split_rule(132)
+    bad = [
+        (dict(rule=rule[:4]), "unpack|values"),
+        (dict(align=0), "align must be at least 1, got 0"),
+        (dict(ctas=1 << 62), "ctas must be in"),
+        (dict(ctas=-1), "ctas must be in"),
+        (dict(groups=0), "groups must be at least 1, got 0"),
+        (dict(slots=slots.astype(np.int32).repeat(2)), "slots must be int64"),
+        (dict(slots=slots[:2]), "slots must be int64"),
+        (dict(tables=tables.astype(np.int64)), "tables must be int32"),
+        (dict(tables=tables[:2]), "tables must be int32"),
+    ]
+    good = dict(base=base, capacity=memory.nbytes, align=256, slots=slots, lens=lens,
+                tables=tables, groups=8, ctas=264, rule=rule)
+    for change, message in bad:
+        with pytest.raises(ValueError, match=message):
+            pack_step(**{**good, **change})
+        assert (memory == 0xAB).all(), change
+    with pytest.raises(ValueError, match="align must be at least 1"):
+        pack_host(base, memory.nbytes, [slots], 0, 0)
+    assert (memory == 0xAB).all()
 
 
 def test_set_ints_checks_every_index_before_it_changes_a_slot(double):

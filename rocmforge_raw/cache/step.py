@@ -175,6 +175,8 @@ class StepPlanner:
         except BaseException:  # the upload may be queued: its slot waits for it all the same
             if staging is not None:
                 staging.fence.mark(stream)
+                assert self.ring is not None  # (it handed the slot out)
+                self.ring.put_back(staging)  # not the current plan's slot next
             raise
         meta = BatchMetadata._planned(fields)
         self.retire()  # only now: a plan that failed leaves the current one current
