@@ -23,6 +23,7 @@ import ctypes
 import os
 import sys
 import weakref
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -206,12 +207,7 @@ class Staging:
             if self._reserve(max(total, ALIGN)) and start:  # a new buffer: earlier puts
                 start = 0  # stay in the old one, kept
             total, offsets = pack_host(self.host.ptr, self.buffer.nbytes, arrays, start, ALIGN)
-        if total > start:
-            self.backend.upload(self.buffer.ptr + start, self.host.ptr + start, total - start,
-                                stream_handle(stream, "stream", self.backend, self.device))
-        self._used = total
-        base = self.buffer.ptr
-        return [base + offset for offset in offsets]
+        return self._upload(start, total, offsets, stream)
 
     def put_step(self, slots: np.ndarray, lens: np.ndarray, tables: np.ndarray, groups: int,
                  ctas: int, rule: tuple, stream: Stream | None
@@ -231,11 +227,18 @@ class Staging:
                 self.host.ptr, self.buffer.nbytes, ALIGN, slots, lens, tables, groups, ctas,
                 rule)
             assert num_ctas, "a reserved slot holds its step"
-        self.backend.upload(self.buffer.ptr, self.host.ptr, end,
-                            stream_handle(stream, "stream", self.backend, self.device))
+        return self._upload(0, end, offsets, stream), (num_ctas, per_cta, total)
+
+    def _upload(self, start: int, end: int, offsets: Sequence[int], stream: Stream | None
+                ) -> list[int]:
+        """Queue the upload of the packed bytes ``[start, end)`` on ``stream`` (the puts
+        since the fence now fill ``end`` bytes); the device addresses of ``offsets``."""
+        if end > start:
+            self.backend.upload(self.buffer.ptr + start, self.host.ptr + start, end - start,
+                                stream_handle(stream, "stream", self.backend, self.device))
         self._used = end
         base = self.buffer.ptr
-        return [base + offset for offset in offsets], (num_ctas, per_cta, total)
+        return [base + offset for offset in offsets]
 
     def _reserve(self, nbytes: int) -> bool:
         """Room for ``nbytes``; True when that took new buffers."""
