@@ -14,6 +14,7 @@ import json
 import os
 import re
 from pathlib import Path
+from typing import Any
 
 from rocmforge_raw import bench, module, planning
 from rocmforge_raw.runtime import get_backend
@@ -23,6 +24,25 @@ def _at_most(shared_bytes, ctas: int):
     """attention_shared_bytes raised so that at most ``ctas`` CTAs fit an SM of 228 KiB."""
     floor = (228 // ctas - 14) << 10  # static shared memory and the reserve: < 14 KiB
     return lambda *args: max(shared_bytes(*args), floor)
+
+
+#: The packaged instances' pipeline and shared memory, which a variant's name may change.
+PACKAGED_STAGES = planning.ATTENTION_STAGES["cuda"]
+PACKAGED_SHARED_BYTES = planning.attention_shared_bytes
+
+
+def load_variant(path: Path, backend: Any) -> None:
+    """Run the tuning build ``path`` in place of the packaged paged_attention from now on: a
+    name ending in ``_sSTAGESxBYTES`` sets the pipeline (so the launch's shared memory), one
+    with ``_cN`` at most N CTAs per SM; otherwise the packaged ones' settings."""
+    module._loaded[("cuda", 0, "paged_attention")] = module.Module(path, 0, backend)
+    planning.attention_kernel.cache_clear()
+    stages = re.search(r"_s(\d+)x(\d+)$", path.stem)  # NAME_sSTAGESxBYTES
+    planning.ATTENTION_STAGES["cuda"] = ((int(stages[1]), int(stages[2]), 16) if stages
+                                         else PACKAGED_STAGES)
+    ctas = re.search(r"_c(\d+)(?:_|$)", path.stem)  # NAME_cN: N CTAs per SM at most
+    planning.attention.attention_shared_bytes = (  # attention_kernel's lookup
+        _at_most(PACKAGED_SHARED_BYTES, int(ctas[1])) if ctas else PACKAGED_SHARED_BYTES)
 
 
 def main() -> None:
@@ -39,17 +59,8 @@ def main() -> None:
     read = bench.read_bandwidth(backend, 0)
     print(f"copy bandwidth {copy:.0f} GB/s, read bandwidth {read:.0f} GB/s")
     results = []
-    default_stages = planning.ATTENTION_STAGES["cuda"]
-    shared_bytes = planning.attention_shared_bytes
     for path in sorted(Path(".variants").glob("*.cubin")):
-        module._loaded[("cuda", 0, "paged_attention")] = module.Module(path, 0, backend)
-        planning.attention_kernel.cache_clear()
-        stages = re.search(r"_s(\d+)x(\d+)$", path.stem)  # NAME_sSTAGESxBYTES
-        planning.ATTENTION_STAGES["cuda"] = ((int(stages[1]), int(stages[2]), 16) if stages
-                                             else default_stages)
-        ctas = re.search(r"_c(\d+)(?:_|$)", path.stem)  # NAME_cN: N CTAs per SM at most
-        planning.attention.attention_shared_bytes = (  # attention_kernel's lookup
-            _at_most(shared_bytes, int(ctas[1])) if ctas else shared_bytes)
+        load_variant(path, backend)
         for parts in [None, *args.partitions]:
             rows = bench.bench_attention(backend, 0, copy, args.iters, shapes,
                                          num_partitions=parts, read_gbs=read)

@@ -8,8 +8,9 @@ this reproduces: there FlashInfer's kernels kept 1875-1965 MHz and ours 1508-180
 
 Shapes by ``bench`` name (S1..S6, S1-fp8.., sweep rows); ``--dtype bf16|f16`` overrides the
 activations' dtype (the values read: f16 normals cost more power than bf16 ones, v28).
-``--variants DIR`` runs each ``DIR/*.cubin`` (tools/build_variants.sh; a name ending in
-``_c2`` at two CTAs a SM) in place of the packaged object; ``--flashinfer`` adds FlashInfer's
+``--variants DIR`` runs each ``DIR/*.cubin`` (tools/build_variants.sh; its name sets its
+pipeline and CTAs per SM as tools/attention_variants.py reads them) in place of the packaged
+object; ``--flashinfer`` adds FlashInfer's
 CUDA-core and tensor-core decode on the same pages (needs torch and flashinfer, as
 ../shared/device/side_by_side.py); ``--references`` first runs ``rf_read_bytes`` and a
 device copy over 1 GiB. On the GPU machine:
@@ -29,8 +30,9 @@ from typing import Any
 
 import ml_dtypes
 import numpy as np
+from attention_variants import load_variant  # (this directory: run as tools/clock_power.py)
 
-from rocmforge_raw import bench, module, planning
+from rocmforge_raw import bench, module
 from rocmforge_raw.array import DeviceArray
 from rocmforge_raw.buffer import HipBuffer
 from rocmforge_raw.runtime import get_backend
@@ -148,9 +150,6 @@ def main() -> None:
     if args.references:
         references(backend, args.seconds)
     rng = np.random.default_rng(7)
-    key = ("cuda", 0, "paged_attention")
-    packaged = module._loaded.get(key)  # (None: not loaded yet)
-    shared_bytes = planning.attention_shared_bytes
     for name in args.shapes:
         shape = known[name]
         if args.dtype:
@@ -171,22 +170,13 @@ def main() -> None:
                 report(label, what, sample(backend, run, args.seconds))
         for path in variants(args.variants):
             if path is not None:
-                module._loaded[key] = module.Module(path, 0, backend)
-            planning.attention_kernel.cache_clear()
-            floor = (228 // 2 - 14) << 10 if path and path.stem.endswith("_c2") else 0
-            planning.attention.attention_shared_bytes = (  # attention_kernel's lookup
-                lambda *a, floor=floor: max(shared_bytes(*a), floor))
+                load_variant(path, backend)
             launch = bench.AttentionLaunch(out, q, k, v, tables, lens)
             try:
                 report(label, "ours" if path is None else path.stem,
                        sample(backend, launch, args.seconds))
             finally:
                 launch.close()
-        planning.attention.attention_shared_bytes = shared_bytes
-        if packaged is None:
-            module._loaded.pop(key, None)
-        else:
-            module._loaded[key] = packaged
         for array in (q, out, k, v):
             array.buffer.root.close()
 
