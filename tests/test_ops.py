@@ -140,13 +140,22 @@ def test_narrow_instances_plan_half_stages():
 
 
 def test_fp8_instances_plan_two_stages_of_codes_at_most_128_tokens_each():
-    # rf_pa_stage: an fp8 cache's stages hold its codes (rows of head_dim bytes, padded by 16)
-    pad = planning.ATTENTION_STAGES["cuda"][2]
+    # rf_pa_stage: an fp8 cache's stages hold its codes (rows of head_dim bytes, unpadded)
     for head_dim, tokens in ((64, 128), (128, 128), (256, 64)):
-        want = 2 * tokens * 2 * (head_dim + pad)
+        want = 2 * tokens * 2 * head_dim
         for group in ops.GROUP_SIZES:
             assert ops.attention_shared_bytes("cuda", 2 * head_dim, group, True) == want
     assert ops.attention_shared_bytes("hip", 256, 4, True) == 0  # AMD: static LDS
+
+
+def test_only_f32_rows_are_padded_in_the_stages():
+    # rf_pa_tile: 16-bit rows are swizzled, unpadded; f32 rows (CUDA cores) padded by 16 bytes
+    stages, stage_bytes, pad = planning.ATTENTION_STAGES["cuda"]
+    for head_dim in ops.HEAD_DIMS:
+        assert ops.attention_shared_bytes("cuda", 2 * head_dim, 8) == stages * stage_bytes
+        rows = stage_bytes // 2 // (4 * head_dim)
+        assert ops.attention_shared_bytes("cuda", 4 * head_dim, 8, itemsize=4) == stages * (
+            stage_bytes + 2 * rows * pad)
 
 
 def test_each_cuda_attention_instance_fits_the_ctas_its_registers_are_fitted_to(gpu):

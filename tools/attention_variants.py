@@ -31,18 +31,27 @@ PACKAGED_STAGES = planning.ATTENTION_STAGES["cuda"]
 PACKAGED_SHARED_BYTES = planning.attention_shared_bytes
 
 
+def _padded(shared_bytes):
+    """attention_shared_bytes of a build whose 16-bit rows and codes are padded as f32 rows
+    are (every build before native/NOTES.md v29)."""
+    return lambda backend, row_bytes, group, fp8=False, itemsize=2: shared_bytes(
+        backend, row_bytes, group, fp8, 4)
+
+
 def load_variant(path: Path, backend: Any) -> None:
     """Run the tuning build ``path`` in place of the packaged paged_attention from now on: a
     name ending in ``_sSTAGESxBYTES`` sets the pipeline (so the launch's shared memory), one
-    with ``_cN`` at most N CTAs per SM; otherwise the packaged ones' settings."""
+    with ``_cN`` at most N CTAs per SM, one with ``_pad`` pads every row (builds before
+    v29); otherwise the packaged ones' settings."""
     module._loaded[("cuda", 0, "paged_attention")] = module.Module(path, 0, backend)
     planning.attention_kernel.cache_clear()
     stages = re.search(r"_s(\d+)x(\d+)$", path.stem)  # NAME_sSTAGESxBYTES
     planning.ATTENTION_STAGES["cuda"] = ((int(stages[1]), int(stages[2]), 16) if stages
                                          else PACKAGED_STAGES)
     ctas = re.search(r"_c(\d+)(?:_|$)", path.stem)  # NAME_cN: N CTAs per SM at most
+    shared = _padded(PACKAGED_SHARED_BYTES) if "_pad" in path.stem else PACKAGED_SHARED_BYTES
     planning.attention.attention_shared_bytes = (  # attention_kernel's lookup
-        _at_most(PACKAGED_SHARED_BYTES, int(ctas[1])) if ctas else PACKAGED_SHARED_BYTES)
+        _at_most(shared, int(ctas[1])) if ctas else shared)
 
 
 def main() -> None:

@@ -23,8 +23,9 @@ FP8_CODE_FACTOR = {np.dtype(ml_dtypes.float8_e4m3fn): 256.0,
                    np.dtype(ml_dtypes.float8_e4m3fnuz): 128.0}
 THREADS = 128  # RF_PA_THREADS
 #: The attention kernel's dynamic shared memory per backend: (RF_PA_STAGES,
-#: RF_PA_STAGE_BYTES, bytes each K/V row is padded by). The AMD kernel's one stage is static
-#: LDS, each instance sizing its own (rf_pa_stage), so hip launches pass none.
+#: RF_PA_STAGE_BYTES, bytes each padded K/V row is padded by: f32 rows; 16-bit rows and fp8
+#: codes are unpadded and swizzled, rf_pa_tile). The AMD kernel's one stage is static LDS,
+#: each instance sizing its own (rf_pa_stage), so hip launches pass none.
 ATTENTION_STAGES = {"cuda": (2, 32768, 16), "hip": (0, 0, 0)}
 
 
@@ -37,17 +38,20 @@ NARROW_ROW_BYTES = 128
 CODE_STAGE_TOKENS = 128
 
 
-def attention_shared_bytes(backend: str, row_bytes: int, group: int, fp8: bool = False
-                           ) -> int:
+def attention_shared_bytes(backend: str, row_bytes: int, group: int, fp8: bool = False,
+                           itemsize: int = 2) -> int:
     """Dynamic shared memory a launch of the attention kernel of ``group`` heads whose rows
-    of the activation dtype are ``row_bytes`` long passes: its stages, each holding the K and
-    V rows of a tile, every row padded (0 on hip: the stage is static there). An fp8 cache's
-    stages hold its codes (rows of ``row_bytes / 2``), at most CODE_STAGE_TOKENS of them; a
-    narrow instance (rows of NARROW_ROW_BYTES, fewer than GROUP_SIZES[-1] heads, a 16-bit
-    cache) keeps its two stages at half the size."""
+    of the activation dtype (``itemsize`` bytes an element) are ``row_bytes`` long passes:
+    its stages, each holding the K and V rows of a tile (0 on hip: the stage is static
+    there); f32 rows are padded, 16-bit rows and codes not. An fp8 cache's stages hold its
+    codes (rows of ``row_bytes / 2``), at most CODE_STAGE_TOKENS of them; a narrow instance
+    (rows of NARROW_ROW_BYTES, fewer than GROUP_SIZES[-1] heads, a 16-bit cache) keeps its
+    two stages at half the size."""
     stages, stage_bytes, pad = ATTENTION_STAGES[backend]
     if stages == 0:
         return 0
+    if itemsize != 4:  # rf_pa_tile: swizzled, unpadded
+        pad = 0
     if fp8:  # rf_pa_stage: the codes as they are in the cache
         row_bytes //= 2
         stage_bytes = min(stage_bytes, 2 * CODE_STAGE_TOKENS * row_bytes)
@@ -177,7 +181,7 @@ def attention_kernel(backend: Backend, device: int, dtype: np.dtype, head_dim: i
     name, group = attention_instance(dtype, head_dim, ratio, cache_dtype)
     kernel = load_kernels("paged_attention", device, backend).function(name)
     shared = attention_shared_bytes(backend.name, head_dim * dtype.itemsize, group,
-                                    cache_dtype in FP8_DTYPES)
+                                    cache_dtype in FP8_DTYPES, dtype.itemsize)
     multiprocessors = backend.cached_properties(device).multiprocessors
     slots = kernel.max_active_blocks(THREADS, shared) * multiprocessors
     return AttentionKernel(kernel, group, math.ceil(ratio / group), shared, slots,
