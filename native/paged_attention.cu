@@ -80,18 +80,17 @@ struct rf_pa_matrix_path {
 };
 
 // A shared-memory stage: the K rows of one tile (TOKENS tokens), then its V rows. On NVIDIA,
-// rows of 16-bit elements or of codes (those the tensor cores read from sm_80 on) are
-// unpadded and swizzled: chunk j of row r sits in slot
-// j ^ (line(r) & 7) of its row (line(r): the row's 128-byte line, r / (128 / ROW_BYTES) for
-// rows shorter than a line; the XOR only permutes the first min(VPR, 8) chunks' low bits), so
-// the 8 rows an ldmatrix reads at one chunk, and the 128 bytes a quarter warp's 16-byte copies
-// fill, fall in 8 distinct bank groups. Unpadded rows cost less power per byte moved than
-// padded ones (NOTES v29: 55-60 W less, and 3 % less time, for the copy alone on an H100).
-// Elsewhere (f32 rows, AMD) each row is padded. Shared memory is 32 banks of 4 bytes; a 16-byte access by a wave is served 8 lanes
-// at a time (NVIDIA: a quarter warp; AMD: lanes 8i..8i+7, and for gfx9's ds_read_b128 also
-// lanes 4i..4i+3 with those 16 on and 4 off: 0-3 with 20-23, 4-7 with 16-19), so it is
-// conflict-free when the 8 lanes of each such set read 8 different bank groups of 16 bytes
-// (or the same address). Rows are padded by 16 bytes (AMD's vector path: 16 per 8 threads of
+// rows of 16-bit elements, and codes of up to 128 dims (those the tensor cores read from
+// sm_80 on), are unpadded and swizzled: chunk j of row r sits in slot j ^ (line(r) & 7) of
+// its row (line(r): r, or r / 2 for 64-byte rows, which swizzle by & 3), so the 8 rows an
+// ldmatrix reads at one chunk, and the 128 bytes a quarter warp's 16-byte copies fill, fall
+// in 8 distinct bank groups. Unpadded rows cost less power per byte moved than padded ones
+// (NOTES v29: 55-60 W less, and 3 % less time, for the copy alone on an H100). Elsewhere
+// (f32 rows, d256 codes, AMD) each row is padded. Shared memory is 32 banks of 4 bytes; a
+// 16-byte access by a wave is served 8 lanes at a time (NVIDIA: a quarter warp; AMD: lanes
+// 8i..8i+7, and for gfx9's ds_read_b128 also lanes 4i..4i+3 with those 16 on and 4 off:
+// 0-3 with 20-23, 4-7 with 16-19), so it is conflict-free when the 8 lanes of each such set
+// read 8 different bank groups of 16 bytes (or the same address). Rows are padded by 16 bytes (AMD's vector path: 16 per 8 threads of
 // a row's score; NVIDIA's stages give a row at most 8), so row r + 1 starts PAD / 16 bank
 // groups after row r: chunk j of row r is in group (r * PAD / 16 + j) mod 8. qk_chunk, the
 // vector path's V rows and chunks and query layout (pa_math.h) and the register copy's stores
@@ -118,8 +117,9 @@ struct rf_pa_tile {
 #elif defined(RF_HAVE_BULK)  // (A/B) one bulk copy a row: rows whole, so padded
   static constexpr bool SWIZZLED = false;
   static constexpr int PAD = 16;
-#else  // 16-bit rows and codes; planning.attention_shared_bytes sizes the stages the same way
-  static constexpr bool SWIZZLED = sizeof(typename S::storage) <= 2;
+#else  // 16-bit rows, codes of up to 128 dims (d256's spilled more registers swizzled);
+       // planning.attention_shared_bytes sizes the stages the same way
+  static constexpr bool SWIZZLED = sizeof(typename S::storage) == 2 || (CODES && D <= 128);
   static constexpr int PAD = SWIZZLED ? 0 : 16;
 #endif
   static constexpr int STRIDE = ROW_BYTES + PAD;  // bytes per (padded) row
@@ -131,14 +131,19 @@ struct rf_pa_tile {
                 "a row spans whole sets of the 32 banks (or half of them: codes of 64 dims)");
   // (row: padded layouts only, whose rows are whole)
   RF_DEVICE static const char* row(const char* plane, int r) { return plane + r * STRIDE; }
-  RF_DEVICE static int slot(int r, int j) {  // where chunk j of row r sits in its row
-    return SWIZZLED ? j ^ (r / LINE_ROWS & SWIZZLE) : j;
-  }
+  // Swizzled, the XOR goes on the address: a row starts at a multiple of 128 bytes (64 for
+  // 64-byte rows; the stages are 128-byte aligned), so it flips only the chunk's bits 4-6 (or
+  // 4-5), and ptxas keeps one address a row and an XOR an access. (XORing the chunk index
+  // instead, ptxas hoisted each access's offset out of the tile loop: head_dim 256 spilled
+  // up to 300 bytes, ptxas -v.)
   RF_DEVICE static const char* chunk(const char* plane, int r, int j) {
-    return plane + r * STRIDE + 16 * slot(r, j);
+    const char* at = plane + r * STRIDE + 16 * j;
+    if constexpr (!SWIZZLED) return at;
+    const rf_u64 flip = 16u * (unsigned)(r / LINE_ROWS & SWIZZLE);
+    return reinterpret_cast<const char*>(reinterpret_cast<rf_u64>(at) ^ flip);
   }
   RF_DEVICE static char* chunk(char* plane, int r, int j) {
-    return plane + r * STRIDE + 16 * slot(r, j);
+    return const_cast<char*>(chunk(static_cast<const char*>(plane), r, j));
   }
   RF_DEVICE static rf_vec16 load(const char* plane, int r, int j) {
     if constexpr (ALIGNED) return rf_lds_load16(chunk(plane, r, j));

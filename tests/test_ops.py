@@ -140,9 +140,11 @@ def test_narrow_instances_plan_half_stages():
 
 
 def test_fp8_instances_plan_two_stages_of_codes_at_most_128_tokens_each():
-    # rf_pa_stage: an fp8 cache's stages hold its codes (rows of head_dim bytes, unpadded)
-    for head_dim, tokens in ((64, 128), (128, 128), (256, 64)):
-        want = 2 * tokens * 2 * head_dim
+    # rf_pa_stage: an fp8 cache's stages hold its codes (rows of head_dim bytes, unpadded up
+    # to 128 dims, else padded by 16: rf_pa_tile)
+    pad = planning.ATTENTION_STAGES["cuda"][2]
+    for head_dim, tokens, row in ((64, 128, 64), (128, 128, 128), (256, 64, 256 + pad)):
+        want = 2 * tokens * 2 * row
         for group in ops.GROUP_SIZES:
             assert ops.attention_shared_bytes("cuda", 2 * head_dim, group, True) == want
     assert ops.attention_shared_bytes("hip", 256, 4, True) == 0  # AMD: static LDS

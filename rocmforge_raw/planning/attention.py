@@ -23,10 +23,13 @@ FP8_CODE_FACTOR = {np.dtype(ml_dtypes.float8_e4m3fn): 256.0,
                    np.dtype(ml_dtypes.float8_e4m3fnuz): 128.0}
 THREADS = 128  # RF_PA_THREADS
 #: The attention kernel's dynamic shared memory per backend: (RF_PA_STAGES,
-#: RF_PA_STAGE_BYTES, bytes each padded K/V row is padded by: f32 rows; 16-bit rows and fp8
-#: codes are unpadded and swizzled, rf_pa_tile). The AMD kernel's one stage is static LDS,
-#: each instance sizing its own (rf_pa_stage), so hip launches pass none.
+#: RF_PA_STAGE_BYTES, bytes each padded K/V row is padded by: f32 rows and fp8 codes of
+#: more than SWIZZLED_CODE_BYTES; 16-bit rows and other codes are unpadded and swizzled,
+#: rf_pa_tile). The AMD kernel's one stage is static LDS, each instance sizing its own
+#: (rf_pa_stage), so hip launches pass none.
 ATTENTION_STAGES = {"cuda": (2, 32768, 16), "hip": (0, 0, 0)}
+#: The longest fp8 code rows (bytes: head_dim) a stage holds unpadded (rf_pa_tile::SWIZZLED).
+SWIZZLED_CODE_BYTES = 128
 
 
 #: Stage rows this long (head_dim 64 of a 16-bit cache) make an instance with fewer than
@@ -43,21 +46,22 @@ def attention_shared_bytes(backend: str, row_bytes: int, group: int, fp8: bool =
     """Dynamic shared memory a launch of the attention kernel of ``group`` heads whose rows
     of the activation dtype (``itemsize`` bytes an element) are ``row_bytes`` long passes:
     its stages, each holding the K and V rows of a tile (0 on hip: the stage is static
-    there); f32 rows are padded, 16-bit rows and codes not. An fp8 cache's stages hold its
-    codes (rows of ``row_bytes / 2``), at most CODE_STAGE_TOKENS of them; a narrow instance
+    there); f32 rows and codes longer than SWIZZLED_CODE_BYTES are padded, other rows not.
+    An fp8 cache's stages hold its codes (rows of ``row_bytes / 2``), at most
+    CODE_STAGE_TOKENS of them; a narrow instance
     (rows of NARROW_ROW_BYTES, fewer than GROUP_SIZES[-1] heads, a 16-bit cache) keeps its
     two stages at half the size."""
     stages, stage_bytes, pad = ATTENTION_STAGES[backend]
     if stages == 0:
         return 0
-    if itemsize != 4:  # rf_pa_tile: swizzled, unpadded
-        pad = 0
     if fp8:  # rf_pa_stage: the codes as they are in the cache
         row_bytes //= 2
         stage_bytes = min(stage_bytes, 2 * CODE_STAGE_TOKENS * row_bytes)
     elif row_bytes == NARROW_ROW_BYTES and group < GROUP_SIZES[-1]:
         stage_bytes //= 2
     rows = stage_bytes // 2 // row_bytes
+    if itemsize != 4 and not (fp8 and row_bytes > SWIZZLED_CODE_BYTES):  # swizzled
+        pad = 0
     return stages * (stage_bytes + 2 * rows * pad)
 
 
