@@ -58,7 +58,7 @@
 #define RF_PA_MIN_BLOCKS 3
 #endif
 #ifndef RF_PA_NARROW_BLOCKS  // the same for NVIDIA's narrow instances (rf_pa_stage)
-#define RF_PA_NARROW_BLOCKS 5
+#define RF_PA_NARROW_BLOCKS 4
 #endif
 
 // Whether an instance computes on matrix units (pa_math.h: NVIDIA tensor cores, AMD MFMA or
@@ -169,9 +169,9 @@ struct rf_pa_tile {
 // then takes 16 registers a lane instead of 32, and with eight heads' accumulators a 16 KiB
 // stage spilled on gfx1100 (to 128 bytes of scratch). NVIDIA's narrow instances (128-byte
 // rows of a 16-bit cache, head_dim 64, and fewer than 8 heads) take half stages (64-token
-// tiles, as at head_dim 128) and five CTAs per SM instead of three: their per-tile work is a
+// tiles, as at head_dim 128) and four CTAs per SM instead of three: their per-tile work is a
 // latency chain that more warps hide (planning.attention_shared_bytes halves their stages the
-// same way).
+// same way). Five spilled 36-64 bytes in 96 registers and ran 2-7 % slower (NOTES v29).
 //
 // NVIDIA's fp8 instances stage the codes as copied (CODES: the asynchronous pipeline of the
 // 16-bit instances, half the bytes a token) and widen them in registers; their stages hold

@@ -33,7 +33,7 @@ SWIZZLED_CODE_BYTES = 128
 
 
 #: Stage rows this long (head_dim 64 of a 16-bit cache) make an instance with fewer than
-#: GROUP_SIZES[-1] heads narrow on cuda: half stages, five CTAs per SM (rf_pa_stage).
+#: GROUP_SIZES[-1] heads narrow on cuda: half stages, four CTAs per SM (rf_pa_stage).
 NARROW_ROW_BYTES = 128
 
 
