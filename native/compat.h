@@ -127,8 +127,7 @@ RF_DEVICE void rf_fence_device() { __threadfence(); }
 // fence is cumulative over what the barrier ordered before it).
 RF_DEVICE void rf_fence_device_before_barrier() {}
 RF_DEVICE int rf_atomic_add_device(int* p, int v) { return atomicAdd(p, v); }
-// (128-byte aligned: the attention's swizzled stages flip address bits 4-6, rf_pa_tile)
-#define RF_DYNAMIC_SHARED(type, name) extern __shared__ __align__(128) type name[]
+#define RF_DYNAMIC_SHARED(type, name) extern __shared__ __align__(16) type name[]
 // +infinity from its bits: NVRTC has no __builtin_inff (nvcc takes it from the host compiler).
 #define RF_INF __int_as_float(0x7f800000)
 #define RF_HAVE_MMA 1

@@ -54,6 +54,7 @@
 #define RF_PA_STAGES 2
 #endif
 #endif
+#define RF_PA_STAGE_ALIGN 128  // NVIDIA: planning.STAGE_ALIGN, the stages' alignment in bytes
 #ifndef RF_PA_MIN_BLOCKS  // CTAs per multiprocessor the register budget is fitted to
 #define RF_PA_MIN_BLOCKS 3
 #endif
@@ -80,8 +81,8 @@ struct rf_pa_matrix_path {
 };
 
 // A shared-memory stage: the K rows of one tile (TOKENS tokens), then its V rows. On NVIDIA,
-// rows of 16-bit elements, and codes of up to 128 dims (those the tensor cores read from
-// sm_80 on), are unpadded and swizzled: chunk j of row r sits in slot j ^ (line(r) & 7) of
+// rows of 16-bit elements, and fp8 codes of up to 128 dims (d256's stay padded: swizzled,
+// they spilled registers), are unpadded and swizzled: chunk j of row r sits in slot j ^ (line(r) & 7) of
 // its row (line(r): r, or r / 2 for 64-byte rows, which swizzle by & 3), so the 8 rows an
 // ldmatrix reads at one chunk, and the 128 bytes a quarter warp's 16-byte copies fill, fall
 // in 8 distinct bank groups. Unpadded rows cost less power per byte moved than padded ones
@@ -129,11 +130,13 @@ struct rf_pa_tile {
   static constexpr int SWIZZLE = (VPR < 8 ? VPR : 8) - 1;  // the chunk bits the XOR flips
   static_assert(ROW_BYTES % 128 == 0 || (CODES && ROW_BYTES == 64),
                 "a row spans whole sets of the 32 banks (or half of them: codes of 64 dims)");
-  // (row: padded layouts only, whose rows are whole)
-  RF_DEVICE static const char* row(const char* plane, int r) { return plane + r * STRIDE; }
+  RF_DEVICE static const char* row(const char* plane, int r) {  // (padded layouts only)
+    static_assert(!SWIZZLED, "a swizzled row is not whole: address it by chunk()");
+    return plane + r * STRIDE;
+  }
   // Swizzled, the XOR goes on the address: a row starts at a multiple of 128 bytes (64 for
-  // 64-byte rows; the stages are 128-byte aligned), so it flips only the chunk's bits 4-6 (or
-  // 4-5), and ptxas keeps one address a row and an XOR an access. (XORing the chunk index
+  // 64-byte rows; the stages are RF_PA_STAGE_ALIGN-aligned), so it flips only the chunk's bits
+  // 4-6 (or 4-5), and ptxas keeps one address a row and an XOR an access. (XORing the chunk index
   // instead, ptxas hoisted each access's offset out of the tile loop: head_dim 256 spilled
   // up to 300 bytes, ptxas -v.)
   RF_DEVICE static const char* chunk(const char* plane, int r, int j) {
@@ -413,10 +416,15 @@ RF_DEVICE void paged_attention(
                 "a piece's output, and the combine's scratch, fit in one stage");
 #if defined(RF_AMD)
   RF_SHARED rf_vec16 stage_v[STAGES * 2 * Tile::PLANE / 16];  // [STAGES][K, V][T rows]
-#else
-  RF_DYNAMIC_SHARED(rf_vec16, stage_v);
-#endif
   char* const stage_s = reinterpret_cast<char*>(stage_v);
+#else
+  // The stages start at the next multiple of RF_PA_STAGE_ALIGN bytes, whatever alignment the
+  // compiler gives the dynamic array (the launch passes that many bytes more): the swizzle
+  // (rf_pa_tile::chunk) flips address bits of rows that must start on 128-byte boundaries.
+  RF_DYNAMIC_SHARED(rf_vec16, stage_v);
+  char* const stage_s = reinterpret_cast<char*>(stage_v) +
+                        (-(int)rf_smem_addr(stage_v) & (RF_PA_STAGE_ALIGN - 1));
+#endif
   RF_SHARED typename Math::Shared math_s;
   RF_SHARED float wm_s[G][RF_PA_WARPS], wl_s[G][RF_PA_WARPS];  // per-warp max and sum
 

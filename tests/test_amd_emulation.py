@@ -95,7 +95,7 @@ def attention(emulator, rng, dtype, head_dim, block_size, ratio, lens, num_kv_he
 
     name, group = planning.attention_instance(dtype, head_dim, ratio, cache_dtype)
     shared = planning.attention_shared_bytes("hip", head_dim * dtype.itemsize, group,
-                                             cache_dtype is not None)
+                                             cache_dtype is not None, itemsize=dtype.itemsize)
     work = planning.plan_work(num_kv_heads * math.ceil(ratio / group), slots, num_seqs,
                               None if uniform else lens, tables.shape[1] * block_size,
                               num_partitions, sms)

@@ -178,7 +178,7 @@ def _stage(wave: int, kernel: str) -> _Stage:
 @_each_object(("paged_attention",))
 def test_each_attention_instance_holds_its_own_stage_in_static_lds(path):
     # launches on hip pass no dynamic LDS, so the stage must be in the kernel's own
-    assert planning.attention_shared_bytes("hip", 256, 4) == 0
+    assert planning.attention_shared_bytes("hip", 256, 4, itemsize=2) == 0
     for i in amd.instances(path):
         stage = _stage(i.wave, i.kernel).bytes
         assert i.lds_dynamic == 0 and stage <= i.lds_static <= stage + 9 * 1024, (

@@ -131,7 +131,8 @@ def test_narrow_groups_of_two_and_three_heads_match_reference_on_gpu(gpu, rng, r
 
 def test_narrow_instances_plan_half_stages():
     def shared(row_bytes, group, fp8=False):
-        return ops.attention_shared_bytes("cuda", row_bytes, group, fp8)
+        return ops.attention_shared_bytes("cuda", row_bytes, group, fp8, itemsize=2) - (
+            planning.STAGE_ALIGN)
     narrow = planning.NARROW_ROW_BYTES
     for group in (1, 2, 4):
         assert 2 * shared(narrow, group) == shared(narrow, 8)
@@ -146,18 +147,21 @@ def test_fp8_instances_plan_two_stages_of_codes_at_most_128_tokens_each():
     for head_dim, tokens, row in ((64, 128, 64), (128, 128, 128), (256, 64, 256 + pad)):
         want = 2 * tokens * 2 * row
         for group in ops.GROUP_SIZES:
-            assert ops.attention_shared_bytes("cuda", 2 * head_dim, group, True) == want
-    assert ops.attention_shared_bytes("hip", 256, 4, True) == 0  # AMD: static LDS
+            got = ops.attention_shared_bytes("cuda", 2 * head_dim, group, True, itemsize=2)
+            assert got == want + planning.STAGE_ALIGN
+    assert ops.attention_shared_bytes("hip", 256, 4, True, itemsize=2) == 0  # static LDS
 
 
-def test_only_f32_rows_are_padded_in_the_stages():
-    # rf_pa_tile: 16-bit rows are swizzled, unpadded; f32 rows (CUDA cores) padded by 16 bytes
+def test_16_bit_rows_are_unpadded_in_the_stages_and_f32_rows_padded():
+    # rf_pa_tile: 16-bit rows are swizzled, unpadded; f32 rows (CUDA cores) padded by 16
+    # bytes; every cuda launch passes STAGE_ALIGN bytes more, to align its stages
     stages, stage_bytes, pad = planning.ATTENTION_STAGES["cuda"]
     for head_dim in ops.HEAD_DIMS:
-        assert ops.attention_shared_bytes("cuda", 2 * head_dim, 8) == stages * stage_bytes
+        got = ops.attention_shared_bytes("cuda", 2 * head_dim, 8, itemsize=2)
+        assert got == stages * stage_bytes + planning.STAGE_ALIGN
         rows = stage_bytes // 2 // (4 * head_dim)
-        assert ops.attention_shared_bytes("cuda", 4 * head_dim, 8, itemsize=4) == stages * (
-            stage_bytes + 2 * rows * pad)
+        got = ops.attention_shared_bytes("cuda", 4 * head_dim, 8, itemsize=4)
+        assert got == stages * (stage_bytes + 2 * rows * pad) + planning.STAGE_ALIGN
 
 
 def test_each_cuda_attention_instance_fits_the_ctas_its_registers_are_fitted_to(gpu):

@@ -199,7 +199,7 @@ def dynamic_lds(kernel: str) -> int:
         return 0
     itemsize = 4 if match[1] == "f32" else 2
     return planning.attention_shared_bytes("hip", int(match[3]) * itemsize, int(match[4]),
-                                           bool(match[2]))
+                                           bool(match[2]), itemsize=itemsize)
 
 
 def instances(path: Path) -> list[Instance]:

@@ -2,8 +2,9 @@
 
 Loads each ``.variants/NAME.cubin`` (see tools/build_variants.sh) in place of the packaged
 object and runs the reference shapes (or ``--shapes`` by name, sweep rows included); prints
-one row per variant and shape. A name ending in ``_sSTAGESxBYTES`` sets the pipeline (so the
-launch's shared memory) to match. Usage:
+one row per variant and shape. A name with ``_sSTAGESxBYTES`` sets the pipeline (so the
+launch's shared memory) to match, ``_cN`` caps the CTAs per SM, and ``_pad`` sizes padded
+rows (builds before native/NOTES.md v29, and RF_USE_BULK builds). Usage:
     python3 tools/attention_variants.py [--iters 30] [--partitions 1 2 4] [--shapes S1 ...]
 """
 
@@ -23,7 +24,7 @@ from rocmforge_raw.runtime import get_backend
 def _at_most(shared_bytes, ctas: int):
     """attention_shared_bytes raised so that at most ``ctas`` CTAs fit an SM of 228 KiB."""
     floor = (228 // ctas - 14) << 10  # static shared memory and the reserve: < 14 KiB
-    return lambda *args: max(shared_bytes(*args), floor)
+    return lambda *args, **kwargs: max(shared_bytes(*args, **kwargs), floor)
 
 
 #: The packaged instances' pipeline and shared memory, which a variant's name may change.
@@ -34,18 +35,18 @@ PACKAGED_SHARED_BYTES = planning.attention_shared_bytes
 def _padded(shared_bytes):
     """attention_shared_bytes of a build whose 16-bit rows and codes are padded as f32 rows
     are (every build before native/NOTES.md v29)."""
-    return lambda backend, row_bytes, group, fp8=False, itemsize=2: shared_bytes(
-        backend, row_bytes, group, fp8, 4)
+    return lambda backend, row_bytes, group, fp8=False, *, itemsize: shared_bytes(
+        backend, row_bytes, group, fp8, itemsize=4)
 
 
 def load_variant(path: Path, backend: Any) -> None:
     """Run the tuning build ``path`` in place of the packaged paged_attention from now on: a
     name ending in ``_sSTAGESxBYTES`` sets the pipeline (so the launch's shared memory), one
     with ``_cN`` at most N CTAs per SM, one with ``_pad`` pads every row (builds before
-    v29); otherwise the packaged ones' settings."""
+    v29, and RF_USE_BULK builds); otherwise the packaged ones' settings."""
     module._loaded[("cuda", 0, "paged_attention")] = module.Module(path, 0, backend)
     planning.attention_kernel.cache_clear()
-    stages = re.search(r"_s(\d+)x(\d+)$", path.stem)  # NAME_sSTAGESxBYTES
+    stages = re.search(r"_s(\d+)x(\d+)(?:_|$)", path.stem)  # NAME_sSTAGESxBYTES
     planning.ATTENTION_STAGES["cuda"] = ((int(stages[1]), int(stages[2]), 16) if stages
                                          else PACKAGED_STAGES)
     ctas = re.search(r"_c(\d+)(?:_|$)", path.stem)  # NAME_cN: N CTAs per SM at most

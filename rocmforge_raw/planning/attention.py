@@ -30,6 +30,9 @@ THREADS = 128  # RF_PA_THREADS
 ATTENTION_STAGES = {"cuda": (2, 32768, 16), "hip": (0, 0, 0)}
 #: The longest fp8 code rows (bytes: head_dim) a stage holds unpadded (rf_pa_tile::SWIZZLED).
 SWIZZLED_CODE_BYTES = 128
+#: Bytes a cuda launch passes beyond its stages: the kernel starts them at the next multiple
+#: of this (RF_PA_STAGE_ALIGN), which its swizzled rows need whatever the compiler aligns.
+STAGE_ALIGN = 128
 
 
 #: Stage rows this long (head_dim 64 of a 16-bit cache) make an instance with fewer than
@@ -41,16 +44,16 @@ NARROW_ROW_BYTES = 128
 CODE_STAGE_TOKENS = 128
 
 
-def attention_shared_bytes(backend: str, row_bytes: int, group: int, fp8: bool = False,
-                           itemsize: int = 2) -> int:
+def attention_shared_bytes(backend: str, row_bytes: int, group: int, fp8: bool = False, *,
+                           itemsize: int) -> int:
     """Dynamic shared memory a launch of the attention kernel of ``group`` heads whose rows
     of the activation dtype (``itemsize`` bytes an element) are ``row_bytes`` long passes:
-    its stages, each holding the K and V rows of a tile (0 on hip: the stage is static
-    there); f32 rows and codes longer than SWIZZLED_CODE_BYTES are padded, other rows not.
-    An fp8 cache's stages hold its codes (rows of ``row_bytes / 2``), at most
-    CODE_STAGE_TOKENS of them; a narrow instance
-    (rows of NARROW_ROW_BYTES, fewer than GROUP_SIZES[-1] heads, a 16-bit cache) keeps its
-    two stages at half the size."""
+    its stages, each holding the K and V rows of a tile, and STAGE_ALIGN bytes to align them
+    (0 on hip: the stage is static there); f32 rows and codes longer than
+    SWIZZLED_CODE_BYTES are padded, other rows not. An fp8 cache's stages hold its codes
+    (rows of ``row_bytes / 2``), at most CODE_STAGE_TOKENS of them; a narrow instance (rows
+    of NARROW_ROW_BYTES, fewer than GROUP_SIZES[-1] heads, a 16-bit cache) keeps its two
+    stages at half the size."""
     stages, stage_bytes, pad = ATTENTION_STAGES[backend]
     if stages == 0:
         return 0
@@ -62,7 +65,7 @@ def attention_shared_bytes(backend: str, row_bytes: int, group: int, fp8: bool =
     rows = stage_bytes // 2 // row_bytes
     if itemsize != 4 and not (fp8 and row_bytes > SWIZZLED_CODE_BYTES):  # swizzled
         pad = 0
-    return stages * (stage_bytes + 2 * rows * pad)
+    return stages * (stage_bytes + 2 * rows * pad) + STAGE_ALIGN
 
 
 @dataclass(frozen=True)
@@ -185,7 +188,7 @@ def attention_kernel(backend: Backend, device: int, dtype: np.dtype, head_dim: i
     name, group = attention_instance(dtype, head_dim, ratio, cache_dtype)
     kernel = load_kernels("paged_attention", device, backend).function(name)
     shared = attention_shared_bytes(backend.name, head_dim * dtype.itemsize, group,
-                                    cache_dtype in FP8_DTYPES, dtype.itemsize)
+                                    cache_dtype in FP8_DTYPES, itemsize=dtype.itemsize)
     multiprocessors = backend.cached_properties(device).multiprocessors
     slots = kernel.max_active_blocks(THREADS, shared) * multiprocessors
     return AttentionKernel(kernel, group, math.ceil(ratio / group), shared, slots,
