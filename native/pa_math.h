@@ -187,9 +187,9 @@ struct rf_pa_core {
 #if defined(RF_HAVE_MMA)
 // ---- NVIDIA tensor cores ---------------------------------------------------------------------
 // QK: S^T[16 tokens x 8 heads] = K[16 x D] . Q^T[D x 8] per warp and m-tile, K by ldmatrix from
-// the stage (rf_pa_tile), Q^T fragments in registers, or for D > 128 (where
-// registers are short) read per k-step from shared memory, rows padded by 16 bytes so the
-// reads are conflict-free; heads past the group are zero, and scores are scaled after the product.
+// the stage (rf_pa_tile), Q^T fragments in registers, or for D > 128 (where registers are
+// short) read per k-step from shared memory, rows padded by 16 bytes so the reads are
+// conflict-free; heads past the group are zero, and scores are scaled after the product.
 // PV: O^T[16 dims x 8 heads] += V^T[16 dims x 16 tokens] . P^T[16 tokens x 8 heads], V^T by
 // ldmatrix.trans, P rounded to the cache's type through shared memory.
 // A stage of fp8 codes (Tile::CODES) is read by the same ldmatrix, two codes taken for one

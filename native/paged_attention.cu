@@ -82,23 +82,24 @@ struct rf_pa_matrix_path {
 
 // A shared-memory stage: the K rows of one tile (TOKENS tokens), then its V rows. On NVIDIA,
 // rows of 16-bit elements, and fp8 codes of up to 128 dims (d256's stay padded: swizzled,
-// they spilled registers), are unpadded and swizzled: chunk j of row r sits in slot j ^ (line(r) & 7) of
-// its row (line(r): r, or r / 2 for 64-byte rows, which swizzle by & 3), so the 8 rows an
-// ldmatrix reads at one chunk, and the 128 bytes a quarter warp's 16-byte copies fill, fall
-// in 8 distinct bank groups. Unpadded rows cost less power per byte moved than padded ones
-// (NOTES v29: 55-60 W less, and 3 % less time, for the copy alone on an H100). Elsewhere
-// (f32 rows, d256 codes, AMD) each row is padded. Shared memory is 32 banks of 4 bytes; a
-// 16-byte access by a wave is served 8 lanes at a time (NVIDIA: a quarter warp; AMD: lanes
-// 8i..8i+7, and for gfx9's ds_read_b128 also lanes 4i..4i+3 with those 16 on and 4 off:
-// 0-3 with 20-23, 4-7 with 16-19), so it is conflict-free when the 8 lanes of each such set
-// read 8 different bank groups of 16 bytes (or the same address). Rows are padded by 16 bytes (AMD's vector path: 16 per 8 threads of
-// a row's score; NVIDIA's stages give a row at most 8), so row r + 1 starts PAD / 16 bank
-// groups after row r: chunk j of row r is in group (r * PAD / 16 + j) mod 8. qk_chunk, the
-// vector path's V rows and chunks and query layout (pa_math.h) and the register copy's stores
-// choose which lane touches which chunk so that every access is conflict-free;
-// tests/test_amd_emulation.py checks that on the AMD kernels' traced accesses. AMD's matrix
-// path pads by 8 bytes instead, so the 16 rows of an MFMA/WMMA K read (8 bytes each) fall in
-// 16 distinct bank pairs (rows then only 8-byte aligned: two 8-byte accesses per chunk).
+// they spilled registers), are unpadded and swizzled: chunk j of row r sits in slot
+// j ^ (line(r) & 7) of its row (line(r): r, or r / 2 for 64-byte rows, which swizzle by & 3),
+// so the 8 rows an ldmatrix reads at one chunk, and the 128 bytes a quarter warp's 16-byte
+// copies fill, fall in 8 distinct bank groups. Unpadded rows cost less power per byte moved
+// than padded ones (NOTES v29: 55-60 W less, and 3 % less time, for the copy alone on an
+// H100). Elsewhere (f32 rows, d256 codes, AMD) each row is padded. Shared memory is 32 banks
+// of 4 bytes; a 16-byte access by a wave is served 8 lanes at a time (NVIDIA: a quarter warp;
+// AMD: lanes 8i..8i+7, and for gfx9's ds_read_b128 also lanes 4i..4i+3 with those 16 on and 4
+// off: 0-3 with 20-23, 4-7 with 16-19), so it is conflict-free when the 8 lanes of each such
+// set read 8 different bank groups of 16 bytes (or the same address). Padded rows are padded
+// by 16 bytes (AMD's vector path: 16 per 8 threads of a row's score; NVIDIA's stages give a
+// row at most 8), so row r + 1 starts PAD / 16 bank groups after row r: chunk j of row r is
+// in group (r * PAD / 16 + j) mod 8. qk_chunk, the vector path's V rows and chunks and query
+// layout (pa_math.h) and the register copy's stores choose which lane touches which chunk so
+// that every access is conflict-free; tests/test_amd_emulation.py checks that on the AMD
+// kernels' traced accesses. AMD's matrix path pads by 8 bytes instead, so the 16 rows of an
+// MFMA/WMMA K read (8 bytes each) fall in 16 distinct bank pairs (rows then only 8-byte
+// aligned: two 8-byte accesses per chunk).
 //
 // S is what the stage holds: E (16-bit or f32 rows), or on NVIDIA an fp8 cache's codes as
 // they are in the cache (CODES: rows of D bytes, widened in registers by the math).
@@ -135,10 +136,10 @@ struct rf_pa_tile {
     return plane + r * STRIDE;
   }
   // Swizzled, the XOR goes on the address: a row starts at a multiple of 128 bytes (64 for
-  // 64-byte rows; the stages are RF_PA_STAGE_ALIGN-aligned), so it flips only the chunk's bits
-  // 4-6 (or 4-5), and ptxas keeps one address a row and an XOR an access. (XORing the chunk index
-  // instead, ptxas hoisted each access's offset out of the tile loop: head_dim 256 spilled
-  // up to 300 bytes, ptxas -v.)
+  // 64-byte rows; the stages are RF_PA_STAGE_ALIGN-aligned), so it flips only the chunk's
+  // bits 4-6 (or 4-5), and ptxas keeps one address a row and an XOR an access. (XORing the
+  // chunk index instead, ptxas hoisted each access's offset out of the tile loop: head_dim
+  // 256 spilled up to 300 bytes, ptxas -v.)
   RF_DEVICE static const char* chunk(const char* plane, int r, int j) {
     const char* at = plane + r * STRIDE + 16 * j;
     if constexpr (!SWIZZLED) return at;
