@@ -580,7 +580,8 @@ def pack_step(size_t base, size_t capacity, size_t align, object slots,
     the work split of ``lens`` (``_worksplit.split_lengths`` over ``groups`` units a
     sequence and ``ctas`` slots, ``rule`` its constants from ``granule`` on), computed
     straight into that memory. The layout's bound gives ``first_seq`` room for
-    ``max(ctas, 1)`` CTAs (a split never has more); nothing is written unless it fits in
+    ``max(ctas, n * groups, 1)`` CTAs (a split never has more: a wave at most, or one CTA a
+    unit, ``_worksplit.whole_units``); nothing is written unless it fits in
     ``capacity`` bytes at ``base`` (the caller's). Arguments that do not fit together raise
     ``ValueError`` before any byte is written.
 
@@ -596,18 +597,22 @@ def pack_step(size_t base, size_t capacity, size_t align, object slots,
         raise ValueError(f"ctas must be in [0, {MAX_GRID}], got {ctas}")
     if groups < 1:
         raise ValueError(f"groups must be at least 1, got {groups}")
-    granule, min_tokens, aligned_tokens, stretch, sms, piece_cost, quantum, margin = rule
+    (granule, min_tokens, aligned_tokens, stretch, sms, piece_cost, quantum, margin,
+     whole_waves, lone_fill) = rule
     if granule < 1 or quantum < 1:
         raise ValueError(f"the rule's granule and quantum must be at least 1, got {rule}")
     cdef SplitRule c_rule = SplitRule(granule, min_tokens, aligned_tokens, stretch, sms,
-                                      piece_cost, quantum, margin)
+                                      piece_cost, quantum, margin, whole_waves, lone_fill)
     if slots.dtype != np.int64 or slots.shape != (n,):
         raise ValueError(f"slots must be int64 [{n}], got {slots.dtype} {slots.shape}")
     if tables.dtype != np.int32 or tables.ndim != 2 or tables.shape[0] != n:
         raise ValueError(f"tables must be int32 [{n}, width], got {tables.dtype} "
                          f"{tables.shape}")
     cdef size_t slots_bytes = slots.nbytes, tables_bytes = tables.nbytes
-    cdef Py_ssize_t room = ctas if ctas > 1 else 1
+    if n * groups > MAX_GRID:
+        raise ValueError(f"{n} sequences of {groups} units make more CTAs than a grid's "
+                         f"{MAX_GRID}")
+    cdef Py_ssize_t room = max(ctas, n * groups, 1)
     cdef size_t at_lens = _rounded(slots_bytes, align)
     cdef size_t at_tables = at_lens + _rounded(4 * <size_t>n, align)
     cdef size_t at_cum16 = at_tables + _rounded(tables_bytes, align)

@@ -4,7 +4,7 @@ cdef struct SplitRule:  # planning.plan_work's constants, in split_lengths' orde
     long long granule, min_tokens, aligned_tokens
     double stretch
     long long sms, piece_cost, quantum
-    double margin
+    double margin, whole_waves, lone_fill
 
 
 cdef Py_ssize_t split_into(const int* lens, Py_ssize_t n, long long groups, long long slots,

@@ -89,19 +89,28 @@ def balanced_share(long long total, long long slots, long long unit, long long g
     return _share(total, slots, unit, granule, min_tokens, aligned_tokens, stretch)
 
 
+def whole_units(long long units, long long longest, long long total, long long slots,
+                double waves) -> bool:
+    """Whether ``units`` units of at most ``longest`` work tokens (``total`` in all) take
+    one CTA each over ``slots`` (``waves`` waves of them at least; 0: never)."""
+    return _whole(units, longest, total, slots, waves)
+
+
 def split_lengths(const int[::1] lens, long long groups, long long slots,
                   long long granule, long long min_tokens, long long aligned_tokens,
                   double stretch, long long sms=0, long long piece_cost=0,
-                  long long quantum=1, double margin=1.0):
+                  long long quantum=1, double margin=1.0, double whole_waves=0.0,
+                  double lone_fill=0.0):
     """``planning.plan_work`` over real lengths in one call: (num_ctas, per_cta, total,
     cum16, first_seq) of ``len(lens)`` sequences of ``groups`` units each (see
     ``prefix_sums``, ``first_sequences`` and ``balanced_share``). With ``sms`` (the device's
     multiprocessors; 0: unknown) a launch of at most ``slots`` units is padded to piece
-    boundaries instead where ``padded_share`` finds a share: ``cum16`` then counts each
-    sequence's work tokens rounded up to a multiple of ``per_cta``, the padding past its
-    length skipped by the kernel."""
+    boundaries instead where ``padded_share`` finds a share (``lone_fill``: see there), and
+    a launch of ``whole_waves`` waves of units or more (``whole_units``; 0: never) to one
+    unit a CTA: ``cum16`` then counts each sequence's work tokens rounded up to a multiple
+    of ``per_cta``, the padding past its length skipped by the kernel."""
     cdef SplitRule rule = SplitRule(granule, min_tokens, aligned_tokens, stretch, sms,
-                                    piece_cost, quantum, margin)
+                                    piece_cost, quantum, margin, whole_waves, lone_fill)
     cdef Py_ssize_t n = lens.shape[0]
     cum16 = np.empty(n + 1, np.int64)
     cdef long long[::1] c = cum16
@@ -119,7 +128,7 @@ cdef Py_ssize_t split_into(const int* lens, Py_ssize_t n, long long groups, long
     """``split_lengths`` of ``n`` lengths (n >= 1) into memory the caller owns: ``cum16``
     (``n + 1`` entries) and ``first_seq`` (room for ``capacity``), ``per_cta`` and
     ``total``. Returns the CTAs, or -1 with ``first_seq`` untouched when they are more
-    than ``capacity`` (a split never has more than ``max(slots, 1)``)."""
+    than ``capacity`` (a split never has more than ``max(slots, n * groups, 1)``)."""
     _split_share(lens, n, groups, slots, rule, cum16, per_cta, total)
     cdef Py_ssize_t ctas = (total[0] + per_cta[0] - 1) // per_cta[0]
     if ctas > capacity:
@@ -133,17 +142,21 @@ cdef void _split_share(const int* lens, Py_ssize_t n, long long groups, long lon
                        long long* total) noexcept:
     """``split_lengths``' share: ``c`` (cum16, ``n + 1`` entries), ``per_cta``, ``total``."""
     cdef Py_ssize_t i
-    cdef long long unit = 0, padded = 0
+    cdef long long unit = 0, padded = 0, longest = 0
     total[0] = _prefix(lens, n, rule.granule, c) * groups
     if n:
         unit = c[1]
-        for i in range(1, n):
+        for i in range(n):
             if c[i + 1] - c[i] != unit:
                 unit = 0
-                break
-    if rule.sms > 0 and n * groups <= slots:
+            if c[i + 1] - c[i] > longest:
+                longest = c[i + 1] - c[i]
+    if rule.sms > 0 and slots > 0 and n and _whole(n * groups, longest, total[0], slots,
+                                                  rule.whole_waves):
+        padded = longest  # one CTA a unit: the hardware's scheduler balances the waves
+    elif rule.sms > 0 and n * groups <= slots:
         padded = _padded(c, n, groups, slots, rule.sms, rule.granule, rule.min_tokens,
-                         rule.piece_cost, rule.quantum, rule.margin)
+                         rule.piece_cost, rule.quantum, rule.margin, rule.lone_fill)
     per_cta[0] = padded or _share(total[0], slots, unit, rule.granule, rule.min_tokens,
                                   rule.aligned_tokens, rule.stretch)
     if padded:
@@ -157,7 +170,8 @@ cdef void _split_share(const int* lens, Py_ssize_t n, long long groups, long lon
 
 def padded_share(const long long[::1] cum16, long long groups, long long slots,
                  long long sms, long long granule, long long min_tokens,
-                 long long piece_cost, long long quantum=1, double margin=1.0) -> int:
+                 long long piece_cost, long long quantum=1, double margin=1.0,
+                 double lone_fill=0.0) -> int:
     """The share per CTA (work tokens, a multiple of ``granule``, at least ``min_tokens``)
     of sequences whose work ``cum16`` sums (``prefix_sums``), each sequence's work padded up
     to a multiple of it so that every CTA holds one piece of one unit; 0 for none.
@@ -167,14 +181,25 @@ def padded_share(const long long[::1] cum16, long long groups, long long slots,
     is its CTAs' cost, the busiest one's ``ceil(ctas / sms)`` of them. The candidates cut
     the longest sequence's work into k pieces for each k (each the least share for its k),
     within one wave of at most ``slots`` CTAs and, but for the first, with two CTAs on some
-    multiprocessor; the least load wins, then the fewer pieces. It is taken only if its load
+    multiprocessor, or one CTA on at least ``lone_fill`` of them (0: never; for instances
+    whose one CTA streams at the copy's rate alone); the least load wins, then the fewer
+    pieces. It is taken only if its load
     is at most ``margin`` times the balanced split's (``balanced_share`` of the unpadded
     work, which cuts units anywhere), else 0: with lengths far apart, whole pieces would
     leave a long sequence to one CTA."""
     if cum16.shape[0] < 2:
         return 0
     return _padded(&cum16[0], cum16.shape[0] - 1, groups, slots, sms, granule, min_tokens,
-                   piece_cost, quantum, margin)
+                   piece_cost, quantum, margin, lone_fill)
+
+
+cdef inline bint _whole(long long units, long long longest, long long total, long long slots,
+                        double waves) noexcept:
+    """Whether one CTA a unit (each ``longest`` work tokens at most, ``total`` in all) is the
+    split: at least ``waves`` waves of them over ``slots`` (0: never), and the longest unit
+    at most a ``waves``-th of a slot's work, so the hardware's scheduler, which starts a CTA
+    wherever one ends, evens the multiprocessors' loads out (native/NOTES.md v30)."""
+    return waves > 0 and units >= waves * slots and longest * slots * waves <= total
 
 
 cdef inline long long _cost(long long share, long long quantum, long long piece_cost
@@ -185,7 +210,7 @@ cdef inline long long _cost(long long share, long long quantum, long long piece_
 cdef long long _padded(const long long* cum16, Py_ssize_t n, long long groups,
                        long long slots, long long sms, long long granule,
                        long long min_tokens, long long piece_cost, long long quantum,
-                       double margin) noexcept:
+                       double margin, double lone_fill) noexcept:
     cdef Py_ssize_t i
     cdef long long k, share, last = 0, pieces, load, longest = 0, total, balanced
     cdef long long best = 0, best_load = 0, best_pieces = 0
@@ -214,7 +239,7 @@ cdef long long _padded(const long long* cum16, Py_ssize_t n, long long groups,
         pieces *= groups
         if pieces > slots:
             continue
-        if best and pieces <= sms:
+        if best and pieces <= sms and not (lone_fill > 0 and pieces >= lone_fill * sms):
             break  # one CTA a multiprocessor: too few loads in flight to stream
         load = (pieces + sms - 1) // sms * _cost(share, quantum, piece_cost)
         if not best or load < best_load or (load == best_load and pieces < best_pieces):

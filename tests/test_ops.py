@@ -471,6 +471,71 @@ def test_a_long_launch_of_one_wave_of_units_is_padded_too():
     assert all(len(items) == 1 for items in walk(split, lens).values())
 
 
+@pytest.mark.parametrize("lens", [[512] * 256, list(np.random.default_rng(3).integers(
+    1, 2049, 512))], ids=["256x512", "512xU2048"])
+def test_many_units_take_one_cta_each(lens):
+    """With at least WHOLE_UNIT_WAVES waves of units (and no unit longer than half a slot's
+    work), each unit is one CTA's one piece, its sequence padded to the longest work; with
+    lengths only as the tables' width, the same in uniform mode. Fewer waves (64 x 4096 at
+    1.3), a unit too long or no such rule keep one balanced wave."""
+    lens = np.asarray(lens, np.int32)
+    rule = (planning.WHOLE_UNIT_WAVES, 0.0)
+    split = ops.plan_work(8, 396, len(lens), lens, sms=132, rule=rule)
+    longest = _ceil16(int(lens.max()))
+    assert (split.per_cta, split.num_ctas) == (longest, 8 * len(lens))
+    pieces = walk(split, lens)
+    assert [pieces[c] for c in range(split.num_ctas)] == [
+        [(s, x, 0, int(n))] for s, n in enumerate(lens) for x in range(8)]
+    uniform = ops.plan_work(8, 396, len(lens), None, max_len=longest, sms=132, rule=rule)
+    assert (uniform.per_cta, uniform.num_ctas, uniform.cum16) == (longest, 8 * len(lens), None)
+    assert ops.plan_work(8, 396, len(lens), lens, sms=132).num_ctas <= 396
+    assert ops.plan_work(8, 396, len(lens), lens, rule=rule).num_ctas <= 396  # sms unknown
+    for few in ([4096] * 64, [16384] + [512] * 255):  # 1.3 waves; one unit too long
+        few = np.asarray(few, np.int32)
+        assert ops.plan_work(8, 396, len(few), few, sms=132, rule=rule).num_ctas <= 396
+
+
+def test_a_lone_cta_a_multiprocessor_only_where_the_rule_allows_it():
+    """16 x 8192 with 64/8 heads (128 units on 132 SMs): whole units under a lone_fill of
+    0.9 (the 16-bit head_dim 128 instances'), two pieces a unit without one; 12 x 8192 (96
+    units, under 0.9 of the SMs) keeps two pieces either way."""
+    lens = np.full(16, 8192, np.int32)
+    split = ops.plan_work(8, 396, 16, lens, sms=132, rule=(2.0, planning.LONE_CTA_FILL))
+    assert (split.per_cta, split.num_ctas) == (8192, 128)
+    assert all(len(items) == 1 for items in walk(split, lens).values())
+    assert ops.plan_work(8, 396, 16, None, max_len=8192, sms=132,
+                         rule=(2.0, planning.LONE_CTA_FILL)).num_ctas == 128
+    assert ops.plan_work(8, 396, 16, lens, sms=132, rule=(2.0, 0.0)).num_ctas == 256
+    few = np.full(12, 8192, np.int32)
+    for fill in (0.0, planning.LONE_CTA_FILL):
+        assert ops.plan_work(8, 396, 12, few, sms=132, rule=(2.0, fill)).num_ctas > 132
+
+
+@pytest.mark.parametrize("backend_name, dtype, head_dim, fp8, rule", [
+    ("cuda", np.float16, 128, False, (2.0, 0.9)), ("cuda", ml_dtypes.bfloat16, 128, False,
+                                                   (2.0, 0.9)),
+    ("cuda", ml_dtypes.bfloat16, 128, True, (2.0, 0.0)), ("cuda", np.float16, 64, False,
+                                                          (2.0, 0.0)),
+    ("cuda", np.float16, 256, False, (4.0, 0.0)), ("cuda", np.float32, 128, False, (2.0, 0.0)),
+    ("hip", np.float16, 128, False, (2.0, 0.0))])
+def test_each_instance_has_its_split_rule(backend_name, dtype, head_dim, fp8, rule):
+    assert planning.split_rule_of(backend_name, np.dtype(dtype), head_dim, fp8) == rule
+
+
+def test_many_ragged_units_one_cta_each_match_reference_on_gpu(gpu, rng):
+    """A launch of at least two waves of units (1024 sequences x 2 kv heads, 33-64 tokens
+    each) runs one CTA a unit, and its outputs match the reference."""
+    lens = rng.integers(33, 65, 1024)
+    found = planning.attention_kernel(gpu, DEVICE, np.dtype(np.float16), 128, 4)
+    plan = planning.plan_attention(gpu, DEVICE, np.dtype(np.float16), 1024, 8, 2, 128, 16, 4,
+                                   lens.astype(np.int32))
+    if found.slots * found.rule[0] > 2048:
+        pytest.skip(f"{found.slots} CTAs at once: 2048 units are fewer than two waves")
+    assert plan.work.num_ctas == 2048
+    got, want = run_attention(gpu, rng, np.float16, 128, 16, 4, list(lens))
+    assert relative_error(got, want) < 1e-2
+
+
 def test_few_tokens_get_few_ctas():
     split = ops.plan_work(1, 396, 2, np.array([10, 20], np.int32))
     assert split.per_cta == planning.MIN_TOKENS_PER_CTA and split.num_ctas == 1

@@ -100,7 +100,7 @@ def _expected_attention(cache, meta, workspace):
                              c.num_q_heads // c.num_kv_heads, c.dtype)
     n, width = meta.block_tables.shape
     work = plan_work(c.num_kv_heads * found.groups, found.slots, n, meta.seq_lens,
-                     sms=found.sms)
+                     sms=found.sms, rule=found.rule)
     plan = AttentionPlan(found.kernel, found.group, work, found.shared_bytes, n,
                          c.num_q_heads, c.num_kv_heads, c.head_dim, c.block_size, width)
     launch = meta._attention
@@ -238,16 +238,20 @@ def _kv(cache, meta):
 
 
 # --- the compiled pieces against Python -------------------------------------------------
-def _reference_split(lens, groups, slots, sms=0):
+def _reference_split(lens, groups, slots, sms=0, rule=(0.0, 0.0)):
     """``plan_work``'s rule over real lengths, written out in Python."""
     work16 = [max(WORK_GRANULE, -(-max(int(n), 1) // WORK_GRANULE) * WORK_GRANULE)
               for n in lens]
     total = sum(work16) * groups
     share = max(MIN_TOKENS_PER_CTA, -(-total // max(slots, 1)))
     balanced = -(-share // WORK_GRANULE) * WORK_GRANULE
-    padded = 0
-    if sms and 0 < len(lens) * groups <= slots:
-        padded = _reference_padding(work16, groups, slots, sms, balanced)
+    padded, (waves, lone_fill) = 0, rule
+    units, longest = len(lens) * groups, max(work16, default=0)
+    if sms and slots and units and waves and units >= waves * slots and \
+            longest * slots * waves <= total:
+        padded = longest  # one CTA a unit
+    elif sms and 0 < units <= slots:
+        padded = _reference_padding(work16, groups, slots, sms, balanced, lone_fill)
     if padded:
         share = padded
         work16 = [-(-w // padded) * padded for w in work16]
@@ -267,10 +271,11 @@ def _reference_split(lens, groups, slots, sms=0):
     return num_ctas, per_cta, total, cum16, np.array(first, np.int32)
 
 
-def _reference_padding(work16, groups, slots, sms, balanced):
+def _reference_padding(work16, groups, slots, sms, balanced, lone_fill=0.0):
     """The padded share: over the least share cutting the longest work into k pieces, each
     k from the balanced share's count down, those whose pieces fit one wave and (but for the
-    first) keep two CTAs on some multiprocessor, the least busiest-multiprocessor load
+    first) keep two CTAs on some multiprocessor or one on ``lone_fill`` of them at least,
+    the least busiest-multiprocessor load
     (pieces in whole quanta, plus their cost), then the fewest pieces; taken if within
     PAD_MARGIN of the balanced split's load."""
     def cost(share):
@@ -281,7 +286,8 @@ def _reference_padding(work16, groups, slots, sms, balanced):
                      * WORK_GRANULE for k in range(1, -(-longest // balanced) + 1)})
     for share in shares:
         pieces = groups * sum(-(-w // share) for w in work16)
-        if pieces > slots or (candidates and pieces <= sms):
+        if pieces > slots or (candidates and pieces <= sms
+                              and not (lone_fill and pieces >= lone_fill * sms)):
             continue
         candidates.append((-(-pieces // sms) * cost(share), pieces, share))
     if not candidates:
@@ -291,7 +297,7 @@ def _reference_padding(work16, groups, slots, sms, balanced):
     return share if load <= PAD_MARGIN * -(-ctas // sms) * cost(balanced) else 0
 
 
-@pytest.mark.parametrize("seed", range(40))
+@pytest.mark.parametrize("seed", range(80))
 def test_split_lengths_equals_the_rule_in_python(seed):
     rng = np.random.default_rng(seed)
     n = int(rng.integers(0, 40))
@@ -300,10 +306,11 @@ def test_split_lengths_equals_the_rule_in_python(seed):
         0, 5000 if rng.random() < 0.5 else 300, n).astype(np.int32)
     groups, slots = int(rng.choice([1, 2, 8, 32])), int(rng.choice([1, 7, 264, 396]))
     sms = int(rng.choice([0, 1, 66, 132]))
+    rule = [(0.0, 0.0), (2.0, 0.9), (1.0, 0.5), (4.0, 0.0)][seed % 4]
     got = split_lengths(lens, groups, slots, WORK_GRANULE, MIN_TOKENS_PER_CTA,
                         ALIGNED_SHARE_TOKENS, ALIGNED_STRETCH, sms, PIECE_COST_TOKENS,
-                        PIECE_QUANTUM_TOKENS, PAD_MARGIN)
-    want = _reference_split(lens, groups, slots, sms)
+                        PIECE_QUANTUM_TOKENS, PAD_MARGIN, *rule)
+    want = _reference_split(lens, groups, slots, sms, rule)
     assert got[:3] == want[:3]
     np.testing.assert_array_equal(got[3], want[3])
     np.testing.assert_array_equal(got[4], want[4])
@@ -327,14 +334,16 @@ def test_pack_host_aligns_each_array_and_copies_only_what_fits(rng):
     assert (memory[64 + 60 : 320] == 0xAB).all()  # the gaps stay untouched
 
 
-@pytest.mark.parametrize("lens, sms", [
-    ([1000] * 8, 132),  # one wave of units: padded to whole pieces
-    ([37, 5000, 0, 812, 16, 17], 132),  # ragged, one of them empty
-    (list(range(1, 300, 7)), 132),  # more units than a wave: balanced shares
-    ([32768], 0),  # multiprocessors unknown: the aligned share
+@pytest.mark.parametrize("lens, sms, rule", [
+    ([1000] * 8, 132, (0.0, 0.0)),  # one wave of units: padded to whole pieces
+    ([37, 5000, 0, 812, 16, 17], 132, (0.0, 0.0)),  # ragged, one of them empty
+    (list(range(1, 300, 7)), 132, (0.0, 0.0)),  # more units than a wave: balanced shares
+    ([32768], 0, (0.0, 0.0)),  # multiprocessors unknown: the aligned share
+    ([100, 70, 99] * 30, 132, (2.0, 0.0)),  # 720 units, 2.7 waves: one CTA a unit
+    ([4096] * 33, 132, (2.0, 0.9)),  # 264 units on 132 SMs: one piece a unit, a lone CTA
 ])
 def test_pack_step_lays_out_what_pack_host_does_with_the_split_computed_in_place(
-        rng, lens, sms):
+        rng, lens, sms, rule):
     """``pack_step``'s bytes are ``pack_host``'s of [slots, lens, tables] and of
     ``plan_work``'s arrays, with the same (num_ctas, per_cta, total); a layout that does not
     fit writes nothing and says how many bytes it needs."""
@@ -342,12 +351,13 @@ def test_pack_step_lays_out_what_pack_host_does_with_the_split_computed_in_place
     lens = np.asarray(lens, np.int32)
     slots = rng.integers(-1, 1 << 40, n).astype(np.int64)
     tables = rng.integers(0, 4000, (n, 13)).astype(np.int32)
-    work = plan_work(groups, ctas, n, lens, sms=sms)
+    work = plan_work(groups, ctas, n, lens, sms=sms, rule=rule)
+    assert rule == (0.0, 0.0) or work.num_ctas == n * groups  # the rule takes whole units
     want = np.full(1 << 16, 0xAB, np.uint8)
     end, offsets = pack_host(want.ctypes.data, want.nbytes,
                              [slots, lens, tables, *work.arrays], 0, 256)
     got = np.full(1 << 16, 0xAB, np.uint8)
-    rule = split_rule(sms)
+    rule = split_rule(sms, rule)
     needed, _, none, _, _ = pack_step(got.ctypes.data, 512, 256, slots, lens, tables, groups,
                                       ctas, rule)
     assert none == 0 and needed >= end and (got == 0xAB).all()

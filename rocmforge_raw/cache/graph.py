@@ -136,7 +136,8 @@ class StepGraph:
                                  q_heads // c.num_kv_heads, c.dtype)
         room = (lens.astype(np.int64) + self.headroom).astype(np.int32)
         width = max(meta.block_tables.shape[1], -(-int(room.max()) // c.block_size))
-        split = plan_work(c.num_kv_heads * found.groups, found.slots, n, room, sms=found.sms)
+        split = plan_work(c.num_kv_heads * found.groups, found.slots, n, room, sms=found.sms,
+                          rule=found.rule)
         bound = prefix_sums(room, WORK_GRANULE, np.empty(n + 1, np.int64))  # (unpadded)
         shape = GraphShape(members, activations, width, c.num_kv_heads * found.groups,
                            split.total, split.per_cta, split.num_ctas, bound)

@@ -163,7 +163,7 @@ class StepPlanner:
                 else:  # with the work split, computed where the upload reads it
                     addresses, split = staging.put_step(
                         slots, lens, tables, self.config.num_kv_heads * found.groups,
-                        found.slots, split_rule(found.sms), stream)
+                        found.slots, split_rule(found.sms, found.rule), stream)
                 slots_at, lens_at, tables_at = addresses[:3]
                 fields.update(_staging=staging, _addresses=(tables_at, lens_at, slots_at),
                               _write=self._write_launch(staging, n, slots_at, stream))
@@ -343,7 +343,7 @@ class StepPlanner:
             staging = meta._staging
             assert staging is not None  # planned on the device
             work = plan_work(self.config.num_kv_heads * found.groups, found.slots, n,
-                             meta.seq_lens, sms=found.sms)
+                             meta.seq_lens, sms=found.sms, rule=found.rule)
             tables_at, lens_at, slots_at = meta._addresses
             addresses = [slots_at, lens_at, tables_at,
                          *staging.put(work.arrays, meta.stream, append=True)]

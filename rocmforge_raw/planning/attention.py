@@ -15,7 +15,15 @@ from .. import checks
 from ..module import Kernel, load_kernels
 from ..runtime import Backend
 from .arguments import DTYPES, FP8_DTYPES, GROUP_SIZES
-from .work import WorkSplit, plan_work, split_workspace
+from .work import (
+    LONE_CTA_FILL,
+    WHOLE_UNIT_WAVES,
+    WHOLE_UNIT_WAVES_WIDE,
+    Rule,
+    WorkSplit,
+    plan_work,
+    split_workspace,
+)
 
 #: The kernels read an fp8 code as e4m3 with bias 7 into value / 256 (native/compat.h,
 #: rf_e4m3): what to multiply that by to get the code's value (e4m3fnuz has bias 8).
@@ -145,7 +153,8 @@ def step_arguments(work: tuple[int, int, int], partials: int, counters: int, tab
 class AttentionKernel:
     """The attention kernel for one dtype, head size and GQA ratio on one device: ``group``
     query heads per CTA, ``groups`` CTAs per kv head, dynamic shared memory (bytes) and
-    ``slots``, the CTAs the device runs at once on its ``sms`` multiprocessors."""
+    ``slots``, the CTAs the device runs at once on its ``sms`` multiprocessors; ``rule``
+    its work split's (whole_waves, lone_fill), ``split_rule_of``."""
 
     kernel: Kernel
     group: int
@@ -153,6 +162,18 @@ class AttentionKernel:
     shared_bytes: int
     slots: int
     sms: int
+    rule: Rule = (0.0, 0.0)
+
+
+def split_rule_of(backend: str, dtype: np.dtype, head_dim: int, fp8: bool) -> Rule:
+    """An instance's (whole_waves, lone_fill) for ``plan_work``: one CTA a unit from
+    WHOLE_UNIT_WAVES waves of units (head_dim 256: WHOLE_UNIT_WAVES_WIDE), and one CTA on
+    LONE_CTA_FILL of the multiprocessors only for NVIDIA's 16-bit head_dim 128 instances,
+    whose one CTA (two 32 KiB stages of 64 tokens) streams at the copy's rate alone
+    (measured on H100s, native/NOTES.md v30; other instances and AMD's never)."""
+    waves = WHOLE_UNIT_WAVES_WIDE if head_dim > 128 else WHOLE_UNIT_WAVES
+    alone = backend == "cuda" and not fp8 and dtype.itemsize == 2 and head_dim == 128
+    return waves, LONE_CTA_FILL if alone else 0.0
 
 
 def kernel_scales(cache: np.dtype, scale: float, k_scale: float, v_scale: float
@@ -192,7 +213,8 @@ def attention_kernel(backend: Backend, device: int, dtype: np.dtype, head_dim: i
     multiprocessors = backend.cached_properties(device).multiprocessors
     slots = kernel.max_active_blocks(THREADS, shared) * multiprocessors
     return AttentionKernel(kernel, group, math.ceil(ratio / group), shared, slots,
-                           multiprocessors)
+                           multiprocessors, split_rule_of(backend.name, dtype, head_dim,
+                                                          cache_dtype in FP8_DTYPES))
 
 
 def plan_attention(backend: Backend, device: int, dtype: np.dtype, num_seqs: int,
@@ -206,6 +228,6 @@ def plan_attention(backend: Backend, device: int, dtype: np.dtype, num_seqs: int
     found = attention_kernel(backend, device, dtype, head_dim, num_q_heads // num_kv_heads,
                              cache_dtype)
     work = plan_work(num_kv_heads * found.groups, found.slots, num_seqs, lens,
-                     max_blocks * block_size, num_partitions, found.sms)
+                     max_blocks * block_size, num_partitions, found.sms, found.rule)
     return AttentionPlan(found.kernel, found.group, work, found.shared_bytes, num_seqs,
                          num_q_heads, num_kv_heads, head_dim, block_size, max_blocks)

@@ -1,5 +1,7 @@
 """The work split of one attention launch: units of (sequence, group of query heads) laid
-end to end, one wave of CTAs with equal shares (native/pa_work.h walks it on the device)."""
+end to end, one wave of CTAs with equal shares, or one CTA a unit where the units make waves
+enough for the hardware's scheduler to even them out (native/pa_work.h walks it on the
+device)."""
 
 from __future__ import annotations
 
@@ -7,7 +9,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .._worksplit import balanced_share, first_sequences, prefix_sums, split_lengths
+from .._worksplit import (
+    balanced_share,
+    first_sequences,
+    prefix_sums,
+    split_lengths,
+    whole_units,
+)
 
 #: Work is counted in tokens rounded up to this (and every unit owns at least this many, so an
 #: empty sequence still has a position): pieces start at multiples of it.
@@ -36,6 +44,20 @@ PIECE_QUANTUM_TOKENS = 64
 #: balanced split's, which cuts units anywhere (that costs 15-25 % the model does not count;
 #: lengths far apart would leave a long sequence to one CTA of a padded split).
 PAD_MARGIN = 1.15
+#: A launch of many units takes one CTA a unit instead of one wave of equal shares, where
+#: there are at least this many waves of units (and the longest unit is at most this
+#: fraction's inverse of a slot's work): the hardware starts a CTA wherever one ends, which
+#: evens out the multiprocessors' uneven speeds that a wave of equal shares leaves as its
+#: tail, and no unit is split (H100, native/NOTES.md v30: 256 x 512 3.6 % faster, ragged
+#: 512 x U[1, 2048] 3-14 %; 64 x 4096, at 1.3 waves, 1 % slower, its fp8 14 %). The
+#: instance's own (``unit_waves``): head_dim 256 takes 4 (at 2.6 waves 0.5-2.6 % slower).
+WHOLE_UNIT_WAVES = 2.0
+WHOLE_UNIT_WAVES_WIDE = 4.0
+#: A padded split may put one CTA on a multiprocessor where its pieces occupy at least this
+#: fraction of them, for the instances whose one CTA streams at the copy's rate alone
+#: (``lone_fill``: 16-bit head_dim 128 on NVIDIA; H100, v30: 16 x 8192 with 64/8 heads 2.2
+#: % faster unsplit; fp8, head_dim 256 and the narrow head_dim 64 instances 17-33 % slower).
+LONE_CTA_FILL = 0.9
 
 
 @dataclass(frozen=True)
@@ -76,28 +98,36 @@ def _round16(tokens: int) -> int:
 _RULE = (WORK_GRANULE, MIN_TOKENS_PER_CTA, ALIGNED_SHARE_TOKENS, ALIGNED_STRETCH)
 
 
-def split_rule(sms: int) -> tuple[int, int, int, float, int, int, int, float]:
+#: ``plan_work``'s rule beyond the device's multiprocessors: (whole_waves, lone_fill).
+Rule = tuple[float, float]
+
+
+def split_rule(sms: int, rule: Rule = (0.0, 0.0)
+               ) -> tuple[int, int, int, float, int, int, int, float, float, float]:
     """Every constant of ``plan_work``'s split of real lengths on a device of ``sms``
-    multiprocessors, in ``_worksplit.split_lengths``' order from ``granule`` on (what
-    ``_steprows.pack_step`` takes)."""
-    return (*_RULE, sms, PIECE_COST_TOKENS, PIECE_QUANTUM_TOKENS, PAD_MARGIN)
+    multiprocessors for an instance's ``rule`` (``AttentionKernel.rule``), in
+    ``_worksplit.split_lengths``' order from ``granule`` on (what ``_steprows.pack_step``
+    takes)."""
+    return (*_RULE, sms, PIECE_COST_TOKENS, PIECE_QUANTUM_TOKENS, PAD_MARGIN, *rule)
 
 
 def plan_work(groups: int, slots: int, num_seqs: int, lens: np.ndarray | None = None,
-              max_len: int = 0, num_partitions: int | None = None, sms: int = 0
-              ) -> WorkSplit:
+              max_len: int = 0, num_partitions: int | None = None, sms: int = 0,
+              rule: Rule = (0.0, 0.0)) -> WorkSplit:
     """The split of ``num_seqs`` sequences x ``groups`` units over a device that runs
     ``slots`` CTAs at once on ``sms`` multiprocessors (0: not known): one wave of CTAs with
     equal shares (at least ``MIN_TOKENS_PER_CTA`` tokens each), aligned to the units: padded
-    to whole pieces where the units fit one wave (``PIECE_COST_TOKENS``, ``PAD_MARGIN``),
-    else where the shares are short and the units of one length (``ALIGNED_SHARE_TOKENS``).
+    to whole pieces where the units fit one wave (``PIECE_COST_TOKENS``, ``PAD_MARGIN``;
+    ``rule``'s lone_fill), else where the shares are short and the units of one length
+    (``ALIGNED_SHARE_TOKENS``); one unit a CTA where the units make ``rule``'s whole_waves
+    waves or more (``WHOLE_UNIT_WAVES``; 0: never) and ``sms`` is known.
     ``lens`` (host, int32) gives each sequence's length; without it every sequence counts
     ``max_len``. ``num_partitions`` instead cuts the longest sequence into that many pieces
     (a test and tuning knob). With lengths and no ``num_partitions`` (a decode step's case)
     it is one call into the compiled core (``_worksplit.split_lengths``)."""
     if lens is not None and num_partitions is None:
         num_ctas, per_cta, total, cum16, first_seq = split_lengths(
-            np.ascontiguousarray(lens, np.int32), groups, slots, *split_rule(sms))
+            np.ascontiguousarray(lens, np.int32), groups, slots, *split_rule(sms, rule))
         return WorkSplit(num_ctas, per_cta, total, groups, 0, cum16, first_seq)
     if lens is not None:
         cum16 = np.empty(num_seqs + 1, np.int64)
@@ -111,6 +141,10 @@ def plan_work(groups: int, slots: int, num_seqs: int, lens: np.ndarray | None = 
     if num_partitions is not None:
         share = -(-longest // max(1, int(num_partitions)))
         per_cta = -(-share // WORK_GRANULE) * WORK_GRANULE
+    elif sms > 0 and cum16 is None and num_seqs and (
+            whole_units(num_seqs * groups, uniform16, total, slots, rule[0])
+            or (rule[1] > 0 and rule[1] * sms <= num_seqs * groups <= sms)):
+        per_cta = uniform16  # one unit a CTA, as split_lengths takes for such units
     else:
         per_cta = balanced_share(total, slots, uniform16 if num_seqs else 0, *_RULE)
     num_ctas = -(-total // per_cta)
