@@ -585,9 +585,10 @@ def pack_step(size_t base, size_t capacity, size_t align, object slots,
     ``capacity`` bytes at ``base`` (the caller's). Arguments that do not fit together raise
     ``ValueError`` before any byte is written.
 
-    Returns (end, offsets of the five, num_ctas, per_cta, total): ``end`` past the bytes
-    written, rounded up to ``align``; ``num_ctas`` 0 when nothing was written, ``end`` then
-    the bound to make room for."""
+    Returns (end, offsets of the five, num_ctas, per_cta, total, lean): ``end`` past the
+    bytes written, rounded up to ``align``; ``num_ctas`` 0 when nothing was written, ``end``
+    then the bound to make room for; ``lean`` whether the split is for the kernel's lean
+    occupancy (``planning.WorkSplit``)."""
     cdef Py_ssize_t n = lens.shape[0]
     if n < 1:
         raise ValueError("a step's staging needs at least one sequence")
@@ -598,11 +599,12 @@ def pack_step(size_t base, size_t capacity, size_t align, object slots,
     if groups < 1:
         raise ValueError(f"groups must be at least 1, got {groups}")
     (granule, min_tokens, aligned_tokens, stretch, sms, piece_cost, quantum, margin,
-     whole_waves, lone_fill) = rule
+     whole_waves, lone_fill, lean_slots, lean_tokens) = rule
     if granule < 1 or quantum < 1:
         raise ValueError(f"the rule's granule and quantum must be at least 1, got {rule}")
     cdef SplitRule c_rule = SplitRule(granule, min_tokens, aligned_tokens, stretch, sms,
-                                      piece_cost, quantum, margin, whole_waves, lone_fill)
+                                      piece_cost, quantum, margin, whole_waves, lone_fill,
+                                      lean_slots, lean_tokens)
     if slots.dtype != np.int64 or slots.shape != (n,):
         raise ValueError(f"slots must be int64 [{n}], got {slots.dtype} {slots.shape}")
     if tables.dtype != np.int32 or tables.ndim != 2 or tables.shape[0] != n:
@@ -619,15 +621,17 @@ def pack_step(size_t base, size_t capacity, size_t align, object slots,
     cdef size_t at_first = at_cum16 + _rounded(8 * <size_t>(n + 1), align)
     cdef size_t bound = at_first + _rounded(4 * <size_t>room, align)
     if bound > capacity:
-        return bound, (0, at_lens, at_tables, at_cum16, at_first), 0, 0, 0
+        return bound, (0, at_lens, at_tables, at_cum16, at_first), 0, 0, 0, False
     cdef long long per_cta, total
+    cdef bint lean = False
     cdef Py_ssize_t num_ctas = split_into(&lens[0], n, groups, ctas, &c_rule,
                                           <long long*>(base + at_cum16),
-                                          <int*>(base + at_first), room, &per_cta, &total)
+                                          <int*>(base + at_first), room, &per_cta, &total,
+                                          &lean)
     if num_ctas < 1:
         raise RuntimeError(f"the work split of {n} sequences took more than {room} CTAs")
     _put(base, slots, slots_bytes, 0)
     _copy_pieces(base + at_lens, <const char*>&lens[0], 4 * <size_t>n)
     _put(base + at_tables, tables, tables_bytes, 2)
     return (at_first + _rounded(4 * <size_t>num_ctas, align),
-            (0, at_lens, at_tables, at_cum16, at_first), num_ctas, per_cta, total)
+            (0, at_lens, at_tables, at_cum16, at_first), num_ctas, per_cta, total, bool(lean))

@@ -5,9 +5,10 @@ cdef struct SplitRule:  # planning.plan_work's constants, in split_lengths' orde
     double stretch
     long long sms, piece_cost, quantum
     double margin, whole_waves, lone_fill
+    long long lean_slots, lean_tokens
 
 
 cdef Py_ssize_t split_into(const int* lens, Py_ssize_t n, long long groups, long long slots,
                            const SplitRule* rule, long long* cum16, int* first_seq,
-                           Py_ssize_t capacity, long long* per_cta, long long* total
-                           ) noexcept
+                           Py_ssize_t capacity, long long* per_cta, long long* total,
+                           bint* lean) noexcept

@@ -100,36 +100,40 @@ def split_lengths(const int[::1] lens, long long groups, long long slots,
                   long long granule, long long min_tokens, long long aligned_tokens,
                   double stretch, long long sms=0, long long piece_cost=0,
                   long long quantum=1, double margin=1.0, double whole_waves=0.0,
-                  double lone_fill=0.0):
+                  double lone_fill=0.0, long long lean_slots=0, long long lean_tokens=0):
     """``planning.plan_work`` over real lengths in one call: (num_ctas, per_cta, total,
     cum16, first_seq) of ``len(lens)`` sequences of ``groups`` units each (see
     ``prefix_sums``, ``first_sequences`` and ``balanced_share``). With ``sms`` (the device's
     multiprocessors; 0: unknown) a launch of at most ``slots`` units is padded to piece
     boundaries instead where ``padded_share`` finds a share (``lone_fill``: see there), and
-    a launch of ``whole_waves`` waves of units or more (``whole_units``; 0: never) to one
-    unit a CTA: ``cum16`` then counts each sequence's work tokens rounded up to a multiple
-    of ``per_cta``, the padding past its length skipped by the kernel."""
+    a launch of ``whole_waves`` waves of units or more (``whole_units``; 0: never), or one
+    that ``lean_units`` takes at ``lean_slots`` (0: none), to one unit a CTA: ``cum16`` then
+    counts each sequence's work tokens rounded up to a multiple
+    of ``per_cta``, the padding past its length skipped by the kernel. Returns (num_ctas,
+    per_cta, total, cum16, first_seq, lean)."""
     cdef SplitRule rule = SplitRule(granule, min_tokens, aligned_tokens, stretch, sms,
-                                    piece_cost, quantum, margin, whole_waves, lone_fill)
+                                    piece_cost, quantum, margin, whole_waves, lone_fill,
+                                    lean_slots, lean_tokens)
     cdef Py_ssize_t n = lens.shape[0]
     cum16 = np.empty(n + 1, np.int64)
     cdef long long[::1] c = cum16
     cdef long long per_cta, total
-    _split_share(_ints(lens), n, groups, slots, &rule, &c[0], &per_cta, &total)
+    cdef bint lean = False
+    _split_share(_ints(lens), n, groups, slots, &rule, &c[0], &per_cta, &total, &lean)
     first_seq = np.empty((total + per_cta - 1) // per_cta, np.int32)
     first_sequences(cum16, groups, per_cta, first_seq)
-    return first_seq.shape[0], per_cta, total, cum16, first_seq
+    return first_seq.shape[0], per_cta, total, cum16, first_seq, bool(lean)
 
 
 cdef Py_ssize_t split_into(const int* lens, Py_ssize_t n, long long groups, long long slots,
                            const SplitRule* rule, long long* cum16, int* first_seq,
-                           Py_ssize_t capacity, long long* per_cta, long long* total
-                           ) noexcept:
+                           Py_ssize_t capacity, long long* per_cta, long long* total,
+                           bint* lean) noexcept:
     """``split_lengths`` of ``n`` lengths (n >= 1) into memory the caller owns: ``cum16``
     (``n + 1`` entries) and ``first_seq`` (room for ``capacity``), ``per_cta`` and
     ``total``. Returns the CTAs, or -1 with ``first_seq`` untouched when they are more
     than ``capacity`` (a split never has more than ``max(slots, n * groups, 1)``)."""
-    _split_share(lens, n, groups, slots, rule, cum16, per_cta, total)
+    _split_share(lens, n, groups, slots, rule, cum16, per_cta, total, lean)
     cdef Py_ssize_t ctas = (total[0] + per_cta[0] - 1) // per_cta[0]
     if ctas > capacity:
         return -1
@@ -139,8 +143,9 @@ cdef Py_ssize_t split_into(const int* lens, Py_ssize_t n, long long groups, long
 
 cdef void _split_share(const int* lens, Py_ssize_t n, long long groups, long long slots,
                        const SplitRule* rule, long long* c, long long* per_cta,
-                       long long* total) noexcept:
-    """``split_lengths``' share: ``c`` (cum16, ``n + 1`` entries), ``per_cta``, ``total``."""
+                       long long* total, bint* lean) noexcept:
+    """``split_lengths``' share: ``c`` (cum16, ``n + 1`` entries), ``per_cta``, ``total``,
+    ``lean`` (the launch runs at ``rule.lean_slots``' occupancy)."""
     cdef Py_ssize_t i
     cdef long long unit = 0, padded = 0, longest = 0
     total[0] = _prefix(lens, n, rule.granule, c) * groups
@@ -151,8 +156,10 @@ cdef void _split_share(const int* lens, Py_ssize_t n, long long groups, long lon
                 unit = 0
             if c[i + 1] - c[i] > longest:
                 longest = c[i + 1] - c[i]
-    if rule.sms > 0 and slots > 0 and n and _whole(n * groups, longest, total[0], slots,
-                                                  rule.whole_waves):
+    lean[0] = rule.sms > 0 and n > 0 and _lean(n * groups, longest, total[0], slots,
+                                               rule.lean_slots, rule.lean_tokens)
+    if lean[0] or (rule.sms > 0 and slots > 0 and n and _whole(n * groups, longest, total[0],
+                                                               slots, rule.whole_waves)):
         padded = longest  # one CTA a unit: the hardware's scheduler balances the waves
     elif rule.sms > 0 and n * groups <= slots:
         padded = _padded(c, n, groups, slots, rule.sms, rule.granule, rule.min_tokens,
@@ -200,6 +207,37 @@ cdef inline bint _whole(long long units, long long longest, long long total, lon
     at most a ``waves``-th of a slot's work, so the hardware's scheduler, which starts a CTA
     wherever one ends, evens the multiprocessors' loads out (native/NOTES.md v30)."""
     return waves > 0 and units >= waves * slots and longest * slots * waves <= total
+
+
+# A lean launch's least wave efficiency (units over its slots, over the waves rounded up).
+cdef double LEAN_EFFICIENCY = 0.9
+
+
+cdef inline double _efficiency(long long units, long long slots) noexcept:
+    cdef long long waves = (units + slots - 1) // slots
+    return <double>units / (<double>slots * waves)
+
+
+cdef inline bint _lean(long long units, long long longest, long long total, long long slots,
+                       long long lean_slots, long long tokens) noexcept:
+    """Whether one CTA a unit at ``lean_slots`` CTAs at once (one fewer a multiprocessor
+    than ``slots``) is the split: units of at least ``tokens`` work tokens, all within a
+    tenth of the longest, more than a wave at ``slots``, whose waves at ``lean_slots`` are
+    at least LEAN_EFFICIENCY full and fuller than at ``slots`` (NOTES.md v30: 64 x 4096,
+    1.29 waves at three CTAs a SM, 1.94 at two, 3 % faster than one wave of shares)."""
+    if lean_slots <= 0 or lean_slots >= slots or longest < tokens or units <= slots:
+        return False
+    if 10 * total < 9 * longest * units:
+        return False
+    return (_efficiency(units, lean_slots) >= LEAN_EFFICIENCY
+            and _efficiency(units, lean_slots) > _efficiency(units, slots))
+
+
+def lean_units(long long units, long long longest, long long total, long long slots,
+               long long lean_slots, long long tokens) -> bool:
+    """Whether ``units`` units of at most ``longest`` work tokens (``total`` in all) take one
+    CTA each at ``lean_slots`` CTAs at once, one fewer a multiprocessor than ``slots``."""
+    return _lean(units, longest, total, slots, lean_slots, tokens)
 
 
 cdef inline long long _cost(long long share, long long quantum, long long piece_cost

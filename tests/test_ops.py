@@ -479,7 +479,7 @@ def test_many_units_take_one_cta_each(lens):
     lengths only as the tables' width, the same in uniform mode. Fewer waves (64 x 4096 at
     1.3), a unit too long or no such rule keep one balanced wave."""
     lens = np.asarray(lens, np.int32)
-    rule = (planning.WHOLE_UNIT_WAVES, 0.0)
+    rule = (planning.WHOLE_UNIT_WAVES, 0.0, 0, 0)
     split = ops.plan_work(8, 396, len(lens), lens, sms=132, rule=rule)
     longest = _ceil16(int(lens.max()))
     assert (split.per_cta, split.num_ctas) == (longest, 8 * len(lens))
@@ -500,26 +500,89 @@ def test_a_lone_cta_a_multiprocessor_only_where_the_rule_allows_it():
     0.9 (the 16-bit head_dim 128 instances'), two pieces a unit without one; 12 x 8192 (96
     units, under 0.9 of the SMs) keeps two pieces either way."""
     lens = np.full(16, 8192, np.int32)
-    split = ops.plan_work(8, 396, 16, lens, sms=132, rule=(2.0, planning.LONE_CTA_FILL))
-    assert (split.per_cta, split.num_ctas) == (8192, 128)
+    lone = (2.0, planning.LONE_CTA_FILL, 0, 0)
+    split = ops.plan_work(8, 396, 16, lens, sms=132, rule=lone)
+    assert (split.per_cta, split.num_ctas, split.lean) == (8192, 128, False)
     assert all(len(items) == 1 for items in walk(split, lens).values())
-    assert ops.plan_work(8, 396, 16, None, max_len=8192, sms=132,
-                         rule=(2.0, planning.LONE_CTA_FILL)).num_ctas == 128
-    assert ops.plan_work(8, 396, 16, lens, sms=132, rule=(2.0, 0.0)).num_ctas == 256
+    assert ops.plan_work(8, 396, 16, None, max_len=8192, sms=132, rule=lone).num_ctas == 128
+    assert ops.plan_work(8, 396, 16, lens, sms=132, rule=(2.0, 0.0, 0, 0)).num_ctas == 256
     few = np.full(12, 8192, np.int32)
     for fill in (0.0, planning.LONE_CTA_FILL):
-        assert ops.plan_work(8, 396, 12, few, sms=132, rule=(2.0, fill)).num_ctas > 132
+        assert ops.plan_work(8, 396, 12, few, sms=132, rule=(2.0, fill, 0, 0)).num_ctas > 132
+
+
+@pytest.mark.parametrize("batch, context, lean", [
+    (64, 4096, True),    # 512 units: 1.29 waves of 396, 1.94 of 264
+    (128, 2048, True),   # 1024 units: 2.59 / 3.88 waves
+    (256, 512, False),   # units shorter than LEAN_UNIT_TOKENS
+    (148, 2048, False),  # 1184 units: 2.99 waves of 396 beat 4.48 of 264
+    (99, 2048, False),   # 792 units: 2.0 and 3.0 waves, a tie keeps the natural occupancy
+])
+def test_long_even_units_run_lean_where_its_waves_are_fuller(batch, context, lean):
+    """With a lean occupancy of 264 CTAs (two a SM instead of three), long units of one
+    length run one CTA a unit at it where its waves are at least 0.9 full and fuller than
+    the natural 396's: by lengths and in uniform mode alike; ragged lengths never do."""
+    rule = (planning.WHOLE_UNIT_WAVES, planning.LONE_CTA_FILL, 264, planning.LEAN_UNIT_TOKENS)
+    lens = np.full(batch, context, np.int32)
+    for split in (ops.plan_work(8, 396, batch, lens, sms=132, rule=rule),
+                  ops.plan_work(8, 396, batch, None, max_len=context, sms=132, rule=rule)):
+        assert split.lean == lean
+        if lean:
+            assert (split.num_ctas, split.per_cta) == (8 * batch, context)
+            assert all(len(items) == 1 for items in walk(split, lens).values())
+    ragged = lens.copy()
+    ragged[::2] //= 2
+    assert not ops.plan_work(8, 396, batch, ragged, sms=132, rule=rule).lean
+    assert not ops.plan_work(8, 396, batch, lens, sms=132,
+                             rule=(*rule[:2], 0, planning.LEAN_UNIT_TOKENS)).lean
 
 
 @pytest.mark.parametrize("backend_name, dtype, head_dim, fp8, rule", [
-    ("cuda", np.float16, 128, False, (2.0, 0.9)), ("cuda", ml_dtypes.bfloat16, 128, False,
-                                                   (2.0, 0.9)),
-    ("cuda", ml_dtypes.bfloat16, 128, True, (2.0, 0.0)), ("cuda", np.float16, 64, False,
-                                                          (2.0, 0.0)),
-    ("cuda", np.float16, 256, False, (4.0, 0.0)), ("cuda", np.float32, 128, False, (2.0, 0.0)),
-    ("hip", np.float16, 128, False, (2.0, 0.0))])
+    ("cuda", np.float16, 128, False, (2.0, 0.9, True)),
+    ("cuda", ml_dtypes.bfloat16, 128, False, (2.0, 0.9, True)),
+    ("cuda", ml_dtypes.bfloat16, 128, True, (2.0, 0.0, False)),
+    ("cuda", np.float16, 64, False, (2.0, 0.0, False)),
+    ("cuda", np.float16, 256, False, (4.0, 0.0, True)),
+    ("cuda", np.float32, 128, False, (2.0, 0.0, False)),
+    ("hip", np.float16, 128, False, (2.0, 0.0, False))])
 def test_each_instance_has_its_split_rule(backend_name, dtype, head_dim, fp8, rule):
     assert planning.split_rule_of(backend_name, np.dtype(dtype), head_dim, fp8) == rule
+
+
+def test_lean_launches_fit_one_cta_fewer_and_match_reference_on_gpu(gpu, rng):
+    """The 16-bit head_dim 128 instance's lean shared memory fits two CTAs a SM where the
+    natural fits three, and a lean launch (256 sequences of 2048 tokens, 2 kv heads: 512
+    units) matches the reference."""
+    found = planning.attention_kernel(gpu, DEVICE, np.dtype(np.float16), 128, 4)
+    sms = found.sms
+    assert found.slots == 3 * sms and found.rule[2] == 2 * sms
+    assert found.kernel.max_active_blocks(planning.THREADS, found.lean_shared_bytes) == 2
+    assert found.kernel.max_active_blocks(planning.THREADS,
+                                          found.lean_shared_bytes - 1024) == 3
+    lens = np.full(256, 2048, np.int32)
+    plan = planning.plan_attention(gpu, DEVICE, np.dtype(np.float16), 256, 8, 2, 128, 16,
+                                   128, lens)
+    if not plan.work.lean:
+        pytest.skip(f"512 units on {sms} SMs do not fill two CTAs' waves better")
+    assert plan.shared_bytes == found.lean_shared_bytes
+    got, want = run_attention(gpu, rng, np.float16, 128, 16, 4, list(lens))
+    assert relative_error(got, want) < 1e-2
+
+
+def test_a_smaller_shared_memory_opt_in_keeps_the_larger_limit_on_gpu(gpu):
+    """Opting a kernel in to less dynamic shared memory after more leaves the larger limit:
+    a launch prepared for the lean occupancy's size stays valid (it was lowered before)."""
+    if gpu.name != "cuda":
+        pytest.skip("an opt-in of the cuda backend")
+    from cuda.bindings import driver as cu
+
+    found = planning.attention_kernel(gpu, DEVICE, np.dtype(np.float16), 128, 4)
+    handle = found.kernel.handle
+    gpu.allow_shared(handle, found.lean_shared_bytes)
+    gpu.allow_shared(handle, found.shared_bytes + 512)  # a size not asked for before
+    attr = cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+    err, limit = cu.cuFuncGetAttribute(attr, handle)
+    assert err == cu.CUresult.CUDA_SUCCESS and limit == found.lean_shared_bytes > 0
 
 
 def test_many_ragged_units_one_cta_each_match_reference_on_gpu(gpu, rng):

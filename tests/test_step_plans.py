@@ -238,17 +238,31 @@ def _kv(cache, meta):
 
 
 # --- the compiled pieces against Python -------------------------------------------------
-def _reference_split(lens, groups, slots, sms=0, rule=(0.0, 0.0)):
+def _reference_lean(units, longest, total, slots, lean_slots, tokens):
+    """``_worksplit.lean_units`` in Python: long, even units whose waves fill the lean
+    occupancy's slots at least 0.9 and better than ``slots``."""
+    if not 0 < lean_slots < slots or longest < tokens or units <= slots:
+        return False
+    if 10 * total < 9 * longest * units:
+        return False
+    def full(at):
+        return units / (at * -(-units // at))
+    return full(lean_slots) >= 0.9 and full(lean_slots) > full(slots)
+
+
+def _reference_split(lens, groups, slots, sms=0, rule=(0.0, 0.0, 0, 0)):
     """``plan_work``'s rule over real lengths, written out in Python."""
     work16 = [max(WORK_GRANULE, -(-max(int(n), 1) // WORK_GRANULE) * WORK_GRANULE)
               for n in lens]
     total = sum(work16) * groups
     share = max(MIN_TOKENS_PER_CTA, -(-total // max(slots, 1)))
     balanced = -(-share // WORK_GRANULE) * WORK_GRANULE
-    padded, (waves, lone_fill) = 0, rule
+    padded, (waves, lone_fill, lean_slots, tokens) = 0, rule
     units, longest = len(lens) * groups, max(work16, default=0)
-    if sms and slots and units and waves and units >= waves * slots and \
-            longest * slots * waves <= total:
+    lean = bool(sms and units and _reference_lean(units, longest, total, slots, lean_slots,
+                                                   tokens))
+    if lean or (sms and slots and units and waves and units >= waves * slots
+                and longest * slots * waves <= total):
         padded = longest  # one CTA a unit
     elif sms and 0 < units <= slots:
         padded = _reference_padding(work16, groups, slots, sms, balanced, lone_fill)
@@ -268,7 +282,7 @@ def _reference_split(lens, groups, slots, sms=0, rule=(0.0, 0.0)):
     num_ctas = -(-total // per_cta)
     first = [int(np.searchsorted(cum16 * groups, c * per_cta, "right")) - 1
              for c in range(num_ctas)]
-    return num_ctas, per_cta, total, cum16, np.array(first, np.int32)
+    return num_ctas, per_cta, total, cum16, np.array(first, np.int32), lean
 
 
 def _reference_padding(work16, groups, slots, sms, balanced, lone_fill=0.0):
@@ -297,7 +311,7 @@ def _reference_padding(work16, groups, slots, sms, balanced, lone_fill=0.0):
     return share if load <= PAD_MARGIN * -(-ctas // sms) * cost(balanced) else 0
 
 
-@pytest.mark.parametrize("seed", range(80))
+@pytest.mark.parametrize("seed", range(100))
 def test_split_lengths_equals_the_rule_in_python(seed):
     rng = np.random.default_rng(seed)
     n = int(rng.integers(0, 40))
@@ -306,12 +320,13 @@ def test_split_lengths_equals_the_rule_in_python(seed):
         0, 5000 if rng.random() < 0.5 else 300, n).astype(np.int32)
     groups, slots = int(rng.choice([1, 2, 8, 32])), int(rng.choice([1, 7, 264, 396]))
     sms = int(rng.choice([0, 1, 66, 132]))
-    rule = [(0.0, 0.0), (2.0, 0.9), (1.0, 0.5), (4.0, 0.0)][seed % 4]
+    rule = [(0.0, 0.0, 0, 0), (2.0, 0.9, 0, 0), (1.0, 0.5, 5, 16), (4.0, 0.0, 264, 64),
+            (2.0, 0.9, 264, 2048)][seed % 5]
     got = split_lengths(lens, groups, slots, WORK_GRANULE, MIN_TOKENS_PER_CTA,
                         ALIGNED_SHARE_TOKENS, ALIGNED_STRETCH, sms, PIECE_COST_TOKENS,
                         PIECE_QUANTUM_TOKENS, PAD_MARGIN, *rule)
     want = _reference_split(lens, groups, slots, sms, rule)
-    assert got[:3] == want[:3]
+    assert got[:3] == want[:3] and got[5] == want[5]
     np.testing.assert_array_equal(got[3], want[3])
     np.testing.assert_array_equal(got[4], want[4])
     assert got[4].dtype == np.int32 and got[3].dtype == np.int64
@@ -335,12 +350,13 @@ def test_pack_host_aligns_each_array_and_copies_only_what_fits(rng):
 
 
 @pytest.mark.parametrize("lens, sms, rule", [
-    ([1000] * 8, 132, (0.0, 0.0)),  # one wave of units: padded to whole pieces
-    ([37, 5000, 0, 812, 16, 17], 132, (0.0, 0.0)),  # ragged, one of them empty
-    (list(range(1, 300, 7)), 132, (0.0, 0.0)),  # more units than a wave: balanced shares
-    ([32768], 0, (0.0, 0.0)),  # multiprocessors unknown: the aligned share
-    ([100, 70, 99] * 30, 132, (2.0, 0.0)),  # 720 units, 2.7 waves: one CTA a unit
-    ([4096] * 33, 132, (2.0, 0.9)),  # 264 units on 132 SMs: one piece a unit, a lone CTA
+    ([1000] * 8, 132, (0.0, 0.0, 0, 0)),  # one wave of units: padded to whole pieces
+    ([37, 5000, 0, 812, 16, 17], 132, (0.0, 0.0, 0, 0)),  # ragged, one of them empty
+    (list(range(1, 300, 7)), 132, (0.0, 0.0, 0, 0)),  # more units than a wave: balanced
+    ([32768], 0, (0.0, 0.0, 0, 0)),  # multiprocessors unknown: the aligned share
+    ([100, 70, 99] * 30, 132, (2.0, 0.0, 0, 0)),  # 720 units, 2.7 waves: one CTA a unit
+    ([4096] * 33, 132, (2.0, 0.9, 0, 0)),  # 264 units on 132 SMs: one piece a unit, lone
+    ([2048] * 40, 132, (2.0, 0.9, 176, 2048)),  # 320 units: lean, 1.8 waves of 176
 ])
 def test_pack_step_lays_out_what_pack_host_does_with_the_split_computed_in_place(
         rng, lens, sms, rule):
@@ -352,19 +368,20 @@ def test_pack_step_lays_out_what_pack_host_does_with_the_split_computed_in_place
     slots = rng.integers(-1, 1 << 40, n).astype(np.int64)
     tables = rng.integers(0, 4000, (n, 13)).astype(np.int32)
     work = plan_work(groups, ctas, n, lens, sms=sms, rule=rule)
-    assert rule == (0.0, 0.0) or work.num_ctas == n * groups  # the rule takes whole units
+    assert rule[0] == 0 or work.num_ctas == n * groups  # the rule takes whole units
+    assert work.lean == (rule[2] > 0)
     want = np.full(1 << 16, 0xAB, np.uint8)
     end, offsets = pack_host(want.ctypes.data, want.nbytes,
                              [slots, lens, tables, *work.arrays], 0, 256)
     got = np.full(1 << 16, 0xAB, np.uint8)
     rule = split_rule(sms, rule)
-    needed, _, none, _, _ = pack_step(got.ctypes.data, 512, 256, slots, lens, tables, groups,
-                                      ctas, rule)
+    needed, _, none, _, _, _ = pack_step(got.ctypes.data, 512, 256, slots, lens, tables,
+                                         groups, ctas, rule)
     assert none == 0 and needed >= end and (got == 0xAB).all()
-    done, at, num_ctas, per_cta, total = pack_step(got.ctypes.data, needed, 256, slots, lens,
-                                                   tables, groups, ctas, rule)
-    assert (done, list(at), num_ctas, per_cta, total) == (
-        end, offsets, work.num_ctas, work.per_cta, work.total)
+    done, at, num_ctas, per_cta, total, lean = pack_step(got.ctypes.data, needed, 256, slots,
+                                                         lens, tables, groups, ctas, rule)
+    assert (done, list(at), num_ctas, per_cta, total, lean) == (
+        end, offsets, work.num_ctas, work.per_cta, work.total, work.lean)
     np.testing.assert_array_equal(got[:end], want[:end])
     assert (got[end:] == 0xAB).all()
 

@@ -149,8 +149,8 @@ class StepGraph:
                             (np.int64, (n + 1,)), (np.int32, (split.num_ctas,))):
             layout.append((offset, dims))
             offset += -(-int(np.prod(dims)) * np.dtype(dtype).itemsize // ALIGN) * ALIGN
-        plan = AttentionPlan(found.kernel, found.group, split, found.shared_bytes, n, q_heads,
-                             c.num_kv_heads, c.head_dim, c.block_size, width)
+        plan = AttentionPlan(found.kernel, found.group, split, found.shared_for(split), n,
+                             q_heads, c.num_kv_heads, c.head_dim, c.block_size, width)
         partial_bytes, counters = plan.workspace_sizes
         graph = None
         try:

@@ -16,7 +16,9 @@ from ..module import Kernel, load_kernels
 from ..runtime import Backend
 from .arguments import DTYPES, FP8_DTYPES, GROUP_SIZES
 from .work import (
+    LEAN_UNIT_TOKENS,
     LONE_CTA_FILL,
+    NO_RULE,
     WHOLE_UNIT_WAVES,
     WHOLE_UNIT_WAVES_WIDE,
     Rule,
@@ -154,7 +156,9 @@ class AttentionKernel:
     """The attention kernel for one dtype, head size and GQA ratio on one device: ``group``
     query heads per CTA, ``groups`` CTAs per kv head, dynamic shared memory (bytes) and
     ``slots``, the CTAs the device runs at once on its ``sms`` multiprocessors; ``rule``
-    its work split's (whole_waves, lone_fill), ``split_rule_of``."""
+    its work split's (``plan_work``: ``split_rule_of``, and the lean occupancy's slots);
+    ``lean_shared_bytes`` the dynamic shared memory at which one CTA fewer fits a
+    multiprocessor (0: no lean launch), for splits planned ``lean``."""
 
     kernel: Kernel
     group: int
@@ -162,18 +166,36 @@ class AttentionKernel:
     shared_bytes: int
     slots: int
     sms: int
-    rule: Rule = (0.0, 0.0)
+    rule: Rule = NO_RULE
+    lean_shared_bytes: int = 0
+
+    def shared_for(self, work: WorkSplit) -> int:
+        """The dynamic shared memory of a launch of ``work``."""
+        return self.lean_shared_bytes if work.lean else self.shared_bytes
 
 
-def split_rule_of(backend: str, dtype: np.dtype, head_dim: int, fp8: bool) -> Rule:
-    """An instance's (whole_waves, lone_fill) for ``plan_work``: one CTA a unit from
-    WHOLE_UNIT_WAVES waves of units (head_dim 256: WHOLE_UNIT_WAVES_WIDE), and one CTA on
+def lean_shared_bytes(kernel: Kernel, shared: int, ctas: int) -> int:
+    """The least dynamic shared memory, in 1 KiB steps past ``shared``, at which ``kernel``
+    fits ``ctas - 1`` CTAs a multiprocessor, not ``ctas`` (0: none within 96 KiB more)."""
+    for extra in range(1 << 10, 97 << 10, 1 << 10):
+        fits = kernel.max_active_blocks(THREADS, shared + extra)
+        if fits < ctas:
+            return shared + extra if fits == ctas - 1 else 0
+    return 0
+
+
+def split_rule_of(backend: str, dtype: np.dtype, head_dim: int, fp8: bool
+                  ) -> tuple[float, float, bool]:
+    """An instance's (whole_waves, lone_fill, lean) for ``plan_work``: one CTA a unit from
+    WHOLE_UNIT_WAVES waves of units (head_dim 256: WHOLE_UNIT_WAVES_WIDE); one CTA on
     LONE_CTA_FILL of the multiprocessors only for NVIDIA's 16-bit head_dim 128 instances,
-    whose one CTA (two 32 KiB stages of 64 tokens) streams at the copy's rate alone
-    (measured on H100s, native/NOTES.md v30; other instances and AMD's never)."""
+    whose one CTA (two 32 KiB stages of 64 tokens) streams at the copy's rate alone; a lean
+    occupancy (one CTA a multiprocessor fewer, LEAN_UNIT_TOKENS) only for NVIDIA's 16-bit
+    head_dim 128 and 256 instances. Measured on H100s (native/NOTES.md v30): fp8 and head_dim
+    64 were slower lean (S1-fp8 1.3 %, 128 x 2048 d64 G = 8 1.2 %) and alone; AMD never."""
     waves = WHOLE_UNIT_WAVES_WIDE if head_dim > 128 else WHOLE_UNIT_WAVES
-    alone = backend == "cuda" and not fp8 and dtype.itemsize == 2 and head_dim == 128
-    return waves, LONE_CTA_FILL if alone else 0.0
+    wide16 = backend == "cuda" and not fp8 and dtype.itemsize == 2 and head_dim >= 128
+    return waves, LONE_CTA_FILL if wide16 and head_dim == 128 else 0.0, wide16
 
 
 def kernel_scales(cache: np.dtype, scale: float, k_scale: float, v_scale: float
@@ -211,10 +233,15 @@ def attention_kernel(backend: Backend, device: int, dtype: np.dtype, head_dim: i
     shared = attention_shared_bytes(backend.name, head_dim * dtype.itemsize, group,
                                     cache_dtype in FP8_DTYPES, itemsize=dtype.itemsize)
     multiprocessors = backend.cached_properties(device).multiprocessors
-    slots = kernel.max_active_blocks(THREADS, shared) * multiprocessors
-    return AttentionKernel(kernel, group, math.ceil(ratio / group), shared, slots,
-                           multiprocessors, split_rule_of(backend.name, dtype, head_dim,
-                                                          cache_dtype in FP8_DTYPES))
+    ctas = kernel.max_active_blocks(THREADS, shared)
+    waves, lone_fill, may_lean = split_rule_of(backend.name, dtype, head_dim,
+                                               cache_dtype in FP8_DTYPES)
+    # the lean occupancy: three CTAs a multiprocessor down to two (measured, NOTES.md v30)
+    lean = lean_shared_bytes(kernel, shared, ctas) if may_lean and ctas == 3 else 0
+    lean_slots = kernel.max_active_blocks(THREADS, lean) * multiprocessors if lean else 0
+    rule = (waves, lone_fill, lean_slots, LEAN_UNIT_TOKENS if lean else 0)
+    return AttentionKernel(kernel, group, math.ceil(ratio / group), shared,
+                           ctas * multiprocessors, multiprocessors, rule, lean)
 
 
 def plan_attention(backend: Backend, device: int, dtype: np.dtype, num_seqs: int,
@@ -229,5 +256,5 @@ def plan_attention(backend: Backend, device: int, dtype: np.dtype, num_seqs: int
                              cache_dtype)
     work = plan_work(num_kv_heads * found.groups, found.slots, num_seqs, lens,
                      max_blocks * block_size, num_partitions, found.sms, found.rule)
-    return AttentionPlan(found.kernel, found.group, work, found.shared_bytes, num_seqs,
+    return AttentionPlan(found.kernel, found.group, work, found.shared_for(work), num_seqs,
                          num_q_heads, num_kv_heads, head_dim, block_size, max_blocks)

@@ -12,6 +12,7 @@ import numpy as np
 from .._worksplit import (
     balanced_share,
     first_sequences,
+    lean_units,
     prefix_sums,
     split_lengths,
     whole_units,
@@ -58,6 +59,12 @@ WHOLE_UNIT_WAVES_WIDE = 4.0
 #: (``lone_fill``: 16-bit head_dim 128 on NVIDIA; H100, v30: 16 x 8192 with 64/8 heads 2.2
 #: % faster unsplit; fp8, head_dim 256 and the narrow head_dim 64 instances 17-33 % slower).
 LONE_CTA_FILL = 0.9
+#: Units of at least this many work tokens (all within a tenth of the longest) may run one
+#: CTA a unit at one CTA fewer a multiprocessor (``AttentionKernel.lean_shared_bytes``),
+#: where their waves fill that occupancy better (``_worksplit.lean_units``; H100, v30:
+#: 64 x 4096 3 % and 32 x 2048 with 32/32 heads 1.1 % faster; 256 x 512's short units 2.8 %
+#: slower, so they keep the natural occupancy).
+LEAN_UNIT_TOKENS = 2048
 
 
 @dataclass(frozen=True)
@@ -72,7 +79,8 @@ class WorkSplit:
     the kernel skips what lies past a sequence's length) and ``first_seq`` (int32
     ``[num_ctas]``, the sequence holding each CTA's first work token) go to the device;
     without them (None) every sequence counts ``uniform16`` work tokens and the kernel skips
-    what its length lacks.
+    what its length lacks. ``lean``: the launch runs at the kernel's lean occupancy (one CTA
+    a multiprocessor fewer: ``AttentionKernel.lean_shared_bytes``).
     """
 
     num_ctas: int
@@ -82,6 +90,7 @@ class WorkSplit:
     uniform16: int
     cum16: np.ndarray | None = None
     first_seq: np.ndarray | None = None
+    lean: bool = False
 
     @property
     def arrays(self) -> list[np.ndarray]:
@@ -98,12 +107,14 @@ def _round16(tokens: int) -> int:
 _RULE = (WORK_GRANULE, MIN_TOKENS_PER_CTA, ALIGNED_SHARE_TOKENS, ALIGNED_STRETCH)
 
 
-#: ``plan_work``'s rule beyond the device's multiprocessors: (whole_waves, lone_fill).
-Rule = tuple[float, float]
+#: ``plan_work``'s rule beyond the device's multiprocessors: (whole_waves, lone_fill,
+#: lean_slots, lean_tokens), an instance's (``AttentionKernel.rule``).
+Rule = tuple[float, float, int, int]
+NO_RULE: Rule = (0.0, 0.0, 0, 0)
 
 
-def split_rule(sms: int, rule: Rule = (0.0, 0.0)
-               ) -> tuple[int, int, int, float, int, int, int, float, float, float]:
+def split_rule(sms: int, rule: Rule = NO_RULE
+               ) -> tuple[int, int, int, float, int, int, int, float, float, float, int, int]:
     """Every constant of ``plan_work``'s split of real lengths on a device of ``sms``
     multiprocessors for an instance's ``rule`` (``AttentionKernel.rule``), in
     ``_worksplit.split_lengths``' order from ``granule`` on (what ``_steprows.pack_step``
@@ -113,22 +124,23 @@ def split_rule(sms: int, rule: Rule = (0.0, 0.0)
 
 def plan_work(groups: int, slots: int, num_seqs: int, lens: np.ndarray | None = None,
               max_len: int = 0, num_partitions: int | None = None, sms: int = 0,
-              rule: Rule = (0.0, 0.0)) -> WorkSplit:
+              rule: Rule = NO_RULE) -> WorkSplit:
     """The split of ``num_seqs`` sequences x ``groups`` units over a device that runs
     ``slots`` CTAs at once on ``sms`` multiprocessors (0: not known): one wave of CTAs with
     equal shares (at least ``MIN_TOKENS_PER_CTA`` tokens each), aligned to the units: padded
     to whole pieces where the units fit one wave (``PIECE_COST_TOKENS``, ``PAD_MARGIN``;
     ``rule``'s lone_fill), else where the shares are short and the units of one length
     (``ALIGNED_SHARE_TOKENS``); one unit a CTA where the units make ``rule``'s whole_waves
-    waves or more (``WHOLE_UNIT_WAVES``; 0: never) and ``sms`` is known.
+    waves or more (``WHOLE_UNIT_WAVES``; 0: never), or fill its lean_slots' waves better
+    (``lean``), and ``sms`` is known.
     ``lens`` (host, int32) gives each sequence's length; without it every sequence counts
     ``max_len``. ``num_partitions`` instead cuts the longest sequence into that many pieces
     (a test and tuning knob). With lengths and no ``num_partitions`` (a decode step's case)
     it is one call into the compiled core (``_worksplit.split_lengths``)."""
     if lens is not None and num_partitions is None:
-        num_ctas, per_cta, total, cum16, first_seq = split_lengths(
+        num_ctas, per_cta, total, cum16, first_seq, lean = split_lengths(
             np.ascontiguousarray(lens, np.int32), groups, slots, *split_rule(sms, rule))
-        return WorkSplit(num_ctas, per_cta, total, groups, 0, cum16, first_seq)
+        return WorkSplit(num_ctas, per_cta, total, groups, 0, cum16, first_seq, lean)
     if lens is not None:
         cum16 = np.empty(num_seqs + 1, np.int64)
         lens = np.ascontiguousarray(lens, np.int32)
@@ -138,13 +150,15 @@ def plan_work(groups: int, slots: int, num_seqs: int, lens: np.ndarray | None = 
     else:
         cum16, uniform16 = None, int(_round16(max_len))
         total, longest = num_seqs * groups * uniform16, uniform16
+    units, lean = num_seqs * groups, False
+    uniform = sms > 0 and cum16 is None and num_seqs > 0  # (split_lengths' rules, in Python)
     if num_partitions is not None:
         share = -(-longest // max(1, int(num_partitions)))
         per_cta = -(-share // WORK_GRANULE) * WORK_GRANULE
-    elif sms > 0 and cum16 is None and num_seqs and (
-            whole_units(num_seqs * groups, uniform16, total, slots, rule[0])
-            or (rule[1] > 0 and rule[1] * sms <= num_seqs * groups <= sms)):
-        per_cta = uniform16  # one unit a CTA, as split_lengths takes for such units
+    elif uniform and ((lean := lean_units(units, uniform16, total, slots, *rule[2:]))
+                      or whole_units(units, uniform16, total, slots, rule[0])
+                      or (rule[1] * sms <= units <= sms and rule[1] > 0)):
+        per_cta = uniform16  # one unit a CTA
     else:
         per_cta = balanced_share(total, slots, uniform16 if num_seqs else 0, *_RULE)
     num_ctas = -(-total // per_cta)
@@ -152,7 +166,7 @@ def plan_work(groups: int, slots: int, num_seqs: int, lens: np.ndarray | None = 
     if cum16 is not None:
         first_seq = np.empty(num_ctas, np.int32)
         first_sequences(cum16, groups, per_cta, first_seq)
-    return WorkSplit(num_ctas, per_cta, total, groups, uniform16, cum16, first_seq)
+    return WorkSplit(num_ctas, per_cta, total, groups, uniform16, cum16, first_seq, lean)
 
 
 def split_workspace(num_ctas: int, group: int, head_dim: int, num_units: int

@@ -66,7 +66,7 @@ class CudaBackend(ThreadDevices, Backend):
         self._contexts: dict[int, Any] = {}
         self._lock = threading.Lock()
         self._local = threading.local()
-        self._shared_raised: set[tuple[int, int]] = set()
+        self._shared_raised: dict[int, int] = {}  # function -> its dynamic shared limit
         self._peers: dict[tuple[int, int], bool] = {}
 
     def _context(self, device: int) -> Any:
@@ -328,12 +328,17 @@ class CudaBackend(ThreadDevices, Backend):
 
     def allow_shared(self, function: Any, shared_bytes: int) -> None:
         """Opt ``function`` in to ``shared_bytes`` of dynamic shared memory: needed once its
-        static plus dynamic shared memory passes 48 KiB, harmless below."""
-        key = (int(function), shared_bytes)
-        if shared_bytes and key not in self._shared_raised:
-            attr = cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
-            check("cuFuncSetAttribute", cu.cuFuncSetAttribute(function, attr, shared_bytes))
-            self._shared_raised.add(key)
+        static plus dynamic shared memory passes 48 KiB, harmless below. The limit only
+        rises: a launch prepared earlier for more (the attention's two occupancies) stays
+        valid."""
+        key = int(function)
+        if shared_bytes <= self._shared_raised.get(key, 0):
+            return
+        with self._lock:
+            if shared_bytes > self._shared_raised.get(key, 0):
+                attr = cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+                check("cuFuncSetAttribute", cu.cuFuncSetAttribute(function, attr, shared_bytes))
+                self._shared_raised[key] = shared_bytes
 
     def launch(self, function, grid, block, shared_bytes, stream, params_addr) -> None:
         self.allow_shared(function, shared_bytes)
