@@ -9,12 +9,12 @@
 // is read once for the whole group. Units are laid end to end, s-major, each len16(s) work
 // tokens long (its length rounded up to 16, at least 16, so an empty sequence still owns a
 // position); CTA c takes the work range [c * per_cta, min((c + 1) * per_cta, total)),
-// planned on the host: one wave of CTAs with equal shares, or, for two waves of units or
-// more, one CTA a unit that the hardware schedules as CTAs end (NOTES v30). Unit lengths
-// come from `cum16` (int64 [num_seqs + 1], exclusive prefix sums of len16, with `first_seq`
-// [CTAs]: the sequence holding each CTA's first position) or, when the host does not know
-// the lengths, are `uniform16` for every sequence (the kernel reads the real lengths and
-// skips the rest).
+// planned on the host: one wave of CTAs with equal shares, or one CTA a unit (many units,
+// which the hardware schedules as CTAs end, or about one a multiprocessor: NOTES v30). Unit
+// lengths come from `cum16` (int64 [num_seqs + 1], exclusive prefix sums of len16, with
+// `first_seq` [CTAs]: the sequence holding each CTA's first position) or, when the host does
+// not know the lengths, are `uniform16` for every sequence (the kernel reads the real lengths
+// and skips the rest).
 //
 // Pipeline. A CTA streams K and V through shared memory in tiles from one unit's piece to
 // the next without draining: the copies of the next piece's first tiles are in flight while

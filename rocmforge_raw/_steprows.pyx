@@ -585,10 +585,10 @@ def pack_step(size_t base, size_t capacity, size_t align, object slots,
     ``capacity`` bytes at ``base`` (the caller's). Arguments that do not fit together raise
     ``ValueError`` before any byte is written.
 
-    Returns (end, offsets of the five, num_ctas, per_cta, total, lean): ``end`` past the
-    bytes written, rounded up to ``align``; ``num_ctas`` 0 when nothing was written, ``end``
-    then the bound to make room for; ``lean`` whether the split is for the kernel's lean
-    occupancy (``planning.WorkSplit``)."""
+    Returns (end, offsets of the five, num_ctas, per_cta, total, whole, lean): ``end`` past
+    the bytes written, rounded up to ``align``; ``num_ctas`` 0 when nothing was written,
+    ``end`` then the bound to make room for; ``whole`` and ``lean`` as
+    ``planning.WorkSplit``'s."""
     cdef Py_ssize_t n = lens.shape[0]
     if n < 1:
         raise ValueError("a step's staging needs at least one sequence")
@@ -611,7 +611,7 @@ def pack_step(size_t base, size_t capacity, size_t align, object slots,
         raise ValueError(f"tables must be int32 [{n}, width], got {tables.dtype} "
                          f"{tables.shape}")
     cdef size_t slots_bytes = slots.nbytes, tables_bytes = tables.nbytes
-    if n * groups > MAX_GRID:
+    if groups > MAX_GRID or n * groups > MAX_GRID:
         raise ValueError(f"{n} sequences of {groups} units make more CTAs than a grid's "
                          f"{MAX_GRID}")
     cdef Py_ssize_t room = max(ctas, n * groups, 1)
@@ -621,17 +621,18 @@ def pack_step(size_t base, size_t capacity, size_t align, object slots,
     cdef size_t at_first = at_cum16 + _rounded(8 * <size_t>(n + 1), align)
     cdef size_t bound = at_first + _rounded(4 * <size_t>room, align)
     if bound > capacity:
-        return bound, (0, at_lens, at_tables, at_cum16, at_first), 0, 0, 0, False
+        return bound, (0, at_lens, at_tables, at_cum16, at_first), 0, 0, 0, False, False
     cdef long long per_cta, total
-    cdef bint lean = False
+    cdef bint whole = False, lean = False
     cdef Py_ssize_t num_ctas = split_into(&lens[0], n, groups, ctas, &c_rule,
                                           <long long*>(base + at_cum16),
                                           <int*>(base + at_first), room, &per_cta, &total,
-                                          &lean)
+                                          &whole, &lean)
     if num_ctas < 1:
         raise RuntimeError(f"the work split of {n} sequences took more than {room} CTAs")
     _put(base, slots, slots_bytes, 0)
     _copy_pieces(base + at_lens, <const char*>&lens[0], 4 * <size_t>n)
     _put(base + at_tables, tables, tables_bytes, 2)
     return (at_first + _rounded(4 * <size_t>num_ctas, align),
-            (0, at_lens, at_tables, at_cum16, at_first), num_ctas, per_cta, total, bool(lean))
+            (0, at_lens, at_tables, at_cum16, at_first), num_ctas, per_cta, total, bool(whole),
+            bool(lean))

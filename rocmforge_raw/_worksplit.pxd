@@ -11,4 +11,4 @@ cdef struct SplitRule:  # planning.plan_work's constants, in split_lengths' orde
 cdef Py_ssize_t split_into(const int* lens, Py_ssize_t n, long long groups, long long slots,
                            const SplitRule* rule, long long* cum16, int* first_seq,
                            Py_ssize_t capacity, long long* per_cta, long long* total,
-                           bint* lean) noexcept
+                           bint* whole, bint* lean) noexcept

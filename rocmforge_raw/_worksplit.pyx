@@ -110,7 +110,8 @@ def split_lengths(const int[::1] lens, long long groups, long long slots,
     that ``lean_units`` takes at ``lean_slots`` (0: none), to one unit a CTA: ``cum16`` then
     counts each sequence's work tokens rounded up to a multiple
     of ``per_cta``, the padding past its length skipped by the kernel. Returns (num_ctas,
-    per_cta, total, cum16, first_seq, lean)."""
+    per_cta, total, cum16, first_seq, whole, lean): ``whole`` when no unit is cut (every
+    unit one CTA's, so no partial records), ``lean`` for the lean occupancy."""
     cdef SplitRule rule = SplitRule(granule, min_tokens, aligned_tokens, stretch, sms,
                                     piece_cost, quantum, margin, whole_waves, lone_fill,
                                     lean_slots, lean_tokens)
@@ -118,22 +119,22 @@ def split_lengths(const int[::1] lens, long long groups, long long slots,
     cum16 = np.empty(n + 1, np.int64)
     cdef long long[::1] c = cum16
     cdef long long per_cta, total
-    cdef bint lean = False
-    _split_share(_ints(lens), n, groups, slots, &rule, &c[0], &per_cta, &total, &lean)
+    cdef bint whole = False, lean = False
+    _split_share(_ints(lens), n, groups, slots, &rule, &c[0], &per_cta, &total, &whole, &lean)
     first_seq = np.empty((total + per_cta - 1) // per_cta, np.int32)
     first_sequences(cum16, groups, per_cta, first_seq)
-    return first_seq.shape[0], per_cta, total, cum16, first_seq, bool(lean)
+    return first_seq.shape[0], per_cta, total, cum16, first_seq, bool(whole), bool(lean)
 
 
 cdef Py_ssize_t split_into(const int* lens, Py_ssize_t n, long long groups, long long slots,
                            const SplitRule* rule, long long* cum16, int* first_seq,
                            Py_ssize_t capacity, long long* per_cta, long long* total,
-                           bint* lean) noexcept:
+                           bint* whole, bint* lean) noexcept:
     """``split_lengths`` of ``n`` lengths (n >= 1) into memory the caller owns: ``cum16``
     (``n + 1`` entries) and ``first_seq`` (room for ``capacity``), ``per_cta`` and
     ``total``. Returns the CTAs, or -1 with ``first_seq`` untouched when they are more
     than ``capacity`` (a split never has more than ``max(slots, n * groups, 1)``)."""
-    _split_share(lens, n, groups, slots, rule, cum16, per_cta, total, lean)
+    _split_share(lens, n, groups, slots, rule, cum16, per_cta, total, whole, lean)
     cdef Py_ssize_t ctas = (total[0] + per_cta[0] - 1) // per_cta[0]
     if ctas > capacity:
         return -1
@@ -143,8 +144,9 @@ cdef Py_ssize_t split_into(const int* lens, Py_ssize_t n, long long groups, long
 
 cdef void _split_share(const int* lens, Py_ssize_t n, long long groups, long long slots,
                        const SplitRule* rule, long long* c, long long* per_cta,
-                       long long* total, bint* lean) noexcept:
+                       long long* total, bint* whole, bint* lean) noexcept:
     """``split_lengths``' share: ``c`` (cum16, ``n + 1`` entries), ``per_cta``, ``total``,
+    ``whole`` (no unit cut: each sequence padded to the share, which holds the longest) and
     ``lean`` (the launch runs at ``rule.lean_slots``' occupancy)."""
     cdef Py_ssize_t i
     cdef long long unit = 0, padded = 0, longest = 0
@@ -166,6 +168,7 @@ cdef void _split_share(const int* lens, Py_ssize_t n, long long groups, long lon
                          rule.piece_cost, rule.quantum, rule.margin, rule.lone_fill)
     per_cta[0] = padded or _share(total[0], slots, unit, rule.granule, rule.min_tokens,
                                   rule.aligned_tokens, rule.stretch)
+    whole[0] = padded > 0 and padded >= longest
     if padded:
         for i in range(n):  # each sequence's work up to a multiple of per_cta, from the end
             c[n - i] = (c[n - i] - c[n - i - 1] + padded - 1) // padded * padded
@@ -221,8 +224,8 @@ cdef inline double _efficiency(long long units, long long slots) noexcept:
 cdef inline bint _lean(long long units, long long longest, long long total, long long slots,
                        long long lean_slots, long long tokens) noexcept:
     """Whether one CTA a unit at ``lean_slots`` CTAs at once (one fewer a multiprocessor
-    than ``slots``) is the split: units of at least ``tokens`` work tokens, all within a
-    tenth of the longest, more than a wave at ``slots``, whose waves at ``lean_slots`` are
+    than ``slots``) is the split: units of at least ``tokens`` work tokens, their mean
+    within a tenth of the longest, more than a wave at ``slots``, whose waves at ``lean_slots`` are
     at least LEAN_EFFICIENCY full and fuller than at ``slots`` (NOTES.md v30: 64 x 4096,
     1.29 waves at three CTAs a SM, 1.94 at two, 3 % faster than one wave of shares)."""
     if lean_slots <= 0 or lean_slots >= slots or longest < tokens or units <= slots:

@@ -136,7 +136,8 @@ def paged_attention(out: DeviceArray, query: DeviceArray, k_cache: DeviceArray,
     """``out[s, h] = softmax(scale * q[s, h] . K[s]) V[s]`` over the first ``seq_lens[s]``
     tokens of sequence ``s``'s blocks. An fp8 cache (float16/bfloat16 queries) holds codes:
     K = code * ``k_scale``, V = code * ``v_scale``, dequantized in the kernel. The work is
-    split evenly over one wave of CTAs, over the real lengths when ``seq_lens`` is on the
+    split over the CTAs as ``planning.plan_work`` says (one wave of equal shares, or one CTA
+    a unit where the units are many), over the real lengths when ``seq_lens`` is on the
     host (else every sequence counts the block tables' width); ``num_partitions`` instead
     cuts the longest sequence into that many pieces. Scratch for split sequences comes from
     ``workspace`` or from the staging slot of this call. ``check`` validates host metadata

@@ -211,23 +211,23 @@ class Staging:
 
     def put_step(self, slots: np.ndarray, lens: np.ndarray, tables: np.ndarray, groups: int,
                  ctas: int, rule: tuple, stream: Stream | None
-                 ) -> tuple[list[int], tuple[int, int, int, bool]]:
+                 ) -> tuple[list[int], tuple[int, int, int, bool, bool]]:
         """``put`` of a decode step's ``[slots, lens, tables]`` and of their work split
         (``cum16``, ``first_seq``: ``planning.plan_work`` of ``lens`` over ``groups`` units
         a sequence, ``ctas`` slots, ``rule`` from ``planning.split_rule``), computed straight
         into the pinned bytes (``_steprows.pack_step``). Returns the five arrays' device
-        addresses and the split's (num_ctas, per_cta, total, lean)."""
+        addresses and the split's (num_ctas, per_cta, total, whole, lean)."""
         capacity = 0 if self.buffer is None else self.buffer.nbytes
         base = 0 if self.host is None else self.host.ptr
-        end, offsets, num_ctas, per_cta, total, lean = pack_step(
+        end, offsets, num_ctas, per_cta, total, whole, lean = pack_step(
             base, capacity, ALIGN, slots, lens, tables, groups, ctas, rule)
         if not num_ctas:  # the step's layout outgrew the slot
             self._reserve(end)
-            end, offsets, num_ctas, per_cta, total, lean = pack_step(
+            end, offsets, num_ctas, per_cta, total, whole, lean = pack_step(
                 self.host.ptr, self.buffer.nbytes, ALIGN, slots, lens, tables, groups, ctas,
                 rule)
             assert num_ctas, "a reserved slot holds its step"
-        return self._upload(0, end, offsets, stream), (num_ctas, per_cta, total, lean)
+        return self._upload(0, end, offsets, stream), (num_ctas, per_cta, total, whole, lean)
 
     def _upload(self, start: int, end: int, offsets: Sequence[int], stream: Stream | None
                 ) -> list[int]:

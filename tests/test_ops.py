@@ -488,6 +488,10 @@ def test_many_units_take_one_cta_each(lens):
         [(s, x, 0, int(n))] for s, n in enumerate(lens) for x in range(8)]
     uniform = ops.plan_work(8, 396, len(lens), None, max_len=longest, sms=132, rule=rule)
     assert (uniform.per_cta, uniform.num_ctas, uniform.cum16) == (longest, 8 * len(lens), None)
+    assert split.whole and uniform.whole  # no unit cut: no partial records
+    assert planning.split_workspace(split.num_ctas, 4, 128, 8 * len(lens), split.whole) == (
+        0, 8 * len(lens))
+    assert not ops.plan_work(8, 396, 64, np.full(64, 4096, np.int32), sms=132).whole
     assert ops.plan_work(8, 396, len(lens), lens, sms=132).num_ctas <= 396
     assert ops.plan_work(8, 396, len(lens), lens, rule=rule).num_ctas <= 396  # sms unknown
     for few in ([4096] * 64, [16384] + [512] * 255):  # 1.3 waves; one unit too long

@@ -78,6 +78,60 @@ def double(monkeypatch):
     return PretendGpu()
 
 
+class LeanGpu(PretendGpu):
+    """``PretendGpu`` whose attention CTAs fit three a SM up to 70 KiB of dynamic shared
+    memory and two beyond (as on an H100), recording each launch's shared bytes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.shared: list[int] = []
+
+    def max_active_blocks(self, function, threads, shared_bytes):
+        return 3 if shared_bytes <= 70 << 10 else 2
+
+    def launch(self, function, grid, block, shared_bytes, stream, params_addr):
+        super().launch(function, grid, block, shared_bytes, stream, params_addr)
+        self.shared.append(shared_bytes)
+
+
+def test_each_step_launches_at_the_occupancy_its_split_was_planned_for(monkeypatch):
+    """A step whose long, even units fill two CTAs a SM better runs lean: its launch passes
+    the lean shared memory, one CTA a unit, and asks no partial records; when one sequence
+    grows far past the others the next step goes back to the natural occupancy's split, and
+    back to lean once it is gone, each with the launch prepared for it."""
+    monkeypatch.setattr(module, "_loaded", {})
+    monkeypatch.setattr(module, "_origins", {})
+    gpu = LeanGpu()
+    config = CacheConfig(1, 8, 128, 16, 9000, "bfloat16", num_q_heads=32)
+    with KvCache(config, backend=gpu) as cache:
+        for seq in range(64):
+            cache.add_sequence(seq, 2047)
+        found = attention_kernel(gpu, 0, cache._steps.act, 128, 4, config.dtype)
+        assert (found.slots, found.rule[2]) == (396, 264)
+        assert found.lean_shared_bytes - 1024 <= 70 << 10 < found.lean_shared_bytes
+        assert found.shared_bytes < found.lean_shared_bytes
+        ids = list(range(64))
+        for step, (lean, grid) in enumerate([(True, 512), (False, None), (True, 512)]):
+            if step == 1:
+                cache.finish(0)
+                cache.add_sequence(100, 8000)
+                ids[0] = 100
+            if step == 2:
+                cache.finish(100)
+                cache.add_sequence(101, 2047)
+                ids[0] = 101
+            cache.append(ids)
+            meta = cache.batch(ids)
+            meta._attention(1, 2, 3, 4)
+            work = plan_work(8, found.slots, 64, meta.seq_lens, sms=found.sms,
+                             rule=found.rule)
+            assert work.lean == lean and work.whole == lean
+            assert gpu.shared[-1] == (found.lean_shared_bytes if lean else found.shared_bytes)
+            assert gpu.launches[-1][0][0] == work.num_ctas == (grid or work.num_ctas)
+            if step == 0:  # a fresh slot: a whole split asks no partial records
+                assert meta._staging.workspace._partials.nbytes == 1
+
+
 def _read(address, dtype, count):
     """``count`` elements of ``dtype`` at a "device" address of the double (host memory)."""
     nbytes = count * np.dtype(dtype).itemsize
@@ -282,7 +336,8 @@ def _reference_split(lens, groups, slots, sms=0, rule=(0.0, 0.0, 0, 0)):
     num_ctas = -(-total // per_cta)
     first = [int(np.searchsorted(cum16 * groups, c * per_cta, "right")) - 1
              for c in range(num_ctas)]
-    return num_ctas, per_cta, total, cum16, np.array(first, np.int32), lean
+    whole = bool(padded) and padded >= longest
+    return num_ctas, per_cta, total, cum16, np.array(first, np.int32), whole, lean
 
 
 def _reference_padding(work16, groups, slots, sms, balanced, lone_fill=0.0):
@@ -320,16 +375,36 @@ def test_split_lengths_equals_the_rule_in_python(seed):
         0, 5000 if rng.random() < 0.5 else 300, n).astype(np.int32)
     groups, slots = int(rng.choice([1, 2, 8, 32])), int(rng.choice([1, 7, 264, 396]))
     sms = int(rng.choice([0, 1, 66, 132]))
-    rule = [(0.0, 0.0, 0, 0), (2.0, 0.9, 0, 0), (1.0, 0.5, 5, 16), (4.0, 0.0, 264, 64),
-            (2.0, 0.9, 264, 2048)][seed % 5]
+    lean = slots * 2 // 3  # one CTA a multiprocessor fewer, as on an H100
+    rule = [(0.0, 0.0, 0, 0), (2.0, 0.9, 0, 0), (1.0, 0.5, lean, 16), (4.0, 0.0, lean, 64),
+            (2.0, 0.9, lean, 2048)][seed % 5]
     got = split_lengths(lens, groups, slots, WORK_GRANULE, MIN_TOKENS_PER_CTA,
                         ALIGNED_SHARE_TOKENS, ALIGNED_STRETCH, sms, PIECE_COST_TOKENS,
                         PIECE_QUANTUM_TOKENS, PAD_MARGIN, *rule)
     want = _reference_split(lens, groups, slots, sms, rule)
-    assert got[:3] == want[:3] and got[5] == want[5]
+    assert got[:3] == want[:3] and got[5:] == want[5:]
     np.testing.assert_array_equal(got[3], want[3])
     np.testing.assert_array_equal(got[4], want[4])
     assert got[4].dtype == np.int32 and got[3].dtype == np.int64
+
+
+def test_split_lengths_equals_the_rule_in_python_for_long_even_units():
+    """Near-even batches of long sequences, where the lean occupancy's rule decides (some
+    draws go lean, most do not), against the rule in Python."""
+    rng, leans = np.random.default_rng(11), 0
+    for _ in range(60):
+        n, groups = int(rng.integers(20, 140)), int(rng.choice([4, 8]))
+        lens = (rng.integers(2048, 4096) - rng.integers(0, 200, n)).astype(np.int32)
+        rule = (2.0, 0.9, 264, 2048)
+        got = split_lengths(lens, groups, 396, WORK_GRANULE, MIN_TOKENS_PER_CTA,
+                            ALIGNED_SHARE_TOKENS, ALIGNED_STRETCH, 132, PIECE_COST_TOKENS,
+                            PIECE_QUANTUM_TOKENS, PAD_MARGIN, *rule)
+        want = _reference_split(lens, groups, 396, 132, rule)
+        assert got[:3] == want[:3] and got[5:] == want[5:]
+        np.testing.assert_array_equal(got[3], want[3])
+        np.testing.assert_array_equal(got[4], want[4])
+        leans += got[6]
+    assert 5 <= leans <= 55
 
 
 def test_pack_host_aligns_each_array_and_copies_only_what_fits(rng):
@@ -355,7 +430,7 @@ def test_pack_host_aligns_each_array_and_copies_only_what_fits(rng):
     (list(range(1, 300, 7)), 132, (0.0, 0.0, 0, 0)),  # more units than a wave: balanced
     ([32768], 0, (0.0, 0.0, 0, 0)),  # multiprocessors unknown: the aligned share
     ([100, 70, 99] * 30, 132, (2.0, 0.0, 0, 0)),  # 720 units, 2.7 waves: one CTA a unit
-    ([4096] * 33, 132, (2.0, 0.9, 0, 0)),  # 264 units on 132 SMs: one piece a unit, lone
+    ([4096] * 33, 132, (2.0, 0.9, 0, 0)),  # 264 units, a wave of 264: one piece a unit
     ([2048] * 40, 132, (2.0, 0.9, 176, 2048)),  # 320 units: lean, 1.8 waves of 176
 ])
 def test_pack_step_lays_out_what_pack_host_does_with_the_split_computed_in_place(
@@ -375,13 +450,13 @@ def test_pack_step_lays_out_what_pack_host_does_with_the_split_computed_in_place
                              [slots, lens, tables, *work.arrays], 0, 256)
     got = np.full(1 << 16, 0xAB, np.uint8)
     rule = split_rule(sms, rule)
-    needed, _, none, _, _, _ = pack_step(got.ctypes.data, 512, 256, slots, lens, tables,
-                                         groups, ctas, rule)
+    needed, _, none, *_ = pack_step(got.ctypes.data, 512, 256, slots, lens, tables, groups,
+                                    ctas, rule)
     assert none == 0 and needed >= end and (got == 0xAB).all()
-    done, at, num_ctas, per_cta, total, lean = pack_step(got.ctypes.data, needed, 256, slots,
-                                                         lens, tables, groups, ctas, rule)
-    assert (done, list(at), num_ctas, per_cta, total, lean) == (
-        end, offsets, work.num_ctas, work.per_cta, work.total, work.lean)
+    done, at, *split = pack_step(got.ctypes.data, needed, 256, slots, lens, tables, groups,
+                                 ctas, rule)
+    assert (done, list(at), *split) == (end, offsets, work.num_ctas, work.per_cta,
+                                        work.total, work.whole, work.lean)
     np.testing.assert_array_equal(got[:end], want[:end])
     assert (got[end:] == 0xAB).all()
 
@@ -401,6 +476,7 @@ def test_pack_step_refuses_arguments_that_do_not_fit_before_writing_a_byte(rng):
         (dict(ctas=1 << 62), "ctas must be in"),
         (dict(ctas=-1), "ctas must be in"),
         (dict(groups=0), "groups must be at least 1, got 0"),
+        (dict(groups=1 << 62), "make more CTAs than a grid"),
         (dict(slots=slots.astype(np.int32).repeat(2)), "slots must be int64"),
         (dict(slots=slots[:2]), "slots must be int64"),
         (dict(tables=tables.astype(np.int64)), "tables must be int32"),

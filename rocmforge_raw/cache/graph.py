@@ -42,6 +42,7 @@ from ..planning import (
     attention_kernel,
     default_scale,
     plan_work,
+    split_workspace,
     write_arguments,
     write_kernel,
 )
@@ -151,7 +152,10 @@ class StepGraph:
             offset += -(-int(np.prod(dims)) * np.dtype(dtype).itemsize // ALIGN) * ALIGN
         plan = AttentionPlan(found.kernel, found.group, split, found.shared_for(split), n,
                              q_heads, c.num_kv_heads, c.head_dim, c.block_size, width)
-        partial_bytes, counters = plan.workspace_sizes
+        # partials for every CTA even of a whole-unit capture: a replay's lengths may be laid
+        # out with slack shared out (graph_layout.padded_work), which cuts units
+        partial_bytes, counters = split_workspace(split.num_ctas, found.group, c.head_dim,
+                                                  n * split.groups)
         graph = None
         try:
             buffers = self._room((offset, max(partial_bytes, 4), 4 * max(counters, 1)))

@@ -349,22 +349,22 @@ class StepPlanner:
                          *staging.put(work.arrays, meta.stream, append=True)]
             fields["_attention"] = self._attention_launch(
                 staging, found, num_q_heads, n,
-                (work.num_ctas, work.per_cta, work.total, work.lean),
+                (work.num_ctas, work.per_cta, work.total, work.whole, work.lean),
                 meta.block_tables.shape[1], addresses, meta.stream)
         meta._set(**fields)
 
     def _attention_launch(self, staging: Staging, found: AttentionKernel, num_q_heads: int,
-                          n: int, split: tuple[int, int, int, bool], width: int,
+                          n: int, split: tuple[int, int, int, bool, bool], width: int,
                           addresses: Sequence[int], stream: Stream | None) -> Launch:
         """The attention launch of a step of ``n`` sequences whose work split is ``split``
-        (num_ctas, per_cta, total, lean of a ``WorkSplit`` of real lengths) and whose slots,
-        lengths, tables, cum16 and first_seq are at ``addresses``: prepared once per staging
-        slot, shape, stream and occupancy, then given each step's grid, addresses, table
-        width and work split (``STEP_ARGS``) and the default scale."""
+        (num_ctas, per_cta, total, whole, lean of a ``WorkSplit`` of real lengths) and whose
+        slots, lengths, tables, cum16 and first_seq are at ``addresses``: prepared once per
+        staging slot, shape, stream and occupancy, then given each step's grid, addresses,
+        table width and work split (``STEP_ARGS``) and the default scale."""
         c = self.config
-        num_ctas, per_cta, total, lean = split
+        num_ctas, per_cta, total, whole, lean = split
         part_bytes, counters = split_workspace(num_ctas, found.group, c.head_dim,
-                                               n * c.num_kv_heads * found.groups)
+                                               n * c.num_kv_heads * found.groups, whole)
         part_buf, count_buf = staging.workspace.ready(part_bytes, counters) or (
             staging.workspace.get(part_bytes, counters, self.slab, stream))
         _, lens_at, tables_at, cum16_at, first_seq_at = addresses
@@ -374,7 +374,7 @@ class StepPlanner:
             if len(staging.launches) > 64:  # shapes and streams come and go
                 staging.launches.clear()
             work = WorkSplit(num_ctas, per_cta, total, c.num_kv_heads * found.groups, 0,
-                             lean=lean)
+                             whole=whole, lean=lean)
             plan = AttentionPlan(found.kernel, found.group, work, found.shared_for(work), n,
                                  num_q_heads, c.num_kv_heads, c.head_dim, c.block_size, width)
             launch = staging.launches[key] = plan.kernel.prepare(

@@ -110,7 +110,7 @@ class AttentionPlan:
     @property
     def workspace_sizes(self) -> tuple[int, int]:
         return split_workspace(self.work.num_ctas, self.group, self.head_dim,
-                               self.num_seqs * self.work.groups)
+                               self.num_seqs * self.work.groups, self.work.whole)
 
     def arguments(self, out: Any, query: Any, k_cache: Any, v_cache: Any, tables: Any,
                   lens: Any, scale: float, partials: int, counters: int, cum16: int = 0,

@@ -51,7 +51,7 @@ PAD_MARGIN = 1.15
 #: evens out the multiprocessors' uneven speeds that a wave of equal shares leaves as its
 #: tail, and no unit is split (H100, native/NOTES.md v30: 256 x 512 3.6 % faster, ragged
 #: 512 x U[1, 2048] 3-14 %; 64 x 4096, at 1.3 waves, 1 % slower, its fp8 14 %). The
-#: instance's own (``unit_waves``): head_dim 256 takes 4 (at 2.6 waves 0.5-2.6 % slower).
+#: instance's own (``split_rule_of``): head_dim 256 takes 4 (at 2.6 waves 0.5-2.6 % slower).
 WHOLE_UNIT_WAVES = 2.0
 WHOLE_UNIT_WAVES_WIDE = 4.0
 #: A padded split may put one CTA on a multiprocessor where its pieces occupy at least this
@@ -59,7 +59,7 @@ WHOLE_UNIT_WAVES_WIDE = 4.0
 #: (``lone_fill``: 16-bit head_dim 128 on NVIDIA; H100, v30: 16 x 8192 with 64/8 heads 2.2
 #: % faster unsplit; fp8, head_dim 256 and the narrow head_dim 64 instances 17-33 % slower).
 LONE_CTA_FILL = 0.9
-#: Units of at least this many work tokens (all within a tenth of the longest) may run one
+#: Units of at least this many work tokens (their mean within a tenth of the longest) run one
 #: CTA a unit at one CTA fewer a multiprocessor (``AttentionKernel.lean_shared_bytes``),
 #: where their waves fill that occupancy better (``_worksplit.lean_units``; H100, v30:
 #: 64 x 4096 3 % and 32 x 2048 with 32/32 heads 1.1 % faster; 256 x 512's short units 2.8 %
@@ -79,8 +79,9 @@ class WorkSplit:
     the kernel skips what lies past a sequence's length) and ``first_seq`` (int32
     ``[num_ctas]``, the sequence holding each CTA's first work token) go to the device;
     without them (None) every sequence counts ``uniform16`` work tokens and the kernel skips
-    what its length lacks. ``lean``: the launch runs at the kernel's lean occupancy (one CTA
-    a multiprocessor fewer: ``AttentionKernel.lean_shared_bytes``).
+    what its length lacks. ``whole``: no unit is cut across CTAs (no partial records);
+    ``lean``: the launch runs at the kernel's lean occupancy (one CTA a multiprocessor fewer:
+    ``AttentionKernel.lean_shared_bytes``).
     """
 
     num_ctas: int
@@ -90,6 +91,7 @@ class WorkSplit:
     uniform16: int
     cum16: np.ndarray | None = None
     first_seq: np.ndarray | None = None
+    whole: bool = False
     lean: bool = False
 
     @property
@@ -138,9 +140,9 @@ def plan_work(groups: int, slots: int, num_seqs: int, lens: np.ndarray | None = 
     (a test and tuning knob). With lengths and no ``num_partitions`` (a decode step's case)
     it is one call into the compiled core (``_worksplit.split_lengths``)."""
     if lens is not None and num_partitions is None:
-        num_ctas, per_cta, total, cum16, first_seq, lean = split_lengths(
+        num_ctas, per_cta, total, cum16, first_seq, whole, lean = split_lengths(
             np.ascontiguousarray(lens, np.int32), groups, slots, *split_rule(sms, rule))
-        return WorkSplit(num_ctas, per_cta, total, groups, 0, cum16, first_seq, lean)
+        return WorkSplit(num_ctas, per_cta, total, groups, 0, cum16, first_seq, whole, lean)
     if lens is not None:
         cum16 = np.empty(num_seqs + 1, np.int64)
         lens = np.ascontiguousarray(lens, np.int32)
@@ -151,7 +153,7 @@ def plan_work(groups: int, slots: int, num_seqs: int, lens: np.ndarray | None = 
         cum16, uniform16 = None, int(_round16(max_len))
         total, longest = num_seqs * groups * uniform16, uniform16
     units, lean = num_seqs * groups, False
-    uniform = sms > 0 and cum16 is None and num_seqs > 0  # (split_lengths' rules, in Python)
+    uniform = sms > 0 and slots > 0 and cum16 is None and num_seqs > 0  # split_lengths' rules
     if num_partitions is not None:
         share = -(-longest // max(1, int(num_partitions)))
         per_cta = -(-share // WORK_GRANULE) * WORK_GRANULE
@@ -166,15 +168,18 @@ def plan_work(groups: int, slots: int, num_seqs: int, lens: np.ndarray | None = 
     if cum16 is not None:
         first_seq = np.empty(num_ctas, np.int32)
         first_sequences(cum16, groups, per_cta, first_seq)
-    return WorkSplit(num_ctas, per_cta, total, groups, uniform16, cum16, first_seq, lean)
+    whole = cum16 is None and num_seqs > 0 and per_cta % uniform16 == 0  # whole units a CTA
+    return WorkSplit(num_ctas, per_cta, total, groups, uniform16, cum16, first_seq, whole, lean)
 
 
-def split_workspace(num_ctas: int, group: int, head_dim: int, num_units: int
-                    ) -> tuple[int, int]:
+def split_workspace(num_ctas: int, group: int, head_dim: int, num_units: int,
+                    whole: bool = False) -> tuple[int, int]:
     """(bytes of partials, int32 counters) of a launch of ``num_ctas`` CTAs of ``group``
     query heads over ``num_units`` units: two partial slots per CTA (its first and last piece
     may be parts of units split with its neighbours), each a record per query head of
     ``head_dim`` floats, the (max, sum) pair and two unused floats (so records are 16-byte
-    aligned); one counter per unit. Records sit at fixed places whatever the CTA count, so
-    a prepared launch keeps its workspace address."""
-    return 2 * num_ctas * group * (head_dim + 4) * 4, num_units
+    aligned), none where the split is ``whole`` (no unit cut: a split of one CTA a unit may
+    have many more CTAs than a wave, and writes no record); one counter per unit. Records
+    sit at fixed places whatever the CTA count, so a prepared launch keeps its workspace
+    address."""
+    return 0 if whole else 2 * num_ctas * group * (head_dim + 4) * 4, num_units
