@@ -108,10 +108,10 @@ def split_lengths(const int[::1] lens, long long groups, long long slots,
     boundaries instead where ``padded_share`` finds a share (``lone_fill``: see there), and
     a launch of ``whole_waves`` waves of units or more (``whole_units``; 0: never), or one
     that ``lean_units`` takes at ``lean_slots`` (0: none), to one unit a CTA: ``cum16`` then
-    counts each sequence's work tokens rounded up to a multiple
-    of ``per_cta``, the padding past its length skipped by the kernel. Returns (num_ctas,
-    per_cta, total, cum16, first_seq, whole, lean): ``whole`` when no unit is cut (every
-    unit one CTA's, so no partial records), ``lean`` for the lean occupancy."""
+    counts each sequence's work tokens rounded up to a multiple of ``per_cta``, the padding
+    past its length skipped by the kernel. Returns (num_ctas, per_cta, total, cum16,
+    first_seq, whole, lean): ``whole`` when no unit is cut (every unit one CTA's, so no
+    partial records), ``lean`` for the lean occupancy."""
     cdef SplitRule rule = SplitRule(granule, min_tokens, aligned_tokens, stretch, sms,
                                     piece_cost, quantum, margin, whole_waves, lone_fill,
                                     lean_slots, lean_tokens)
@@ -193,10 +193,9 @@ def padded_share(const long long[::1] cum16, long long groups, long long slots,
     within one wave of at most ``slots`` CTAs and, but for the first, with two CTAs on some
     multiprocessor, or one CTA on at least ``lone_fill`` of them (0: never; for instances
     whose one CTA streams at the copy's rate alone); the least load wins, then the fewer
-    pieces. It is taken only if its load
-    is at most ``margin`` times the balanced split's (``balanced_share`` of the unpadded
-    work, which cuts units anywhere), else 0: with lengths far apart, whole pieces would
-    leave a long sequence to one CTA."""
+    pieces. It is taken only if its load is at most ``margin`` times the balanced split's
+    (``balanced_share`` of the unpadded work, which cuts units anywhere), else 0: with
+    lengths far apart, whole pieces would leave a long sequence to one CTA."""
     if cum16.shape[0] < 2:
         return 0
     return _padded(&cum16[0], cum16.shape[0] - 1, groups, slots, sms, granule, min_tokens,
@@ -225,9 +224,10 @@ cdef inline bint _lean(long long units, long long longest, long long total, long
                        long long lean_slots, long long tokens) noexcept:
     """Whether one CTA a unit at ``lean_slots`` CTAs at once (one fewer a multiprocessor
     than ``slots``) is the split: units of at least ``tokens`` work tokens, their mean
-    within a tenth of the longest, more than a wave at ``slots``, whose waves at ``lean_slots`` are
-    at least LEAN_EFFICIENCY full and fuller than at ``slots`` (NOTES.md v30: 64 x 4096,
-    1.29 waves at three CTAs a SM, 1.94 at two, 3 % faster than one wave of shares)."""
+    within a tenth of the longest, more than a wave at ``slots``, whose waves at
+    ``lean_slots`` are at least LEAN_EFFICIENCY full and fuller than at ``slots`` (NOTES.md
+    v30: 64 x 4096, 1.29 waves at three CTAs a SM, 1.94 at two, 3 % faster than one wave of
+    shares)."""
     if lean_slots <= 0 or lean_slots >= slots or longest < tokens or units <= slots:
         return False
     if 10 * total < 9 * longest * units:
