@@ -232,8 +232,8 @@ cdef inline bint _lean(long long units, long long longest, long long total, long
         return False
     if 10 * total < 9 * longest * units:
         return False
-    return (_efficiency(units, lean_slots) >= LEAN_EFFICIENCY
-            and _efficiency(units, lean_slots) > _efficiency(units, slots))
+    cdef double full = _efficiency(units, lean_slots)
+    return full >= LEAN_EFFICIENCY and full > _efficiency(units, slots)
 
 
 def lean_units(long long units, long long longest, long long total, long long slots,
