@@ -541,6 +541,16 @@ def test_long_even_units_run_lean_where_its_waves_are_fuller(batch, context, lea
                              rule=(*rule[:2], 0, planning.LEAN_UNIT_TOKENS)).lean
 
 
+@pytest.mark.parametrize("rule", [(2.0,), "2,0.9,0,0", None, (2.0, 0.9, 264.5, 2048),
+                                  (-1.0, 0.0, 0, 0), (2.0, 1.5, 0, 0), (2.0, 0.9, 264, None),
+                                  (2.0, 0.9, [264], 2048)])
+def test_a_malformed_split_rule_is_refused_by_name(rule):
+    lens = np.full(4, 100, np.int32)
+    for case in (dict(lens=lens), dict(max_len=100)):
+        with pytest.raises(ValueError, match="rule must be"):
+            ops.plan_work(8, 396, 4, sms=132, rule=rule, **case)
+
+
 @pytest.mark.parametrize("backend_name, dtype, head_dim, fp8, rule", [
     ("cuda", np.float16, 128, False, (2.0, 0.9, True)),
     ("cuda", ml_dtypes.bfloat16, 128, False, (2.0, 0.9, True)),

@@ -5,7 +5,9 @@ device)."""
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -17,6 +19,7 @@ from .._worksplit import (
     split_lengths,
     whole_units,
 )
+from ..checks import show
 
 #: Work is counted in tokens rounded up to this (and every unit owns at least this many, so an
 #: empty sequence still has a position): pieces start at multiples of it.
@@ -115,6 +118,28 @@ Rule = tuple[float, float, int, int]
 NO_RULE: Rule = (0.0, 0.0, 0, 0)
 
 
+_RULES_SEEN: set[Rule] = {NO_RULE}  # rules found well-formed (a few: one an instance)
+
+
+def _checked(rule: Any) -> Rule:
+    """``rule`` if it is a Rule: (whole_waves, lone_fill, lean_slots, lean_tokens), numbers
+    at least 0, lone_fill at most 1 and the last two whole; else ValueError naming it. A
+    rule seen before costs one lookup (plan_work runs per ``ops.paged_attention`` call)."""
+    try:
+        if type(rule) is tuple and rule in _RULES_SEEN:
+            return rule
+    except TypeError:  # an unhashable member: not a rule (refused below)
+        pass
+    if (isinstance(rule, tuple) and len(rule) == 4
+            and all(isinstance(x, numbers.Real) and x >= 0 for x in rule) and rule[1] <= 1
+            and all(isinstance(x, numbers.Integral) for x in rule[2:])):
+        if len(_RULES_SEEN) < 64:
+            _RULES_SEEN.add(rule)
+        return rule
+    raise ValueError("rule must be (whole_waves, lone_fill, lean_slots, lean_tokens): numbers "
+                     f"at least 0, lone_fill at most 1, the last two whole; got {show(rule)}")
+
+
 def split_rule(sms: int, rule: Rule = NO_RULE
                ) -> tuple[int, int, int, float, int, int, int, float, float, float, int, int]:
     """Every constant of ``plan_work``'s split of real lengths on a device of ``sms``
@@ -139,6 +164,7 @@ def plan_work(groups: int, slots: int, num_seqs: int, lens: np.ndarray | None = 
     ``max_len``. ``num_partitions`` instead cuts the longest sequence into that many pieces
     (a test and tuning knob). With lengths and no ``num_partitions`` (a decode step's case)
     it is one call into the compiled core (``_worksplit.split_lengths``)."""
+    rule = _checked(rule)
     if lens is not None and num_partitions is None:
         num_ctas, per_cta, total, cum16, first_seq, whole, lean = split_lengths(
             np.ascontiguousarray(lens, np.int32), groups, slots, *split_rule(sms, rule))
