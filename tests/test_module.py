@@ -97,6 +97,24 @@ def test_module_load_unload_from_bytes_and_runtime_compile(gpu, tmp_path, monkey
         mod.function("rf_fill_f32")
 
 
+def test_unloading_a_module_forgets_its_shared_memory_opt_ins_on_gpu(gpu):
+    """A function of a module loaded after another's unload may get the same address at the
+    default limit: its opt-in must be made again, not skipped as already done."""
+    if gpu.name != "cuda":
+        pytest.skip("an opt-in of the cuda backend")
+    from cuda.bindings import driver as cu
+
+    attr = cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+    image = module._compile(gpu, "basic", gpu.properties(DEVICE).arch).image
+    for _ in range(2):  # the second load's function often takes the first one's address
+        with rf.Module(image, backend=gpu) as mod:
+            handle = mod.function("rf_fill_f32").handle
+            gpu.allow_shared(handle, 64 << 10)
+            err, limit = cu.cuFuncGetAttribute(attr, handle)
+            assert err == cu.CUresult.CUDA_SUCCESS and limit == 64 << 10
+        assert int(handle) not in gpu._shared_raised
+
+
 @pytest.mark.parametrize("target", list(TARGETS))
 @pytest.mark.parametrize("stem", list(KERNELS))
 def test_built_object_holds_every_kernel_symbol(stem, target):

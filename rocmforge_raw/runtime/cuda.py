@@ -67,6 +67,7 @@ class CudaBackend(ThreadDevices, Backend):
         self._lock = threading.Lock()
         self._local = threading.local()
         self._shared_raised: dict[int, int] = {}  # function -> its dynamic shared limit
+        self._functions: dict[int, set[int]] = {}  # module -> its functions looked up
         self._peers: dict[tuple[int, int], bool] = {}
 
     def _context(self, device: int) -> Any:
@@ -321,10 +322,18 @@ class CudaBackend(ThreadDevices, Backend):
         return check("cuModuleLoadData", cu.cuModuleLoadData(image))
 
     def module_unload(self, module: Any, device: int) -> None:
+        """Unload ``module`` and forget its functions' shared-memory opt-ins: a function of
+        a module loaded later may get the same address, at the default limit."""
         check("cuModuleUnload", self.restoring(device, lambda: cu.cuModuleUnload(module)))
+        with self._lock:
+            for key in self._functions.pop(int(module), ()):
+                self._shared_raised.pop(key, None)
 
     def module_function(self, module: Any, name: str) -> Any:
-        return check("cuModuleGetFunction", cu.cuModuleGetFunction(module, name.encode()))
+        function = check("cuModuleGetFunction", cu.cuModuleGetFunction(module, name.encode()))
+        with self._lock:
+            self._functions.setdefault(int(module), set()).add(int(function))
+        return function
 
     def allow_shared(self, function: Any, shared_bytes: int) -> None:
         """Opt ``function`` in to ``shared_bytes`` of dynamic shared memory: needed once its
