@@ -89,10 +89,15 @@ def test_split_k_agrees_with_one_partition_on_gpu(gpu, rng, parts):
     assert relative_error(got, want) < 1e-5
 
 
-@pytest.mark.parametrize("parts", [None, 5])
-def test_lengths_on_the_device_split_every_sequence_as_the_longest_on_gpu(gpu, rng, parts):
-    got, want = run_attention(gpu, rng, np.float16, 128, 16, 4, [0, 3, 700, 2500],
-                              num_partitions=parts, device_lens=True)
+@pytest.mark.parametrize("parts, lens", [
+    (None, [0, 3, 700, 2500]),  # a padded split: each sequence's work up to whole pieces
+    (5, [0, 3, 700, 2500]),
+    (None, [64] + [1, 33, 50] * 341),  # 2048 units: one CTA a unit
+])
+def test_lengths_on_the_device_split_every_sequence_as_the_longest_on_gpu(gpu, rng, parts,
+                                                                          lens):
+    got, want = run_attention(gpu, rng, np.float16, 128, 16, 4, lens, num_partitions=parts,
+                              device_lens=True)
     assert relative_error(got, want) < 1e-2
 
 
@@ -513,6 +518,34 @@ def test_a_lone_cta_a_multiprocessor_only_where_the_rule_allows_it():
     few = np.full(12, 8192, np.int32)
     for fill in (0.0, planning.LONE_CTA_FILL):
         assert ops.plan_work(8, 396, 12, few, sms=132, rule=(2.0, fill, 0, 0)).num_ctas > 132
+
+
+@pytest.mark.parametrize("rule", [
+    (0.0, 0.0, 0, 0), (2.0, 0.0, 0, 0), (2.0, 0.9, 0, 0), (2.0, 0.9, 264, 2048),
+    (4.0, 0.5, 132, 512)])
+def test_uniform_mode_splits_as_the_same_lengths_on_the_host(rule):
+    """Without lengths on the host, every sequence counting ``max_len`` gives the very split
+    that lengths of ``max_len`` give: the one compiled rule decides both (the uniform mode
+    once restated the lone-CTA rule in Python, and its margins differed): the same shares,
+    and each sequence's work padded alike, so the kernel walks the same pieces."""
+    for (num_seqs, groups), max_len in itertools.product(
+            [(n, g) for n in (1, 2, 3, 7, 12, 15, 16, 17, 33, 64, 99, 148, 300)
+             for g in (1, 2, 8, 16)], (1, 16, 500, 2048, 4096, 8192, 20000)):
+        lens = np.full(num_seqs, max_len, np.int32)
+        by_lens = ops.plan_work(groups, 396, num_seqs, lens, sms=132, rule=rule)
+        uniform = ops.plan_work(groups, 396, num_seqs, None, max_len=max_len, sms=132,
+                                rule=rule)
+        case = (num_seqs, groups, max_len)
+        assert (uniform.num_ctas, uniform.per_cta, uniform.total, uniform.whole,
+                uniform.lean) == (by_lens.num_ctas, by_lens.per_cta, by_lens.total,
+                                  by_lens.whole, by_lens.lean), case
+        assert uniform.cum16 is None and (np.diff(by_lens.cum16) == uniform.uniform16).all()
+
+
+@pytest.mark.parametrize("max_len", [-1, (1 << 30) + 1, 1 << 40])
+def test_a_width_past_the_kernels_positions_is_refused_by_name(max_len):
+    with pytest.raises(ValueError, match=f"max_len .*got {max_len}"):
+        ops.plan_work(8, 396, 4, None, max_len=max_len, sms=132)
 
 
 @pytest.mark.parametrize("batch, context, lean", [

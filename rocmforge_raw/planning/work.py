@@ -11,14 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from .._worksplit import (
-    balanced_share,
-    first_sequences,
-    lean_units,
-    prefix_sums,
-    split_lengths,
-    whole_units,
-)
+from .._worksplit import first_sequences, prefix_sums, split_lengths
 from ..checks import show
 
 #: Work is counted in tokens rounded up to this (and every unit owns at least this many, so an
@@ -81,8 +74,8 @@ class WorkSplit:
     sums of each sequence's ``len16``, which a padded split rounds up to whole ``per_cta``:
     the kernel skips what lies past a sequence's length) and ``first_seq`` (int32
     ``[num_ctas]``, the sequence holding each CTA's first work token) go to the device;
-    without them (None) every sequence counts ``uniform16`` work tokens and the kernel skips
-    what its length lacks. ``whole``: no unit is cut across CTAs (no partial records);
+    without them (None) every sequence counts ``uniform16`` work tokens (the tables' width,
+    padded alike) and the kernel skips what its length lacks. ``whole``: no unit is cut across CTAs (no partial records);
     ``lean``: the launch runs at the kernel's lean occupancy (one CTA a multiprocessor fewer:
     ``AttentionKernel.lean_shared_bytes``).
     """
@@ -106,6 +99,11 @@ class WorkSplit:
 def _round16(tokens: int) -> int:
     """Work tokens of a sequence of ``tokens``: rounded up to WORK_GRANULE, at least that."""
     return max(WORK_GRANULE, -(-tokens // WORK_GRANULE) * WORK_GRANULE)
+
+
+#: The most tokens a sequence may count: padded to a multiple of its share (at most its own
+#: work again), its work stays within the kernel's int32 positions.
+MAX_TOKENS = 1 << 30
 
 
 #: The share rule's constants, as ``_worksplit`` takes them.
@@ -162,12 +160,20 @@ def plan_work(groups: int, slots: int, num_seqs: int, lens: np.ndarray | None = 
     (``lean``), and ``sms`` is known.
     ``lens`` (host, int32) gives each sequence's length; without it every sequence counts
     ``max_len``. ``num_partitions`` instead cuts the longest sequence into that many pieces
-    (a test and tuning knob). With lengths and no ``num_partitions`` (a decode step's case)
-    it is one call into the compiled core (``_worksplit.split_lengths``)."""
+    (a test and tuning knob). Without ``num_partitions`` it is one call into the compiled
+    core (``_worksplit.split_lengths``), ``max_len`` standing for every length where
+    ``lens`` is not given: both modes split by the same rule."""
     rule = _checked(rule)
-    if lens is not None and num_partitions is None:
+    if lens is None and not 0 <= max_len <= MAX_TOKENS:
+        raise ValueError(f"max_len (the block tables' width x block_size) must be 0 to "
+                         f"{MAX_TOKENS} tokens, got {show(max_len)}")
+    if num_partitions is None:  # one call into the compiled core, uniform mode too
+        host = lens if lens is not None else np.full(num_seqs, max_len, np.int32)
         num_ctas, per_cta, total, cum16, first_seq, whole, lean = split_lengths(
-            np.ascontiguousarray(lens, np.int32), groups, slots, *split_rule(sms, rule))
+            np.ascontiguousarray(host, np.int32), groups, slots, *split_rule(sms, rule))
+        if lens is None:  # the kernel places units at multiples of uniform16 (padded) itself
+            return WorkSplit(num_ctas, per_cta, total, groups, int(cum16[1] - cum16[0])
+                             if num_seqs else _round16(max_len), None, None, whole, lean)
         return WorkSplit(num_ctas, per_cta, total, groups, 0, cum16, first_seq, whole, lean)
     if lens is not None:
         cum16 = np.empty(num_seqs + 1, np.int64)
@@ -178,25 +184,16 @@ def plan_work(groups: int, slots: int, num_seqs: int, lens: np.ndarray | None = 
     else:
         cum16, uniform16 = None, int(_round16(max_len))
         total, longest = num_seqs * groups * uniform16, uniform16
-    units, lean = num_seqs * groups, False
-    uniform = sms > 0 and slots > 0 and cum16 is None and num_seqs > 0  # split_lengths' rules
-    if num_partitions is not None:
-        share = -(-longest // max(1, int(num_partitions)))
-        per_cta = -(-share // WORK_GRANULE) * WORK_GRANULE
-    elif uniform and ((lean := lean_units(units, uniform16, total, slots, *rule[2:]))
-                      or whole_units(units, uniform16, total, slots, rule[0])
-                      or (rule[1] * sms <= units <= sms and rule[1] > 0)):
-        per_cta = uniform16  # one unit a CTA
-    else:
-        per_cta = balanced_share(total, slots, uniform16 if num_seqs else 0, *_RULE)
+    share = -(-longest // max(1, int(num_partitions)))
+    per_cta = -(-share // WORK_GRANULE) * WORK_GRANULE
     num_ctas = -(-total // per_cta)
     first_seq = None
     if cum16 is not None:
         first_seq = np.empty(num_ctas, np.int32)
         first_sequences(cum16, groups, per_cta, first_seq)
     whole = cum16 is None and num_seqs > 0 and per_cta % uniform16 == 0  # whole units a CTA
-    return WorkSplit(num_ctas, per_cta, total, groups, uniform16, cum16, first_seq, whole, lean)
-
+    return WorkSplit(num_ctas, per_cta, total, groups, uniform16, cum16, first_seq, whole,
+                     False)
 
 def split_workspace(num_ctas: int, group: int, head_dim: int, num_units: int,
                     whole: bool = False) -> tuple[int, int]:
