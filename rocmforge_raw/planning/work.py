@@ -75,9 +75,9 @@ class WorkSplit:
     the kernel skips what lies past a sequence's length) and ``first_seq`` (int32
     ``[num_ctas]``, the sequence holding each CTA's first work token) go to the device;
     without them (None) every sequence counts ``uniform16`` work tokens (the tables' width,
-    padded alike) and the kernel skips what its length lacks. ``whole``: no unit is cut across CTAs (no partial records);
-    ``lean``: the launch runs at the kernel's lean occupancy (one CTA a multiprocessor fewer:
-    ``AttentionKernel.lean_shared_bytes``).
+    padded alike) and the kernel skips what its length lacks. ``whole``: no unit is cut
+    across CTAs (no partial records); ``lean``: the launch runs at the kernel's lean
+    occupancy (one CTA a multiprocessor fewer: ``AttentionKernel.lean_shared_bytes``).
     """
 
     num_ctas: int
