@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import statistics
 import time
+import zlib
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -223,6 +224,13 @@ def sweep_shapes() -> tuple[Shape, ...]:
 _DTYPES = {suffix: dtype for dtype, suffix in ops.DTYPES.items()}  # "bf16" -> bfloat16
 
 
+def shape_rng(shape: Shape) -> np.random.Generator:
+    """The random source of ``shape``'s row, seeded by its 16-bit shape's name: an fp8 row
+    draws the very lengths and page order its 16-bit row drew (``time_vs_16bit`` compares
+    the same work), whatever rows run before it."""
+    return np.random.default_rng([1234, zlib.crc32(shape.name.removesuffix("-fp8").encode())])
+
+
 def attention_inputs(shape: Shape, rng: np.random.Generator
                      ) -> tuple[np.ndarray, np.ndarray, int]:
     """(block_tables, seq_lens, num_blocks) of ``shape``: pages in random order."""
@@ -243,10 +251,11 @@ def bench_attention(backend: Backend, device: int, copy_gbs: float, iters: int =
     """Event-timed paged attention for each shape: ms, GB/s, % of ``copy_gbs`` and, given
     the read-only bandwidth ``read_gbs``, % of that (else None). Each run is the launch a
     decode step makes per layer (``AttentionLaunch``): metadata planned and uploaded once;
-    ``host_us`` is that launch's host time."""
-    rng = np.random.default_rng(1234)
+    ``host_us`` is that launch's host time; ``tokens`` the keys each query read. Each
+    shape draws its inputs from ``shape_rng``."""
     rows: list[dict[str, Any]] = []
     for shape in progress.track(shapes, "bench attention", unit="shape"):
+        rng = shape_rng(shape)
         dtype = np.dtype(_DTYPES[shape.dtype])
         cache_dtype = np.dtype(getattr(ml_dtypes, shape.cache)) if shape.cache else dtype
         tables, lens, num_blocks = attention_inputs(shape, rng)
@@ -273,7 +282,8 @@ def bench_attention(backend: Backend, device: int, copy_gbs: float, iters: int =
         target = None if shape.cache else READ_TARGETS.get(shape.name, SWEEP_READ_TARGET)
         base = next((r for r in rows if shape.cache and r["name"] == shape.name.removesuffix(
             "-fp8") and not r["cache"]), None)  # the same shape's 16-bit row, timed before
-        rows.append({**asdict(shape), "ms": ms, "host_us": timing.host_us, "gb_per_s": gbs,
+        rows.append({**asdict(shape), "ms": ms, "host_us": timing.host_us,
+                     "tokens": int(lens.sum()), "gb_per_s": gbs,
                      "pct_of_copy": 100 * gbs / copy_gbs, "target_pct": TARGETS.get(shape.name),
                      "pct_of_read": 100 * gbs / read_gbs if read_gbs else None,
                      "read_target_pct": target, "bytes": nbytes,

@@ -3,6 +3,7 @@ references, a shape row."""
 
 import time
 
+import numpy as np
 import pytest
 from conftest import DEVICE
 
@@ -37,6 +38,29 @@ def test_an_attention_row_counts_the_bytes_it_read(gpu):
     assert row["ms"] > 0 and row["gb_per_s"] == pytest.approx(row["bytes"] / row["ms"] / 1e6)
     assert row["pct_of_copy"] == pytest.approx(row["gb_per_s"] / 10)
     assert row["pct_of_read"] == pytest.approx(row["gb_per_s"] / 20)
+
+
+def test_an_fp8_row_reads_the_lengths_and_pages_of_its_16bit_row():
+    """S6's lengths are random: its fp8 row must time the same draw, or time_vs_16bit
+    compares different work (it drew the next lengths of one shared source before)."""
+    base, fp8 = bench.SHAPES[-1], bench.FP8_SHAPES[-1]
+    assert fp8.name == f"{base.name}-fp8" and base.context == 0
+    bench.attention_inputs(bench.SHAPES[0], bench.shape_rng(bench.SHAPES[0]))
+    want = bench.attention_inputs(base, bench.shape_rng(base))
+    got = bench.attention_inputs(fp8, bench.shape_rng(fp8))
+    for a, b in zip(want, got, strict=True):
+        np.testing.assert_array_equal(a, b)
+    other = bench.attention_inputs(base, bench.shape_rng(bench.SHAPES[0]))
+    assert not np.array_equal(other[1], want[1])  # each 16-bit shape draws its own
+
+
+def test_a_ragged_rows_fp8_twin_times_the_same_tokens_on_gpu(gpu):
+    shape = bench.Shape("T", 6, 0, 8, 2, "f16", max_context=700)
+    rows = bench.bench_attention(gpu, DEVICE, copy_gbs=1000.0, iters=2, shapes=(
+        bench.Shape("U", 3, 0, 8, 2, "f16"), shape,
+        bench.Shape("T-fp8", 6, 0, 8, 2, "f16", max_context=700, cache="float8_e4m3fn")))
+    assert rows[1]["tokens"] == rows[2]["tokens"] > 0
+    assert rows[2]["time_vs_16bit"] == pytest.approx(rows[2]["ms"] / rows[1]["ms"])
 
 
 def test_medians_time_each_function_in_batches_and_turns():
