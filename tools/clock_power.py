@@ -149,13 +149,13 @@ def main() -> None:
     backend = get_backend("cuda")
     if args.references:
         references(backend, args.seconds)
-    rng = np.random.default_rng(7)
     for name in args.shapes:
         shape = known[name]
         if args.dtype:
             shape = dataclasses.replace(shape, dtype=args.dtype)
         dtype = np.dtype(ml_dtypes.bfloat16 if shape.dtype == "bf16" else np.float16)
         cache = np.dtype(getattr(ml_dtypes, shape.cache)) if shape.cache else dtype
+        rng = bench.shape_rng(shape)  # an fp8 row reads its 16-bit row's lengths and pages
         tables, lens, num_blocks = bench.attention_inputs(shape, rng)
         pages = (num_blocks, shape.kv_heads, shape.block_size, shape.head_dim)
         q = DeviceArray.empty((shape.batch, shape.q_heads, shape.head_dim), dtype, 0, backend)
