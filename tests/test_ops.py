@@ -542,9 +542,9 @@ def test_uniform_mode_splits_as_the_same_lengths_on_the_host(rule):
         assert uniform.cum16 is None and (np.diff(by_lens.cum16) == uniform.uniform16).all()
 
 
-@pytest.mark.parametrize("max_len", [-1, (1 << 30) + 1, 1 << 40])
+@pytest.mark.parametrize("max_len", [-1, (1 << 30) + 1, 1 << 40, 2.5, "x"])
 def test_a_width_past_the_kernels_positions_is_refused_by_name(max_len):
-    with pytest.raises(ValueError, match=f"max_len .*got {max_len}"):
+    with pytest.raises(ValueError, match=f"max_len .*got {max_len!r}"):
         ops.plan_work(8, 396, 4, None, max_len=max_len, sms=132)
 
 

@@ -164,9 +164,10 @@ def plan_work(groups: int, slots: int, num_seqs: int, lens: np.ndarray | None = 
     core (``_worksplit.split_lengths``), ``max_len`` standing for every length where
     ``lens`` is not given: both modes split by the same rule."""
     rule = _checked(rule)
-    if lens is None and not 0 <= max_len <= MAX_TOKENS:
-        raise ValueError(f"max_len (the block tables' width x block_size) must be 0 to "
-                         f"{MAX_TOKENS} tokens, got {show(max_len)}")
+    if lens is None and not (isinstance(max_len, numbers.Integral)
+                             and 0 <= max_len <= MAX_TOKENS):
+        raise ValueError(f"max_len (the block tables' width x block_size) must be a whole "
+                         f"number of tokens, 0 to {MAX_TOKENS}, got {show(max_len)}")
     if num_partitions is None:  # one call into the compiled core, uniform mode too
         host = lens if lens is not None else np.full(num_seqs, max_len, np.int32)
         num_ctas, per_cta, total, cum16, first_seq, whole, lean = split_lengths(
