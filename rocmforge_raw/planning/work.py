@@ -196,6 +196,7 @@ def plan_work(groups: int, slots: int, num_seqs: int, lens: np.ndarray | None = 
     return WorkSplit(num_ctas, per_cta, total, groups, uniform16, cum16, first_seq, whole,
                      False)
 
+
 def split_workspace(num_ctas: int, group: int, head_dim: int, num_units: int,
                     whole: bool = False) -> tuple[int, int]:
     """(bytes of partials, int32 counters) of a launch of ``num_ctas`` CTAs of ``group``

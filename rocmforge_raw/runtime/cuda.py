@@ -325,14 +325,14 @@ class CudaBackend(ThreadDevices, Backend):
         """Unload ``module`` and forget its functions' shared-memory opt-ins: a function of
         a module loaded later may get the same address, at the default limit."""
         check("cuModuleUnload", self.restoring(device, lambda: cu.cuModuleUnload(module)))
-        with self._lock:
-            for key in self._functions.pop(int(module), ()):
-                self._shared_raised.pop(key, None)
+        # each dict call is atomic; no lock: a module's finalizer may run this from a
+        # collection inside allow_shared's locked section, on the same thread
+        for key in self._functions.pop(int(module), ()):
+            self._shared_raised.pop(key, None)
 
     def module_function(self, module: Any, name: str) -> Any:
         function = check("cuModuleGetFunction", cu.cuModuleGetFunction(module, name.encode()))
-        with self._lock:
-            self._functions.setdefault(int(module), set()).add(int(function))
+        self._functions.setdefault(int(module), set()).add(int(function))
         return function
 
     def allow_shared(self, function: Any, shared_bytes: int) -> None:
