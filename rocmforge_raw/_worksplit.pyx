@@ -100,7 +100,8 @@ def split_lengths(const int[::1] lens, long long groups, long long slots,
                   long long granule, long long min_tokens, long long aligned_tokens,
                   double stretch, long long sms=0, long long piece_cost=0,
                   long long quantum=1, double margin=1.0, double whole_waves=0.0,
-                  double lone_fill=0.0, long long lean_slots=0, long long lean_tokens=0):
+                  double lone_fill=0.0, long long lean_slots=0, long long lean_tokens=0,
+                  bint with_first_seq=True):
     """``planning.plan_work`` over real lengths in one call: (num_ctas, per_cta, total,
     cum16, first_seq) of ``len(lens)`` sequences of ``groups`` units each (see
     ``prefix_sums``, ``first_sequences`` and ``balanced_share``). With ``sms`` (the device's
@@ -111,7 +112,8 @@ def split_lengths(const int[::1] lens, long long groups, long long slots,
     counts each sequence's work tokens rounded up to a multiple of ``per_cta``, the padding
     past its length skipped by the kernel. Returns (num_ctas, per_cta, total, cum16,
     first_seq, whole, lean): ``whole`` when no unit is cut (every unit one CTA's, so no
-    partial records), ``lean`` for the lean occupancy."""
+    partial records), ``lean`` for the lean occupancy; ``first_seq`` None unless
+    ``with_first_seq`` (the kernel's uniform mode finds its units without it)."""
     cdef SplitRule rule = SplitRule(granule, min_tokens, aligned_tokens, stretch, sms,
                                     piece_cost, quantum, margin, whole_waves, lone_fill,
                                     lean_slots, lean_tokens)
@@ -121,9 +123,12 @@ def split_lengths(const int[::1] lens, long long groups, long long slots,
     cdef long long per_cta, total
     cdef bint whole = False, lean = False
     _split_share(_ints(lens), n, groups, slots, &rule, &c[0], &per_cta, &total, &whole, &lean)
-    first_seq = np.empty((total + per_cta - 1) // per_cta, np.int32)
-    first_sequences(cum16, groups, per_cta, first_seq)
-    return first_seq.shape[0], per_cta, total, cum16, first_seq, bool(whole), bool(lean)
+    cdef Py_ssize_t ctas = (total + per_cta - 1) // per_cta
+    first_seq = None
+    if with_first_seq:
+        first_seq = np.empty(ctas, np.int32)
+        first_sequences(cum16, groups, per_cta, first_seq)
+    return ctas, per_cta, total, cum16, first_seq, bool(whole), bool(lean)
 
 
 cdef Py_ssize_t split_into(const int* lens, Py_ssize_t n, long long groups, long long slots,

@@ -5,6 +5,7 @@ device)."""
 
 from __future__ import annotations
 
+import functools
 import numbers
 from dataclasses import dataclass
 from typing import Any
@@ -168,13 +169,11 @@ def plan_work(groups: int, slots: int, num_seqs: int, lens: np.ndarray | None = 
                              and 0 <= max_len <= MAX_TOKENS):
         raise ValueError(f"max_len (the block tables' width x block_size) must be a whole "
                          f"number of tokens, 0 to {MAX_TOKENS}, got {show(max_len)}")
-    if num_partitions is None:  # one call into the compiled core, uniform mode too
-        host = lens if lens is not None else np.full(num_seqs, max_len, np.int32)
+    if num_partitions is None and lens is None:
+        return _uniform_split(groups, slots, num_seqs, int(max_len), sms, rule)
+    if num_partitions is None:  # one call into the compiled core
         num_ctas, per_cta, total, cum16, first_seq, whole, lean = split_lengths(
-            np.ascontiguousarray(host, np.int32), groups, slots, *split_rule(sms, rule))
-        if lens is None:  # the kernel places units at multiples of uniform16 (padded) itself
-            return WorkSplit(num_ctas, per_cta, total, groups, int(cum16[1] - cum16[0])
-                             if num_seqs else _round16(max_len), None, None, whole, lean)
+            np.ascontiguousarray(lens, np.int32), groups, slots, *split_rule(sms, rule))
         return WorkSplit(num_ctas, per_cta, total, groups, 0, cum16, first_seq, whole, lean)
     if lens is not None:
         cum16 = np.empty(num_seqs + 1, np.int64)
@@ -195,6 +194,20 @@ def plan_work(groups: int, slots: int, num_seqs: int, lens: np.ndarray | None = 
     whole = cum16 is None and num_seqs > 0 and per_cta % uniform16 == 0  # whole units a CTA
     return WorkSplit(num_ctas, per_cta, total, groups, uniform16, cum16, first_seq, whole,
                      False)
+
+
+@functools.lru_cache(maxsize=64)
+def _uniform_split(groups: int, slots: int, num_seqs: int, max_len: int, sms: int,
+                   rule: Rule) -> WorkSplit:
+    """``plan_work``'s uniform mode: the compiled split of ``num_seqs`` lengths of
+    ``max_len``, whose padded work per sequence is the kernel's ``uniform16`` (it places
+    the units itself: no arrays). Cached: a decode loop asks the same few (a WorkSplit
+    without arrays is immutable)."""
+    num_ctas, per_cta, total, cum16, _, whole, lean = split_lengths(
+        np.full(num_seqs, max_len, np.int32), groups, slots, *split_rule(sms, rule),
+        with_first_seq=False)
+    stride = int(cum16[1] - cum16[0]) if num_seqs else _round16(max_len)
+    return WorkSplit(num_ctas, per_cta, total, groups, stride, None, None, whole, lean)
 
 
 def split_workspace(num_ctas: int, group: int, head_dim: int, num_units: int,
