@@ -323,12 +323,13 @@ class CudaBackend(ThreadDevices, Backend):
 
     def module_unload(self, module: Any, device: int) -> None:
         """Unload ``module`` and forget its functions' shared-memory opt-ins: a function of
-        a module loaded later may get the same address, at the default limit."""
-        check("cuModuleUnload", self.restoring(device, lambda: cu.cuModuleUnload(module)))
-        # each dict call is atomic; no lock: a module's finalizer may run this from a
-        # collection inside allow_shared's locked section, on the same thread
-        for key in self._functions.pop(int(module), ()):
+        a module loaded later may get the same address, at the default limit. Forgotten
+        first, while the handle is live (no other module can take it); each dict call is
+        atomic, with no lock: a module's finalizer may run this from a collection inside
+        allow_shared's locked section, on the same thread."""
+        for key in list(self._functions.pop(int(module), ())):
             self._shared_raised.pop(key, None)
+        check("cuModuleUnload", self.restoring(device, lambda: cu.cuModuleUnload(module)))
 
     def module_function(self, module: Any, name: str) -> Any:
         function = check("cuModuleGetFunction", cu.cuModuleGetFunction(module, name.encode()))
