@@ -141,7 +141,9 @@ def paged_attention(out: DeviceArray, query: DeviceArray, k_cache: DeviceArray,
     host (else every sequence counts the block tables' width); ``num_partitions`` instead
     cuts the longest sequence into that many pieces. Scratch for split sequences comes from
     ``workspace`` or from the staging slot of this call. ``check`` validates host metadata
-    against the cache (device metadata is never read back)."""
+    against the cache (device metadata is never read back: lengths on the device must be
+    at most the tables' width x block_size, and their block ids in the cache, as host
+    metadata is checked to be; the kernel trusts them)."""
     check_options(query, stream, check, num_partitions, workspace)
     num_seqs, num_q_heads, head_dim, num_blocks, num_kv_heads, block_size = (
         check_attention_arrays(out, query, k_cache, v_cache))

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 from conftest import DEVICE
 
+import rocmforge_raw as rf
 from rocmforge_raw import bench
 
 MiB = 1 << 20
@@ -52,6 +53,28 @@ def test_an_fp8_row_reads_the_lengths_and_pages_of_its_16bit_row():
         np.testing.assert_array_equal(a, b)
     other = bench.attention_inputs(base, bench.shape_rng(bench.SHAPES[0]))
     assert not np.array_equal(other[1], want[1])  # each 16-bit shape draws its own
+
+
+def test_each_row_of_one_run_draws_from_its_own_source(monkeypatch):
+    """bench_attention's plumbing, with the launch and its timing stubbed (host memory): a
+    ragged row's fp8 twin, timed after other rows, gets the very lengths its 16-bit row got."""
+    class Launch:
+        def __init__(self, *args):
+            pass
+
+        def __call__(self):
+            pass
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(bench, "AttentionLaunch", Launch)
+    monkeypatch.setattr(bench, "time_ms", lambda *args: bench.Timing(1.0, 1.0))
+    shapes = (bench.Shape("T", 6, 0, 8, 2, "f16", max_context=700),
+              bench.Shape("U", 3, 0, 8, 2, "f16", max_context=700),
+              bench.Shape("T-fp8", 6, 0, 8, 2, "f16", max_context=700, cache="float8_e4m3fn"))
+    rows = bench.bench_attention(rf.get_backend("host"), 0, 1000.0, 1, shapes)
+    assert rows[0]["tokens"] == rows[2]["tokens"]
 
 
 def test_a_ragged_rows_fp8_twin_times_the_same_tokens_on_gpu(gpu):
