@@ -278,6 +278,8 @@ def test_unsupported_shapes_raise_before_launch(backend, change, words):
     (np.ones((2, 2), np.int64), np.array([1, 1], np.int32), "block_tables must be int32"),
     (np.ones((2, 2), np.int32), np.array([1, 1, 1], np.int32), r"seq_lens must have shape \(2,\)"),
     (np.ones((2, 2), np.int32), np.array([-1, 1], np.int32), "seq_lens must be >= 0"),
+    (np.ones((2, 1), np.int32), np.array([1, (1 << 30) + 1], np.int32),
+     r"seq_lens\[1\] = 1073741825 tokens exceeds the kernel's 1073741824 a sequence"),
 ])
 def test_bad_metadata_raises_before_launch(backend, tables, lens, words):
     out, q, k, v = _attention_inputs(backend)

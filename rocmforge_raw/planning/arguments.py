@@ -15,6 +15,7 @@ from .. import checks
 from ..array import DeviceArray
 from ..staging import Workspace
 from ..stream import stream_handle
+from .work import MAX_TOKENS
 
 DTYPES = {np.dtype(np.float16): "f16", np.dtype(ml_dtypes.bfloat16): "bf16",
           np.dtype(np.float32): "f32"}
@@ -181,6 +182,10 @@ def check_tables(tables: np.ndarray, lens: np.ndarray, num_seqs: int, num_blocks
                          f"{tables.shape}")
     if lens.size and lens.min() < 0:
         raise ValueError(f"seq_lens must be >= 0, got {int(lens.min())}")
+    if lens.size and lens.max() > MAX_TOKENS:
+        s = int(lens.argmax())
+        raise ValueError(f"seq_lens[{s}] = {int(lens[s])} tokens exceeds the kernel's "
+                         f"{MAX_TOKENS} a sequence (its int32 positions)")
     capacity = tables.shape[1] * block_size
     if lens.size and lens.max() > capacity:
         s = int(lens.argmax())
