@@ -581,7 +581,7 @@ def pack_step(size_t base, size_t capacity, size_t align, object slots,
     sequence and ``ctas`` slots, ``rule`` its constants from ``granule`` on), computed
     straight into that memory. The layout's bound gives ``first_seq`` room for
     ``max(ctas, n * groups, 1)`` CTAs (a split never has more: a wave at most, or one CTA a
-    unit, ``_worksplit.whole_units``); nothing is written unless it fits in
+    unit, ``_worksplit._whole`` and ``_lean``); nothing is written unless it fits in
     ``capacity`` bytes at ``base`` (the caller's). Arguments that do not fit together raise
     ``ValueError`` before any byte is written.
 

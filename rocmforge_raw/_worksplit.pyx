@@ -82,20 +82,6 @@ cdef long long _share(long long total, long long slots, long long unit, long lon
     return (share + granule - 1) // granule * granule
 
 
-def balanced_share(long long total, long long slots, long long unit, long long granule,
-                   long long min_tokens, long long aligned_tokens, double stretch) -> int:
-    """``planning.plan_work``'s share per CTA (work tokens) for units of one length
-    ``unit`` (0: of several lengths, or none) and ``total`` work tokens over ``slots``."""
-    return _share(total, slots, unit, granule, min_tokens, aligned_tokens, stretch)
-
-
-def whole_units(long long units, long long longest, long long total, long long slots,
-                double waves) -> bool:
-    """Whether ``units`` units of at most ``longest`` work tokens (``total`` in all) take
-    one CTA each over ``slots`` (``waves`` waves of them at least; 0: never)."""
-    return _whole(units, longest, total, slots, waves)
-
-
 def split_lengths(const int[::1] lens, long long groups, long long slots,
                   long long granule, long long min_tokens, long long aligned_tokens,
                   double stretch, long long sms=0, long long piece_cost=0,
@@ -104,11 +90,11 @@ def split_lengths(const int[::1] lens, long long groups, long long slots,
                   bint with_first_seq=True):
     """``planning.plan_work`` over real lengths in one call: (num_ctas, per_cta, total,
     cum16, first_seq) of ``len(lens)`` sequences of ``groups`` units each (see
-    ``prefix_sums``, ``first_sequences`` and ``balanced_share``). With ``sms`` (the device's
+    ``prefix_sums``, ``first_sequences`` and ``_share``). With ``sms`` (the device's
     multiprocessors; 0: unknown) a launch of at most ``slots`` units is padded to piece
     boundaries instead where ``padded_share`` finds a share (``lone_fill``: see there), and
-    a launch of ``whole_waves`` waves of units or more (``whole_units``; 0: never), or one
-    that ``lean_units`` takes at ``lean_slots`` (0: none), to one unit a CTA: ``cum16`` then
+    a launch of ``whole_waves`` waves of units or more (``_whole``; 0: never), or one that
+    ``_lean`` takes at ``lean_slots`` (0: none), to one unit a CTA: ``cum16`` then
     counts each sequence's work tokens rounded up to a multiple of ``per_cta``, the padding
     past its length skipped by the kernel. Returns (num_ctas, per_cta, total, cum16,
     first_seq, whole, lean): ``whole`` when no unit is cut (every unit one CTA's, so no
@@ -199,7 +185,7 @@ def padded_share(const long long[::1] cum16, long long groups, long long slots,
     multiprocessor, or one CTA on at least ``lone_fill`` of them (0: never; for instances
     whose one CTA streams at the copy's rate alone); the least load wins, then the fewer
     pieces. It is taken only if its load is at most ``margin`` times the balanced split's
-    (``balanced_share`` of the unpadded work, which cuts units anywhere), else 0: with
+    (``_share`` of the unpadded work, which cuts units anywhere), else 0: with
     lengths far apart, whole pieces would leave a long sequence to one CTA."""
     if cum16.shape[0] < 2:
         return 0
@@ -239,13 +225,6 @@ cdef inline bint _lean(long long units, long long longest, long long total, long
         return False
     cdef double full = _efficiency(units, lean_slots)
     return full >= LEAN_EFFICIENCY and full > _efficiency(units, slots)
-
-
-def lean_units(long long units, long long longest, long long total, long long slots,
-               long long lean_slots, long long tokens) -> bool:
-    """Whether ``units`` units of at most ``longest`` work tokens (``total`` in all) take one
-    CTA each at ``lean_slots`` CTAs at once, one fewer a multiprocessor than ``slots``."""
-    return _lean(units, longest, total, slots, lean_slots, tokens)
 
 
 cdef inline long long _cost(long long share, long long quantum, long long piece_cost

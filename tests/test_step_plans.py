@@ -293,7 +293,7 @@ def _kv(cache, meta):
 
 # --- the compiled pieces against Python -------------------------------------------------
 def _reference_lean(units, longest, total, slots, lean_slots, tokens):
-    """``_worksplit.lean_units`` in Python: long, even units whose waves fill the lean
+    """``_worksplit._lean`` in Python: long, even units whose waves fill the lean
     occupancy's slots at least 0.9 and better than ``slots``."""
     if not 0 < lean_slots < slots or longest < tokens or units <= slots:
         return False

@@ -58,7 +58,7 @@ WHOLE_UNIT_WAVES_WIDE = 4.0
 LONE_CTA_FILL = 0.9
 #: Units of at least this many work tokens (their mean within a tenth of the longest) run one
 #: CTA a unit at one CTA fewer a multiprocessor (``AttentionKernel.lean_shared_bytes``),
-#: where their waves fill that occupancy better (``_worksplit.lean_units``; H100, v30:
+#: where their waves fill that occupancy better (``_worksplit._lean``; H100, v30:
 #: 64 x 4096 3 % and 32 x 2048 with 32/32 heads 1.1 % faster; 256 x 512's short units 2.8 %
 #: slower, so they keep the natural occupancy).
 LEAN_UNIT_TOKENS = 2048
