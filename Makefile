@@ -18,8 +18,7 @@ AMD_OBJS := $(foreach s,$(SOURCES),$(KDIR)/$(s).gfx90a.hsaco $(KDIR)/$(s).gfx942
                                    $(KDIR)/$(s).gfx1100.hsaco)
 HAVE_NVCC := $(shell command -v $(NVCC) 2>/dev/null)
 
-CORE_SRC := $(wildcard rocmforge_raw/*.pyx rocmforge_raw/*.pxd rocmforge_raw/runtime/*.pyx \
-                       rocmforge_raw/runtime/*.pxd)
+CORE_SRC := $(shell find rocmforge_raw -name '*.pyx' -o -name '*.pxd')
 CORE_STAMP := build/core.stamp
 
 .PHONY: all demo test core kernels kernels-nvidia kernels-amd toolchain pyheaders transferlibs \
@@ -169,5 +168,5 @@ mutate: $(PY) core kernels
 
 clean:
 	rm -f $(KDIR)/*.cubin $(KDIR)/*.ptx $(KDIR)/*.hsaco
-	rm -f rocmforge_raw/*.so rocmforge_raw/*.c rocmforge_raw/runtime/*.so rocmforge_raw/runtime/*.c
+	find rocmforge_raw \( -name '*.so' -o -name '*.c' \) -delete
 	rm -rf build dist *.egg-info .pytest_cache mutants

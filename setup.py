@@ -1,10 +1,10 @@
-"""Builds the compiled core with Cython: the allocators (``runtime/_alloc``), C kernel
-launches (``runtime/_launch``), the registry (``_registry``), ``HipBuffer`` (``buffer``),
-``MemoryPool`` (``pool``), the attention's work split (``_worksplit``), the DLPack capsules'
-release callbacks (``_dlpack_release``) and a decode step's bookkeeping (``_steprows``).
-Plain C against Python's headers only: the GPU fast paths take the bindings' C functions at
-run time, so neither cuda.h nor the ROCm headers are needed. Everything else is in
-pyproject.toml.
+"""Builds the compiled core with Cython: the allocators and C kernel launches
+(``runtime/_alloc``, ``runtime/_launch``), device memory (``memory/``: the registry, ``HipBuffer``,
+``MemoryPool`` over its stream-ordered core, the DLPack capsules' release callbacks), the
+attention's work split and a step's packing (``kernels/planning/_worksplit``, ``kernels/_pack``)
+and a decode step's bookkeeping (``cache/blocks/_tables``, ``_rows``). Plain C against
+Python's headers only: the GPU fast paths take the bindings' C functions at run time, so
+neither cuda.h nor the ROCm headers are needed. Everything else is in pyproject.toml.
 """
 
 import shutil
@@ -14,13 +14,17 @@ from setuptools import Extension, setup
 from setuptools.command.build import build
 
 MODULES = ("rocmforge_raw.runtime._alloc", "rocmforge_raw.runtime._launch",
-           "rocmforge_raw._registry", "rocmforge_raw.buffer", "rocmforge_raw.pool",
-           "rocmforge_raw._worksplit", "rocmforge_raw._dlpack_release",
-           "rocmforge_raw._steprows")
+           "rocmforge_raw.memory._registry", "rocmforge_raw.memory.buffer",
+           "rocmforge_raw.memory._pool_core", "rocmforge_raw.memory.pool",
+           "rocmforge_raw.memory._dlpack_release",
+           "rocmforge_raw.kernels.planning._worksplit", "rocmforge_raw.kernels._pack",
+           "rocmforge_raw.cache.blocks._tables", "rocmforge_raw.cache.blocks._rows")
 
 #: A step's loops over block tables want vectorizing (a copy fused with a range check, 2x
 #: faster than glibc's memcpy and a check apart), which -O2 leaves undone.
-OPTIMIZE = {"rocmforge_raw._steprows": "-O3"}
+OPTIMIZE = {name: "-O3" for name in ("rocmforge_raw.kernels._pack",
+                                     "rocmforge_raw.cache.blocks._tables",
+                                     "rocmforge_raw.cache.blocks._rows")}
 extensions = [Extension(name, [name.replace(".", "/") + ".pyx"],
                         extra_compile_args=[OPTIMIZE.get(name, "-O2"), "-Wno-array-bounds"])
               for name in MODULES]

@@ -5,15 +5,6 @@ the default is chosen at first use (hip, then cuda, then host) or forced by ``RF
 """
 
 from ._version import version as _version
-from .array import DeviceArray
-from .buffer import (
-    HipBuffer,
-    live_allocations,
-    memory_stats,
-    reset_peak,
-    set_allocator,
-    track_stacks,
-)
 from .errors import (
     BackendUnavailableError,
     BufferClosedError,
@@ -22,10 +13,19 @@ from .errors import (
     OutOfMemoryError,
     RocmforgeError,
 )
-from .module import Kernel, LaunchConfig, Module, load_kernels
-from .pool import MemoryPool
+from .kernels.module import Kernel, LaunchConfig, Module, load_kernels
+from .memory.array import DeviceArray
+from .memory.buffer import (
+    HipBuffer,
+    live_allocations,
+    memory_stats,
+    reset_peak,
+    set_allocator,
+    track_stacks,
+)
+from .memory.pool import MemoryPool
+from .memory.stream import Event, Stream
 from .runtime import available_backends, default_backend, devices, get_backend
-from .stream import Event, Stream
 
 __version__ = _version()  # pyproject.toml's, through the installed metadata
 

@@ -3,7 +3,7 @@ defines them (read with ``rocmforge_raw.codeobject``, no tool needed)."""
 
 from __future__ import annotations
 
-from rocmforge_raw.codeobject import (
+from rocmforge_raw.kernels.codeobject import (
     EM_AMDGPU,
     STT_FUNC,
     STT_OBJECT,

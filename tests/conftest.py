@@ -106,7 +106,7 @@ def no_leaked_buffers():
     """Each test leaves exactly as many live buffers as it found."""
     import gc
 
-    from rocmforge_raw import ops
+    from rocmforge_raw.kernels import ops
 
     before = rf.memory_stats()["live_buffers"]
     yield

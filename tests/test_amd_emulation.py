@@ -29,7 +29,7 @@ from amd_emu.emulator import (
 )
 from test_ops import POISON, TOLERANCE, random_tables, relative_error
 
-from rocmforge_raw import ops, planning, reference
+from rocmforge_raw.kernels import ops, planning, reference
 
 if find_compiler() is None:
     pytest.skip("no C++ compiler (g++ or clang++) to build the AMD emulation",

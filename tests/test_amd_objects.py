@@ -18,9 +18,9 @@ from pathlib import Path
 
 import pytest
 
-from rocmforge_raw import planning
-from rocmforge_raw.codeobject import ElfImage
-from rocmforge_raw.module import KERNEL_DIR
+from rocmforge_raw.kernels import planning
+from rocmforge_raw.kernels.codeobject import ElfImage
+from rocmforge_raw.kernels.module import KERNEL_DIR
 
 
 def _load_tool():

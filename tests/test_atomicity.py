@@ -29,8 +29,6 @@ from hypothesis.stateful import (
 )
 
 import rocmforge_raw as rf
-from rocmforge_raw import ops
-from rocmforge_raw.array import DeviceArray
 from rocmforge_raw.cache import (
     BlockPool,
     CacheConfig,
@@ -41,7 +39,9 @@ from rocmforge_raw.cache import (
     StepPlan,
 )
 from rocmforge_raw.errors import BufferClosedError, DeviceError, RocmforgeError
-from rocmforge_raw.ops import host_view
+from rocmforge_raw.kernels import ops
+from rocmforge_raw.kernels.ops import host_view
+from rocmforge_raw.memory.array import DeviceArray
 
 CONFIG = CacheConfig(num_layers=2, num_kv_heads=1, head_dim=64, block_size=8, num_blocks=12,
                      dtype="float32", num_q_heads=2)

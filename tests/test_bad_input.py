@@ -45,13 +45,14 @@ import copy, math, pickle
 import numpy as np
 import rocmforge_raw as rf
 from rocmforge_raw import (DeviceArray, Event, HipBuffer, LaunchConfig, MemoryPool, Module,
-                           Stream, dlpack, load_kernels, ops)
+                           Stream, load_kernels, ops)
 from rocmforge_raw.cache import BlockPool, CacheConfig, KvCache
-from rocmforge_raw.module import pack_args
+from rocmforge_raw.common import procs
+from rocmforge_raw.kernels.module import pack_args
+from rocmforge_raw.memory import dlpack
+from rocmforge_raw.memory.ipc import IpcHandle
 from rocmforge_raw.runtime import get_backend
 from rocmforge_raw.soak import SoakConfig
-from rocmforge_raw import procs
-from rocmforge_raw.ipc import IpcHandle
 from rocmforge_raw.transport import MooncakeTransport, PeerTransport
 
 HOST = get_backend("host")

@@ -9,6 +9,7 @@ from conftest import DEVICE
 
 import rocmforge_raw as rf
 from rocmforge_raw import bench
+from rocmforge_raw.bench import attention
 
 MiB = 1 << 20
 
@@ -68,8 +69,8 @@ def test_each_row_of_one_run_draws_from_its_own_source(monkeypatch):
         def close(self):
             pass
 
-    monkeypatch.setattr(bench, "AttentionLaunch", Launch)
-    monkeypatch.setattr(bench, "time_ms", lambda *args: bench.Timing(1.0, 1.0))
+    monkeypatch.setattr(attention, "AttentionLaunch", Launch)
+    monkeypatch.setattr(attention, "time_ms", lambda *args: bench.Timing(1.0, 1.0))
     shapes = (bench.Shape("T", 6, 0, 8, 2, "f16", max_context=700),
               bench.Shape("U", 3, 0, 8, 2, "f16", max_context=700),
               bench.Shape("T-fp8", 6, 0, 8, 2, "f16", max_context=700, cache="float8_e4m3fn"))
@@ -117,7 +118,7 @@ def test_the_cache_row_times_append_and_batch_apart():
 
 
 def test_a_step_row_times_each_variant(gpu):
-    from rocmforge_raw.bench_step import VARIANTS, StepShape, bench_step
+    from rocmforge_raw.bench.step import VARIANTS, StepShape, bench_step
 
     row = bench_step(gpu, DEVICE, StepShape(4, 256, layers=2), steps=4, warmup=2)
     for variant in VARIANTS:

@@ -13,9 +13,9 @@ import pytest
 from conftest import DEVICE
 
 import rocmforge_raw as rf
-from rocmforge_raw import reference
-from rocmforge_raw.array import DeviceArray
 from rocmforge_raw.cache import BlockPool, CacheConfig, CacheFullError, KvCache
+from rocmforge_raw.kernels import reference
+from rocmforge_raw.memory.array import DeviceArray
 
 
 def small_cache(backend="host", num_blocks=9, block_size=8, dtype="float32", **kw):
@@ -372,7 +372,7 @@ def test_reference_attention_agrees_with_batch_layout():
     with small_cache(num_blocks=20, block_size=8) as cache:
         cache.add_sequence("x", 13)
         meta = cache.batch(["x"])
-        from rocmforge_raw.ops import host_view
+        from rocmforge_raw.kernels.ops import host_view
 
         k = host_view(cache.k_cache(0))
         k[...] = rng.standard_normal(k.shape)

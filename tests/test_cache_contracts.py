@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 
 from rocmforge_raw import cache as cache_module
-from rocmforge_raw.array import DeviceArray
 from rocmforge_raw.cache import BlockPool, CacheConfig, KvCache, Request, Scheduler
+from rocmforge_raw.cache.blocks.rows import SequenceRows
 from rocmforge_raw.cache.records import FinishedRecords
-from rocmforge_raw.cache.rows import SequenceRows
+from rocmforge_raw.memory.array import DeviceArray
 
 
 class FakeClock:

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 import rocmforge_raw as rf
-from rocmforge_raw.array import DeviceArray
 from rocmforge_raw.cache import CacheConfig, FinishedRequest, KvCache, Request, Scheduler
+from rocmforge_raw.memory.array import DeviceArray
 
 
 class FakeClock:
@@ -237,7 +237,7 @@ def test_many_long_sequences_grow_the_rows_and_tables_and_stay_int32():
 
 
 def test_the_row_memo_never_answers_for_a_changed_index():
-    from rocmforge_raw.cache.rows import SequenceRows
+    from rocmforge_raw.cache.blocks.rows import SequenceRows
 
     rows = SequenceRows()
     rows.add("a", 1)

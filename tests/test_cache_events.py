@@ -7,14 +7,8 @@ import numpy as np
 import pytest
 from tier_helpers import FlakyHost, write
 
-from rocmforge_raw.cache import (
-    AllCleared,
-    BlockRemoved,
-    BlockStored,
-    CacheConfig,
-    KvCache,
-)
-from rocmforge_raw.cache.prefix import block_hashes
+from rocmforge_raw.cache import AllCleared, BlockRemoved, BlockStored, CacheConfig, KvCache
+from rocmforge_raw.cache.blocks.prefix import block_hashes
 from rocmforge_raw.errors import DeviceError
 
 BS = 8

@@ -23,9 +23,9 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-from rocmforge_raw.array import DeviceArray
 from rocmforge_raw.cache import CacheConfig, KvCache
-from rocmforge_raw.ops import host_view
+from rocmforge_raw.kernels.ops import host_view
+from rocmforge_raw.memory.array import DeviceArray
 
 BLOCK = 8
 CONFIG = CacheConfig(num_layers=1, num_kv_heads=1, head_dim=64, block_size=BLOCK,

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from conftest import DEVICE
 
-from rocmforge_raw.cli import main
+from rocmforge_raw.cli.main import main
 from rocmforge_raw.errors import BackendUnavailableError
 
 
@@ -75,9 +75,9 @@ def test_bench_cache_reports_a_median(capsys):
 
 @pytest.mark.parametrize("target_us, mark", [(1e-3, "MISSED: "), (1e9, ": met)")])
 def test_bench_cache_marks_whether_it_met_its_target(capsys, monkeypatch, target_us, mark):
-    from rocmforge_raw import bench
+    from rocmforge_raw.bench import cache
 
-    monkeypatch.setattr(bench, "CACHE_TARGET_US", target_us)
+    monkeypatch.setattr(cache, "CACHE_TARGET_US", target_us)
     assert main(["bench", "--cache", "--backend", "host"]) == 0
     line, = [x for x in capsys.readouterr().out.splitlines() if x.startswith("cache decode")]
     assert mark in line and ("MISSED" in line) == (target_us < 1)
@@ -106,7 +106,7 @@ def test_soak_with_a_planted_buffer_leak_fails_and_names_it(tmp_path):
 
 
 def _unsettled_result(tmp_path):
-    from rocmforge_raw.soak import SoakResult
+    from rocmforge_raw.soak.run import SoakResult
 
     return SoakResult("UNSETTLED", False, ["RSS did not settle within the 12-second run (...): "
                                            "run longer (the default is 60 s)"],
@@ -117,7 +117,7 @@ def _unsettled_result(tmp_path):
 
 
 def test_a_soak_that_never_settled_is_not_judged_and_exits_2(tmp_path, capsys, monkeypatch):
-    from rocmforge_raw import soak as soak_module
+    from rocmforge_raw.soak import run as soak_module
 
     monkeypatch.setattr(soak_module, "run_soak", lambda *a: _unsettled_result(tmp_path))
     code = main(["soak", "--backend", "host", "--seconds", "12", "--out", str(tmp_path)])
@@ -269,7 +269,7 @@ def test_bench_transfer_from_another_device_adds_peer_rows_against_a_peer_copy(c
 def test_bench_transfer_ends_with_the_error_its_sender_process_raised():
     """A sender that fails (here: a device the host backend lacks) ends the run at once,
     naming its error, instead of leaving the receiver waiting for the benchmark's timeout."""
-    from rocmforge_raw.bench_transfer import bench_transfer
+    from rocmforge_raw.bench.transfer import bench_transfer
     from rocmforge_raw.runtime import get_backend
 
     absent = get_backend("host").num_devices  # the sender's, in its own process: the same
@@ -351,7 +351,7 @@ def test_verbose_logs_on_stderr_and_json_stays_clean():
     (None, {"RF_BACKEND": ""}, "host backend (no GPU answered)"),
 ])
 def test_host_runs_say_why_they_run_on_the_host(monkeypatch, forced, env, words):
-    from rocmforge_raw.cli import where
+    from rocmforge_raw.cli.main import where
     from rocmforge_raw.runtime import get_backend
 
     for name, value in env.items():
@@ -372,7 +372,7 @@ def test_info_on_a_host_with_no_gpu_says_no_gpu_answered(capsys, monkeypatch):
 def test_every_command_works_with_no_code_objects_and_says_how_to_get_them(
         tmp_path, capsys, monkeypatch):
     """A source install of a fresh clone has no rocmforge_raw/kernels folder at all."""
-    from rocmforge_raw import module
+    from rocmforge_raw.kernels import module
 
     monkeypatch.setattr(module, "KERNEL_DIR", tmp_path / "kernels")
     code, info = run_json(capsys, "info", "--backend", "host")
@@ -390,7 +390,7 @@ def test_a_kernel_with_no_code_object_and_no_compiler_is_one_line_saying_how(cap
                                                                             monkeypatch):
     """A GPU without a fitting code object or a run-time compiler: load_kernels' error, which
     names the arch and `make kernels`, as the command's one line (here raised by the bench)."""
-    from rocmforge_raw import cli_bench
+    from rocmforge_raw.cli import bench as cli_bench
     from rocmforge_raw.errors import KernelNotAvailableError
 
     def missing(*args):

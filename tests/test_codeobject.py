@@ -8,8 +8,8 @@ import struct
 
 import pytest
 
-from rocmforge_raw import codeobject, jit, module
 from rocmforge_raw.errors import KernelNotAvailableError
+from rocmforge_raw.kernels import codeobject, jit, module
 from rocmforge_raw.runtime import DeviceProperties
 from rocmforge_raw.runtime.host import HostBackend
 

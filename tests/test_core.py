@@ -246,8 +246,8 @@ def test_hip_driver_calls_reach_debians_runtime_and_fall_back_to_report_its_stat
 def test_driver_calls_record_query_and_upload_on_the_device(gpu):
     """On a real device the C calls succeed: an upload from pinned memory lands, and an
     event recorded after it is found complete once the stream is done."""
-    from rocmforge_raw.staging import PinnedBuffer
-    from rocmforge_raw.stream import Event, Stream
+    from rocmforge_raw.kernels.staging import PinnedBuffer
+    from rocmforge_raw.memory.stream import Event, Stream
 
     calls = gpu.driver_calls
     assert calls is not None

@@ -28,13 +28,14 @@ from test_transfer import config, decode_and_check, write_prompt
 from workers import export_and_wait, spawned
 
 import rocmforge_raw as rf
-from rocmforge_raw import bench, ops
-from rocmforge_raw.array import DeviceArray
+from rocmforge_raw import bench
 from rocmforge_raw.cache import KvCache
+from rocmforge_raw.cache.transfer.transport import copy_spans
+from rocmforge_raw.kernels import ops
+from rocmforge_raw.kernels.staging import PinnedBuffer
+from rocmforge_raw.memory.array import DeviceArray
 from rocmforge_raw.runtime.host import host_devices
-from rocmforge_raw.staging import PinnedBuffer
 from rocmforge_raw.transport import PeerTransport
-from rocmforge_raw.transport.base import copy_spans
 
 MiB = 1 << 20
 #: The soak's minutes (``RF_TWO_DEVICE_MINUTES``), threads per device and drift limit.

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import rocmforge_raw as rf
-from rocmforge_raw import dlpack
+from rocmforge_raw.memory import dlpack
 
 #: DLDataTypeCode values of dlpack.h (DLPack 1.1), by ml_dtypes' name
 DLPACK_1_1 = {"float8_e3m4": 7, "float8_e4m3": 8, "float8_e4m3b11fnuz": 9, "float8_e4m3fn": 10,

@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 from test_ops import POISON, random_tables, relative_error
 
-from rocmforge_raw import ops, reference
-from rocmforge_raw.array import DeviceArray
 from rocmforge_raw.cache import CacheConfig, KvCache
+from rocmforge_raw.kernels import ops, reference
+from rocmforge_raw.memory.array import DeviceArray
 
 FP8 = [ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e4m3fnuz]
 ACT = [np.float16, ml_dtypes.bfloat16]

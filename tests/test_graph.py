@@ -10,10 +10,10 @@ import pytest
 from test_step import Decoder, _hold
 
 import rocmforge_raw as rf
-from rocmforge_raw.array import DeviceArray
-from rocmforge_raw.cache.graph_layout import GraphShape, padded_work
+from rocmforge_raw.cache.step.graph_layout import GraphShape, padded_work
 from rocmforge_raw.errors import DeviceError
-from rocmforge_raw.planning import plan_work
+from rocmforge_raw.kernels.planning import plan_work
+from rocmforge_raw.memory.array import DeviceArray
 
 
 def _round16(n):

@@ -388,7 +388,7 @@ def test_a_swapped_sequence_is_not_exported():
 
 
 def test_a_restore_forgets_the_cached_host_block_a_successful_swap_wrote(monkeypatch):
-    from rocmforge_raw import ops
+    from rocmforge_raw.kernels import ops
 
     tokens = np.arange(500, 500 + BS + 1)
     with KvCache(config(num_blocks=6, host_blocks=1, layers=1), backend="host") as cache:

@@ -24,8 +24,9 @@ from workers import (
 )
 
 import rocmforge_raw as rf
-from rocmforge_raw import ipc, procs
+from rocmforge_raw.common import procs
 from rocmforge_raw.errors import DeviceError, IpcError
+from rocmforge_raw.memory import ipc
 from rocmforge_raw.runtime import get_backend
 
 

@@ -17,8 +17,8 @@ import pytest
 from code_objects import KERNELS, check_code_object
 
 import rocmforge_raw as rf
-from rocmforge_raw import jit, module
 from rocmforge_raw.errors import KernelNotAvailableError
+from rocmforge_raw.kernels import jit, module
 
 NVRTC_ARCHS = ("sm_80", "sm_90")
 HIPRTC_ARCHS = ("gfx90a",)  # Debian's hiprtc (ROCm 5.2) crashes on gfx942 and gfx1100
@@ -155,7 +155,7 @@ def test_unwritable_cache_still_returns_the_compiled_image(tmp_path):
 
 _RACER = textwrap.dedent("""
     import pathlib, sys, time
-    from rocmforge_raw import jit, module
+    from rocmforge_raw.kernels import jit, module
     root, me = pathlib.Path(sys.argv[1]), sys.argv[2]
     compiler = jit.compiler_for("cuda")
     (root / f"ready-{me}").touch()

@@ -11,8 +11,8 @@ from code_objects import KERNELS, check_code_object
 from conftest import DEVICE
 
 import rocmforge_raw as rf
-from rocmforge_raw import module
 from rocmforge_raw.errors import DeviceError, KernelNotAvailableError
+from rocmforge_raw.kernels import module
 
 TARGETS = {"sm_80": "cubin", "sm_90": "cubin", "gfx90a": "hsaco", "gfx942": "hsaco",
            "gfx1100": "hsaco"}

@@ -11,8 +11,8 @@ import pytest
 from conftest import DEVICE
 
 import rocmforge_raw as rf
-from rocmforge_raw import ops, planning, reference
-from rocmforge_raw.array import DeviceArray
+from rocmforge_raw.kernels import ops, planning, reference
+from rocmforge_raw.memory.array import DeviceArray
 
 DTYPES = [np.float16, ml_dtypes.bfloat16, np.float32]
 TOLERANCE = {np.dtype(np.float16): 1e-2, np.dtype(ml_dtypes.bfloat16): 2e-2,

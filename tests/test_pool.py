@@ -9,7 +9,7 @@ import pytest
 
 import rocmforge_raw as rf
 from rocmforge_raw.errors import BufferClosedError, OutOfMemoryError
-from rocmforge_raw.pool import size_class
+from rocmforge_raw.memory.pool import size_class
 
 
 @pytest.mark.parametrize("nbytes, expected", [

@@ -13,7 +13,7 @@ import time
 import pytest
 
 import rocmforge_raw as rf
-from rocmforge_raw.pool import MAX_FENCES
+from rocmforge_raw.memory.pool import MAX_FENCES
 from rocmforge_raw.runtime.host import HostBackend
 
 N = 4096  # one size class throughout

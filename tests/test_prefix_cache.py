@@ -6,10 +6,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from rocmforge_raw.array import DeviceArray
 from rocmforge_raw.cache import BlockPool, CacheConfig, CacheFullError, KvCache
-from rocmforge_raw.cache.prefix import block_hashes, token_ids
-from rocmforge_raw.ops import host_view
+from rocmforge_raw.cache.blocks.prefix import block_hashes, token_ids
+from rocmforge_raw.kernels.ops import host_view
+from rocmforge_raw.memory.array import DeviceArray
 
 BS = 8
 

@@ -11,7 +11,9 @@ import sys
 import numpy as np
 import pytest
 
-from rocmforge_raw import drift, soak, soak_report
+from rocmforge_raw.soak import drift
+from rocmforge_raw.soak import report as soak_report
+from rocmforge_raw.soak import run as soak
 
 MiB = 1 << 20
 LIMIT = 8 * MiB

@@ -9,7 +9,7 @@ import pytest
 from conftest import DEVICE
 
 import rocmforge_raw as rf
-from rocmforge_raw import ops
+from rocmforge_raw.kernels import ops
 
 KiB = 1024
 

@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 
 import rocmforge_raw as rf
-from rocmforge_raw import ops, reference
-from rocmforge_raw.array import DeviceArray
 from rocmforge_raw.cache import BatchMetadata, CacheConfig, KvCache
-from rocmforge_raw.module import load_kernels
-from rocmforge_raw.staging import StagingRing
+from rocmforge_raw.kernels import ops, reference
+from rocmforge_raw.kernels.module import load_kernels
+from rocmforge_raw.kernels.staging import StagingRing
+from rocmforge_raw.memory.array import DeviceArray
 
 TOLERANCE = {"float32": 1e-5, "float16": 1e-2, "bfloat16": 2e-2}
 

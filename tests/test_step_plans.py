@@ -16,12 +16,11 @@ import dataclasses
 import numpy as np
 import pytest
 
-from rocmforge_raw import module
-from rocmforge_raw._steprows import pack_host, pack_step
-from rocmforge_raw._worksplit import split_lengths
 from rocmforge_raw.cache import CacheConfig, KvCache
-from rocmforge_raw.module import pack_args
-from rocmforge_raw.planning import (
+from rocmforge_raw.kernels import module
+from rocmforge_raw.kernels._pack import pack_host, pack_step
+from rocmforge_raw.kernels.module import pack_args
+from rocmforge_raw.kernels.planning import (
     ALIGNED_SHARE_TOKENS,
     ALIGNED_STRETCH,
     ATTENTION_PATCH,
@@ -38,8 +37,9 @@ from rocmforge_raw.planning import (
     split_rule,
     step_arguments,
 )
+from rocmforge_raw.kernels.planning._worksplit import split_lengths
+from rocmforge_raw.kernels.staging import Workspace
 from rocmforge_raw.runtime.host import HostBackend
-from rocmforge_raw.staging import Workspace
 
 
 class PretendGpu(HostBackend):
@@ -282,8 +282,8 @@ def test_failed_plans_never_hand_out_the_current_plans_slot(double, rng, monkeyp
 
 def _kv(cache, meta):
     """A new token's key and value for each sequence of ``meta`` on the double."""
-    from rocmforge_raw.array import DeviceArray
-    from rocmforge_raw.buffer import HipBuffer
+    from rocmforge_raw.memory.array import DeviceArray
+    from rocmforge_raw.memory.buffer import HipBuffer
 
     shape, act = meta._kv_shape, cache._steps.act
     nbytes = int(np.prod(shape)) * act.itemsize
@@ -508,8 +508,8 @@ def test_set_ints_checks_every_index_before_it_changes_a_slot(double):
 
 
 def test_a_workspace_ready_hands_out_only_buffers_that_hold_enough(double):
-    from rocmforge_raw.array import DeviceArray
-    from rocmforge_raw.buffer import HipBuffer
+    from rocmforge_raw.memory.array import DeviceArray
+    from rocmforge_raw.memory.buffer import HipBuffer
 
     workspace = Workspace()
     assert workspace.ready(1, 1) is None

@@ -1,12 +1,13 @@
-"""The compiled core of a decode step's bookkeeping (``_steprows``) against NumPy."""
+"""The compiled core of a decode step's bookkeeping (``cache.blocks._tables``, ``_rows``) and
+its packing (``kernels._pack``) against NumPy."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from rocmforge_raw._steprows import COW, GROW, PLAIN
-from rocmforge_raw.cache.rows import SequenceRows
+from rocmforge_raw.cache.blocks._rows import COW, GROW, PLAIN
+from rocmforge_raw.cache.blocks.rows import SequenceRows
 
 
 def _filled(rng, rows=40, width=8, block_size=16, num_blocks=500):
@@ -106,7 +107,7 @@ def _same(a, b):
 def test_append_plain_equals_need_pop_and_extend(seed):
     """The common append in one call leaves the rows, the stack's blocks and the ref counts
     as ``append_need``, ``pop_blocks`` and ``extend`` do, and the same slots."""
-    from rocmforge_raw._steprows import pop_blocks
+    from rocmforge_raw.cache.blocks._rows import pop_blocks
 
     rng = np.random.default_rng(seed)
     table, twin = _filled(rng), SequenceRows(40, 64)
@@ -256,7 +257,7 @@ def test_a_python_write_to_the_tables_voids_the_snapshots(rng):
 
 @pytest.mark.parametrize("nbytes", [0, 1, 2047, 2048, 2049, 3 * 2048 + 5, 150_000])
 def test_copy_host_copies_every_byte_and_nothing_past_them(rng, nbytes):
-    from rocmforge_raw._steprows import copy_host
+    from rocmforge_raw.kernels._pack import copy_host
 
     src = rng.integers(0, 256, nbytes, dtype=np.uint8)
     dst = np.full(nbytes + 64, 0xAB, np.uint8)
@@ -268,7 +269,7 @@ def test_copy_host_copies_every_byte_and_nothing_past_them(rng, nbytes):
 def test_copy_host_takes_any_dtype_and_refuses_strided_arrays():
     import ml_dtypes
 
-    from rocmforge_raw._steprows import copy_host
+    from rocmforge_raw.kernels._pack import copy_host
 
     src = np.linspace(-3, 3, 4000).astype(ml_dtypes.bfloat16).reshape(40, 100)
     dst = np.zeros_like(src)
@@ -281,7 +282,7 @@ def test_copy_host_takes_any_dtype_and_refuses_strided_arrays():
 def test_a_planned_batch_is_what_its_dataclass_init_makes():
     import dataclasses
 
-    from rocmforge_raw.cache.step import BatchMetadata
+    from rocmforge_raw.cache.step.metadata import BatchMetadata
 
     def arrays():
         made = np.zeros((2, 3), np.int32), np.ones(2, np.int32), np.full(2, -1, np.int64)

@@ -17,9 +17,9 @@ from tier_helpers import read, write
 
 import rocmforge_raw as rf
 from rocmforge_raw.cache import CacheConfig, KvCache
-from rocmforge_raw.cache.order import MAX_STREAMS, StreamOrder
+from rocmforge_raw.cache.tiers.order import MAX_STREAMS, StreamOrder
+from rocmforge_raw.kernels.staging import PinnedBuffer
 from rocmforge_raw.runtime.host import HostBackend
-from rocmforge_raw.staging import PinnedBuffer
 
 
 @pytest.mark.parametrize("to_host", [True, False])

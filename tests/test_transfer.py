@@ -19,11 +19,11 @@ from test_atomicity import cache_state
 from workers import kv, prefill, spawned
 
 import rocmforge_raw as rf
-from rocmforge_raw import reference
-from rocmforge_raw.array import DeviceArray
 from rocmforge_raw.cache import CacheConfig, CacheFullError, KvCache
-from rocmforge_raw.cache.transfer import block_spans
+from rocmforge_raw.cache.transfer.sequences import block_spans
 from rocmforge_raw.errors import TransferError
+from rocmforge_raw.kernels import reference
+from rocmforge_raw.memory.array import DeviceArray
 from rocmforge_raw.transport import MooncakeTransport, PeerEndpoint, PeerTransport
 
 CONFIG = dict(num_layers=2, num_kv_heads=2, head_dim=64, block_size=16, num_q_heads=4)

@@ -9,9 +9,9 @@ from typing import Any
 
 import numpy as np
 
-from rocmforge_raw.array import DeviceArray
 from rocmforge_raw.cache import KvCache
 from rocmforge_raw.errors import DeviceError
+from rocmforge_raw.memory.array import DeviceArray
 from rocmforge_raw.runtime.host import HostBackend
 
 

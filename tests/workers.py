@@ -100,7 +100,8 @@ def map_and_write(handle: Any, hold: bool, conn: Any) -> None:
 def map_twice(handle: Any, conn: Any) -> None:
     """Import ``handle`` twice: send both addresses, then the data seen through the second
     after the first closed, and the count of mappings."""
-    from rocmforge_raw import HipBuffer, ipc
+    from rocmforge_raw import HipBuffer
+    from rocmforge_raw.memory import ipc
 
     first, second = HipBuffer.from_ipc(handle), HipBuffer.from_ipc(handle)
     addresses = (first.ptr, second.ptr)
@@ -113,7 +114,8 @@ def map_twice(handle: Any, conn: Any) -> None:
 def map_and_ask(handle: Any, conn: Any) -> None:
     """Import ``handle``; send whether ipc.mapped sees its first and last byte, the byte past
     it and a buffer of this process's own; then the same for the first byte once closed."""
-    from rocmforge_raw import HipBuffer, ipc
+    from rocmforge_raw import HipBuffer
+    from rocmforge_raw.memory import ipc
 
     buf, own = HipBuffer.from_ipc(handle), HipBuffer(64, handle.device, handle.backend)
     conn.send([ipc.mapped(p) for p in (buf.ptr, buf.ptr + buf.nbytes - 1,
@@ -175,7 +177,8 @@ def export_and_wait(backend: str, *args: Any) -> None:
 def share_once(backend: str, conn: Any) -> None:
     """Export a shareable buffer (the first export sweeps what dead processes left) and send
     the names of this package's files in /dev/shm."""
-    from rocmforge_raw import HipBuffer, procs
+    from rocmforge_raw import HipBuffer
+    from rocmforge_raw.common import procs
 
     with HipBuffer(64, backend=backend, shareable=True) as buf:
         buf.ipc_handle()

@@ -26,9 +26,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from rocmforge_raw import planning
-from rocmforge_raw.codeobject import EM_AMDGPU, ElfImage
-from rocmforge_raw.module import KERNEL_DIR
+from rocmforge_raw.kernels import planning
+from rocmforge_raw.kernels.codeobject import EM_AMDGPU, ElfImage
+from rocmforge_raw.kernels.module import KERNEL_DIR
 
 TARGETS = ("gfx90a", "gfx942", "gfx1100")
 STEMS = ("paged_attention", "cache_ops", "basic")

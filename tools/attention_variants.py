@@ -17,7 +17,8 @@ import re
 from pathlib import Path
 from typing import Any
 
-from rocmforge_raw import bench, module, planning
+from rocmforge_raw import bench
+from rocmforge_raw.kernels import module, planning
 from rocmforge_raw.runtime import get_backend
 
 

@@ -32,11 +32,12 @@ import ml_dtypes
 import numpy as np
 from attention_variants import load_variant  # (this directory: run as tools/clock_power.py)
 
-from rocmforge_raw import bench, module
-from rocmforge_raw.array import DeviceArray
-from rocmforge_raw.buffer import HipBuffer
+from rocmforge_raw import bench
+from rocmforge_raw.kernels import module
+from rocmforge_raw.memory.array import DeviceArray
+from rocmforge_raw.memory.buffer import HipBuffer
+from rocmforge_raw.memory.stream import Event
 from rocmforge_raw.runtime import get_backend
-from rocmforge_raw.stream import Event
 
 GiB = 1 << 30
 SAMPLE_MS, SETTLE_SAMPLES = 50, 10  # nvidia-smi's period; samples dropped at the start

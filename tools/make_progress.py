@@ -20,7 +20,7 @@ import threading
 import time
 from pathlib import Path
 
-from rocmforge_raw import progress
+from rocmforge_raw.common import progress
 
 
 def out_of_date(targets: list[str], make: str = "make") -> list[str]:

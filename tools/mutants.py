@@ -57,18 +57,26 @@ def _unlocked(path: str, function: str, test: str) -> Mutant:
                   (test,), f"def {function}(")
 
 
-KV, ROWS = "rocmforge_raw/cache/kv_cache.py", "rocmforge_raw/cache/rows.py"
-POOL_PY, SCHED_PY = "rocmforge_raw/cache/block_pool.py", "rocmforge_raw/cache/scheduler.py"
+def _not_an_operation(function: str, test: str) -> Mutant:
+    """A cache operation run without ``core.operation`` (its lock, open check and event
+    commit): the cache's operations are decorated, not locked inline."""
+    return Mutant(f"lock removed from {function}", KV, f"    @operation\n    def {function}(",
+                  f"    def {function}(", (test,))
+
+
+KV, ROWS = "rocmforge_raw/cache/kv_cache.py", "rocmforge_raw/cache/blocks/rows.py"
+POOL_PY = "rocmforge_raw/cache/blocks/block_pool.py"
+SCHED_PY = "rocmforge_raw/cache/scheduler/scheduler.py"
 CACHE_LOCK = CONTRACTS + "test_every_cache_operation_holds_the_lock_throughout"
 SCHED_LOCK = CONTRACTS + "test_every_scheduler_operation_holds_its_lock_throughout"
 
 NAMED = [
-    _unlocked(KV, "add_sequence", CACHE_LOCK),
-    _unlocked(KV, "append", CACHE_LOCK),
-    _unlocked(KV, "batch", CACHE_LOCK),
-    _unlocked(KV, "fork", CACHE_LOCK),
-    _unlocked(KV, "finish", CACHE_LOCK),
-    _unlocked(KV, "stats", CACHE_LOCK),
+    _not_an_operation("add_sequence", CACHE_LOCK),
+    _not_an_operation("append", CACHE_LOCK),
+    _not_an_operation("batch", CACHE_LOCK),
+    _not_an_operation("fork", CACHE_LOCK),
+    _not_an_operation("finish", CACHE_LOCK),
+    _not_an_operation("stats", CACHE_LOCK),
     _unlocked(SCHED_PY, "step", SCHED_LOCK),
     _unlocked(SCHED_PY, "advance", SCHED_LOCK),
     _unlocked(SCHED_PY, "try_submit", SCHED_LOCK),
@@ -95,7 +103,7 @@ NAMED = [
     Mutant("times() reporting creation twice", KV, "float(rows.accessed[row])",
            "float(rows.created[row])",
            (CONTRACTS + "test_times_record_creation_and_every_access",)),
-    Mutant("append not refreshing recency", "rocmforge_raw/_steprows.pyx",
+    Mutant("append not refreshing recency", "rocmforge_raw/cache/blocks/_rows.pyx",
            "recency[row] = tick", "pass",
            (CONTRACTS + "test_append_makes_a_sequence_the_most_recently_used",),
            "def extend_rows("),
@@ -134,8 +142,9 @@ NAMED = [
 # Issue 27: the mutation audit's survivors and each finding put back, with the tests that
 # hold them (``python tools/mutants.py named --match "issue 27"``).
 PROBE = "tests/test_bad_input.py::test_bad_input_is_refused_clearly"
-PREFIX_TESTS, STEP_PY = "tests/test_prefix_cache.py::", "rocmforge_raw/cache/step.py"
-POOL_PYX, PLANNING = "rocmforge_raw/pool.pyx", "rocmforge_raw/planning/arguments.py"
+PREFIX_TESTS, STEP_PY = "tests/test_prefix_cache.py::", "rocmforge_raw/cache/step/planner.py"
+POOL_PYX, PLANNING = "rocmforge_raw/memory/pool.pyx", "rocmforge_raw/kernels/planning/arguments.py"
+POOL_CORE = "rocmforge_raw/memory/_pool_core.pyx"
 RECORDS, FP8_TESTS = "rocmforge_raw/cache/records.py", "tests/test_fp8.py::"
 
 
@@ -148,7 +157,7 @@ NAMED += [
     _issue27("a released row not given back", ROWS, "self.free.append(row)", "pass",
              "tests/test_cache_edges.py::test_freed_rows_are_reused_and_the_row_arrays_stay_"
              "bounded"),
-    _issue27("block hashes not chained", "rocmforge_raw/cache/prefix.py",
+    _issue27("block hashes not chained", "rocmforge_raw/cache/blocks/prefix.py",
              "hashlib.blake2b(parent,", "hashlib.blake2b(b'',",
              PREFIX_TESTS + "test_a_block_is_named_by_its_position_and_prefix_not_its_tokens_"
              "alone"),
@@ -162,7 +171,7 @@ NAMED += [
              PREFIX_TESTS + "test_register_keeps_an_indexed_digest_and_a_named_block"),
     _issue27("lookup continuing past a miss", POOL_PY, "break", "continue",
              PREFIX_TESTS + "test_lookup_stops_at_the_first_miss", anchor="def lookup("),
-    _issue27("fp8 quantization in float16", "rocmforge_raw/reference.py",
+    _issue27("fp8 quantization in float16", "rocmforge_raw/kernels/reference.py",
              "scaled = x.astype(np.float32) * inverse",
              "scaled = (x.astype(np.float16) * np.float16(inverse)).astype(np.float32)",
              FP8_TESTS + "test_writes_quantize_by_the_documented_formula"),
@@ -174,18 +183,18 @@ NAMED += [
              "nbytes = self.loose.pop(ptr, None)\n"
              "        lane = None if stream is ... else self.lane(stream)",
              PROBE + "[pool-free-stream-int-keeps-the-block]"),
-    _issue27("a closed stream the pool saw before", POOL_PYX,
-             "        if not _is_open(stream):\n            raise BufferClosedError(f\"{stream!r} "
-             "was closed\")\n        found = self.lanes.get(stream)\n        if found is not "
-             "None:\n            return found\n",
+    _issue27("a closed stream the pool saw before", POOL_CORE,
+             "        if not stream_is_open(stream):\n            raise "
+             "BufferClosedError(f\"{stream!r} was closed\")\n        found = "
+             "self.lanes.get(stream)\n        if found is not None:\n            return found\n",
              "        found = self.lanes.get(stream)\n        if found is not None:\n"
              "            return found\n",
              PROBE + "[pool-allocate-closed-seen-stream]"),
-    _issue27("a new stream's lane registered before its allocation", POOL_PYX,
+    _issue27("a new stream's lane registered before its allocation", POOL_CORE,
              "        return _Lane(stream)\n\n    cdef _Lane register",
              "        return self.register(_Lane(stream))\n\n    cdef _Lane register",
              PROBE + "[pool-over-the-limit-on-a-new-stream]"),
-    _issue27("the limit releasing the cache when that cannot make room", POOL_PYX,
+    _issue27("the limit releasing the cache when that cannot make room", POOL_CORE,
              "if self.reserved - self.cached + size > self.cap:", "if False:",
              PROBE + "[pool-over-the-limit-keeps-the-cache]"),
     _issue27("close() while blocks are lent", POOL_PYX, "if self.lent:", "if False:",
@@ -202,7 +211,7 @@ NAMED += [
     _issue27("a negative or NaN finished_ttl_s", RECORDS,
              'checks.real(ttl_s, "finished_ttl_s", 0.0)', "ttl_s",
              PROBE + "[scheduler-ttl-negative]"),
-    _issue27("requests writable after submit", SCHED_PY,
+    _issue27("requests writable after submit", "rocmforge_raw/cache/scheduler/requests.py",
              'if self.__dict__.get("_owner") is not None:', "if False:",
              PROBE + "[scheduler-mutate-after-submit]",
              SCHED + "test_a_submitted_request_is_read_only_until_it_finishes_or_is_aborted"),
@@ -219,7 +228,7 @@ NAMED += [
              "for victim in []:",
              PREFIX_TESTS + "test_preemption_spares_a_sequence_whose_blocks_the_new_prompt_"
              "shares"),
-    _issue27("negative token ids", "rocmforge_raw/cache/prefix.py",
+    _issue27("negative token ids", "rocmforge_raw/cache/blocks/prefix.py",
              'if array.dtype.kind == "i" and int(array.min()) < 0:', "if False:",
              PROBE + "[prefix-negative-ids]"),
     _issue27("fp8 scales outside float32", PLANNING, "if not low <= number <= high:",
@@ -240,17 +249,20 @@ NAMED += [
     _issue27("out aliasing the slab", STEP_PY,
              '            self._outside_slab("out", out_ptr, q_bytes)\n',
              "            pass\n", PROBE + "[step-out-aliases-the-slab]"),
-    _issue27("out aliasing the query (ops)", "rocmforge_raw/ops.py",
+    _issue27("out aliasing the query (ops)", "rocmforge_raw/kernels/ops.py",
              'check_disjoint(out, "out", query=query, k_cache=k_cache, v_cache=v_cache)',
              "pass", PROBE + "[ops-out-is-the-query]"),
-    _issue27("a plan's stream compared before it is checked", KV,
+    _issue27("a plan's stream compared before it is checked",
+             "rocmforge_raw/cache/step/launches.py",
              'stream_handle(stream, "stream", self.slab.backend, self.slab.device)  # a Stream?',
              "pass", PROBE + "[step-write-stream-int]"),
-    _issue27("plans writable", STEP_PY, "@dataclass(eq=False, frozen=True)",
+    _issue27("plans writable", "rocmforge_raw/cache/step/metadata.py",
+             "@dataclass(eq=False, frozen=True)",
              "@dataclass(eq=False)", PROBE + "[step-plan-frozen]"),
-    _issue27("unbounded drift flags", "rocmforge_raw/cli.py", "MAX_DRIFT_MIB = float(1 << 20)",
+    _issue27("unbounded drift flags", "rocmforge_raw/cli/main.py",
+             "MAX_DRIFT_MIB = float(1 << 20)",
              'MAX_DRIFT_MIB = float("inf")', PROBE + "[cli-soak-drift-1e308]"),
-    _issue27("--minutes checked as seconds", "rocmforge_raw/cli.py",
+    _issue27("--minutes checked as seconds", "rocmforge_raw/cli/main.py",
              "type=flags.real(above=0.0, at_most=MAX_SECONDS / 60)", "type=flags.real(above=0.0)",
              PROBE + "[cli-soak-minutes-1e308]"),
 ]
@@ -260,16 +272,20 @@ OPERATORS = [(" < ", " <= "), (" <= ", " < "), (" > ", " >= "), (" >= ", " > "),
              (" == ", " != "), (" != ", " == "), (" + ", " - "), (" - ", " + "),
              (" += ", " -= "), (" -= ", " += "), (" and ", " or "), (" or ", " and "),
              ("if not ", "if "), ("return True", "return False"), ("return False", "return True")]
-CORE = {"_freelist.pxd": POOL_TESTS, "pool.pyx": POOL_TESTS,
-        "_registry.pyx": ("tests/test_buffer.py", "tests/test_core.py", "tests/test_pool.py"),
-        "buffer.pyx": ("tests/test_buffer.py", "tests/test_core.py"),
-        "_steprows.pyx": ("tests/test_steprows.py", "tests/test_cache.py",
-                          "tests/test_cache_contracts.py", "tests/test_step_plans.py"),
-        "_worksplit.pyx": ("tests/test_step_plans.py", "tests/test_ops.py",
-                           "tests/test_graph.py")}
+_ROWS_TESTS = ("tests/test_steprows.py", "tests/test_cache.py", "tests/test_cache_contracts.py",
+               "tests/test_step_plans.py")
+CORE = {"memory/_freelist.pxd": POOL_TESTS, "memory/_pool_core.pyx": POOL_TESTS,
+        "memory/pool.pyx": POOL_TESTS,
+        "memory/_registry.pyx": ("tests/test_buffer.py", "tests/test_core.py",
+                                 "tests/test_pool.py"),
+        "memory/buffer.pyx": ("tests/test_buffer.py", "tests/test_core.py"),
+        "cache/blocks/_tables.pyx": _ROWS_TESTS, "cache/blocks/_rows.pyx": _ROWS_TESTS,
+        "kernels/_pack.pyx": ("tests/test_steprows.py", "tests/test_step_plans.py"),
+        "kernels/planning/_worksplit.pyx": ("tests/test_step_plans.py", "tests/test_ops.py",
+                                            "tests/test_graph.py")}
 
 #: Where a .pxd's inline code is compiled (its .c and .so are put back after a mutant).
-COMPILED_INTO = {"rocmforge_raw/_freelist.pxd": "rocmforge_raw/pool"}
+COMPILED_INTO = {"rocmforge_raw/memory/_freelist.pxd": "rocmforge_raw/memory/_pool_core"}
 
 
 def core_mutants(only: str | None) -> list[Mutant]:

@@ -9,7 +9,7 @@ import time
 import numpy as np
 
 import rocmforge_raw as rf
-from rocmforge_raw.module import kernel_candidates, load_kernels
+from rocmforge_raw.kernels.module import kernel_candidates, load_kernels
 
 
 def main() -> None:

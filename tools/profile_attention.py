@@ -12,7 +12,8 @@ from __future__ import annotations
 import os
 import sys
 
-from rocmforge_raw import bench, module
+from rocmforge_raw import bench
+from rocmforge_raw.kernels import module
 from rocmforge_raw.runtime import get_backend
 
 if __name__ == "__main__":

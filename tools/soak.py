@@ -7,7 +7,7 @@ the installed console script runs it too). Exit 0 on PASS, 1 on FAIL.
 
 import sys
 
-from rocmforge_raw.cli import main
+from rocmforge_raw.cli.main import main
 
 if __name__ == "__main__":
     sys.exit(main(["soak", *sys.argv[1:]]))

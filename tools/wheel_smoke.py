@@ -22,8 +22,8 @@ from typing import Any
 import numpy as np
 
 import rocmforge_raw as rf
-from rocmforge_raw import jit, module, reference
 from rocmforge_raw.cache import CacheConfig, KvCache
+from rocmforge_raw.kernels import jit, module, reference
 
 TARGETS = ("sm_80.cubin", "sm_90.cubin", "compute_90.ptx", "gfx90a.hsaco", "gfx942.hsaco",
            "gfx1100.hsaco")

@@ -12,8 +12,9 @@ import types
 import numpy as np
 
 import rocmforge_raw as rf
-from rocmforge_raw import _registry, ops
-from rocmforge_raw.array import DeviceArray
+from rocmforge_raw.kernels import ops
+from rocmforge_raw.memory import _registry
+from rocmforge_raw.memory.array import DeviceArray
 
 
 def workload(backend) -> None:

@@ -16,9 +16,9 @@ from typing import Any
 
 import numpy as np
 
-from .. import checks
-from ..planning import BLOCK_SIZES, FP8_DTYPES, HEAD_DIMS, check_kv_scales
-from ..planning import DTYPES as KERNEL_DTYPES
+from ..common import checks
+from ..kernels.planning import BLOCK_SIZES, FP8_DTYPES, HEAD_DIMS, check_kv_scales
+from ..kernels.planning import DTYPES as KERNEL_DTYPES
 
 #: What the kernels support, by name: float16, bfloat16, float32, float8_e4m3fn(uz).
 DTYPES = {dtype.name: dtype for dtype in (*KERNEL_DTYPES, *FP8_DTYPES)}

@@ -20,18 +20,19 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from .. import checks, ops
-from .._steprows import COW
-from ..array import DeviceArray
+from ..common import checks
 from ..errors import BufferClosedError, CacheFullError
-from ..stream import Stream, stream_handle
-from .block_pool import BlockPool
-from .chains import TokenChains
+from ..kernels import ops
+from ..memory.array import DeviceArray
+from ..memory.stream import Stream, stream_handle
+from .blocks._rows import COW
+from .blocks.block_pool import BlockPool
+from .blocks.chains import TokenChains
+from .blocks.rows import SequenceRows
 from .config import CacheConfig
 from .events import EventQueue
-from .host_tier import HostTier
-from .order import StreamOrder
-from .rows import SequenceRows
+from .tiers.host_tier import HostTier
+from .tiers.order import StreamOrder
 
 F = TypeVar("F", bound=Callable[..., Any])
 

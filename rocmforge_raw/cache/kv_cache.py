@@ -2,7 +2,7 @@
 preemption and a per-step plan. Every public operation is atomic under one lock.
 
 Bookkeeping lives in ``SequenceRows`` (persistent NumPy arrays indexed by a sequence's row);
-``append()`` and ``batch()`` run over them in the compiled core (``_steprows``). A decode
+``append()`` and ``batch()`` run over them in the compiled core (``blocks._rows``). A decode
 step is ``append`` (one slot per sequence), ``batch`` (the step's plan: metadata uploaded
 once) and, per layer, ``write`` + ``attention`` (one launch each, see ``step``), or all the
 layers as one graph (``step_graph``); a serving loop plans step t + 1 while the device runs
@@ -36,57 +36,34 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Hashable, Iterable
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from .. import checks, ops
-from ..array import DeviceArray
-from ..buffer import HipBuffer
+from ..common import checks
 from ..errors import CacheFullError
+from ..memory.array import DeviceArray
+from ..memory.buffer import HipBuffer
+from ..memory.stream import Stream, stream_handle
 from ..runtime import get_backend
-from ..stream import Stream, stream_handle
-from . import prefix, transfer
-from .block_pool import BlockPool
-from .chains import TokenChains
+from .blocks import prefix
+from .blocks.block_pool import BlockPool
+from .blocks.chains import TokenChains
+from .blocks.rows import SequenceRows
 from .config import CacheConfig
 from .core import operation, repeated
 from .events import EventQueue
-from .graph import StepGraph
-from .host_tier import HostTier
-from .order import StreamOrder
 from .records import FinishedRecords
-from .rows import SequenceRows
-from .step import BatchMetadata, StepPlanner
-from .swap import TierOps
+from .reservation import Reservation
+from .step.launches import StepLaunches
+from .step.metadata import BatchMetadata
+from .step.planner import StepPlanner
+from .tiers.host_tier import HostTier
+from .tiers.order import StreamOrder
+from .transfer.sequences import SequenceTransfer
 
 
-@dataclass(frozen=True)
-class Reservation:
-    """Slots reserved by ``add_sequence``/``append`` (int64, ``-1`` for a sequence that was
-    preempted instead), the ids preempted to make room and, for a prompt given by its
-    tokens, how many leading tokens the prefix cache already holds (their K/V need not be
-    written: prefill ``slot_mapping[num_cached_tokens:]``). Of the preempted, ``swapped``
-    lists those swapped out to the host tier (``swap_in`` brings them back as they were);
-    the others were dropped (their tokens must be computed again)."""
-
-    slot_mapping: np.ndarray
-    preempted: list[Hashable]
-    num_cached_tokens: int = 0
-    swapped: list[Hashable] = field(default_factory=list)
-
-    @classmethod
-    def _plain(cls, slot_mapping: np.ndarray) -> Reservation:
-        """``Reservation(slot_mapping, [])`` without the frozen ``__init__``'s
-        ``object.__setattr__`` per field (an append's common case)."""
-        made = cls.__new__(cls)
-        made.__dict__.update(slot_mapping=slot_mapping, preempted=[], num_cached_tokens=0,
-                             swapped=[])
-        return made
-
-
-class KvCache(TierOps):
+class KvCache(SequenceTransfer, StepLaunches):
     """A paged KV cache on one device. ``strict=True`` raises ``CacheFullError`` where the
     default would preempt the least-recently-used running sequence. ``stream`` orders the
     cache's device work (copy-on-write copies, uploads, kernels) unless a call names one.
@@ -369,75 +346,6 @@ class KvCache(TierOps):
         """Recently finished ids → (finish time, tokens), bounded by count and age."""
         return self._finished.snapshot()
 
-    # --- moving sequences between caches (``transfer``) ---------------------------------------
-    @operation
-    def export_sequence(self, seq_id: Hashable) -> transfer.SequenceDescription:
-        """A picklable description of ``seq_id`` for another cache's ``import_sequence``
-        (after the K/V queued on the cache's stream are in memory). Keep the sequence, and
-        write nothing more into it, until that import returned. A swapped-out sequence is
-        refused (``swap_in`` it first)."""
-        self._resident_rows([seq_id])
-        return transfer.export_sequence(self, seq_id)
-
-    @operation
-    def import_sequence(self, desc: transfer.SequenceDescription, transport: Any,
-                        seq_id: Hashable | None = None) -> transfer.Imported:
-        """Add the sequence ``desc`` describes (as ``seq_id``, default its id there), its
-        blocks read through ``transport`` (``rocmforge_raw.transport``) into fresh blocks,
-        but those whose prefix this cache holds already. Checks the layout before it
-        allocates; never preempts; if the bytes do not arrive, the cache is as before."""
-        return transfer.import_sequence(self, desc, transport, seq_id)
-
-    # --- device work -------------------------------------------------------------------------
-    def k_cache(self, layer: int) -> DeviceArray:
-        """Layer ``layer``'s K cache, ``[num_blocks, num_kv_heads, block_size, head_dim]``."""
-        self._check_open()
-        return self._plane(layer, 0)
-
-    def v_cache(self, layer: int) -> DeviceArray:
-        """Layer ``layer``'s V cache, shaped like ``k_cache``."""
-        self._check_open()
-        return self._plane(layer, 1)
-
-    def _plane(self, layer: int, kv: int) -> DeviceArray:
-        with self._lock:
-            ptrs = self._steps.planes(layer)
-        c = self.config
-        return DeviceArray(self.slab.buffer, c.dtype, c.slab_shape[2:],
-                           ptrs[kv] - self.slab.ptr)
-
-    def write(self, layer: int, key: DeviceArray, value: DeviceArray,
-              slot_mapping: BatchMetadata | Any, stream: Stream | None = None) -> None:
-        """Write K/V of ``layer``: with the current ``batch()`` plan, each sequence's new
-        token (``[n, num_kv_heads, head_dim]``, one launch); with a slot mapping, any tokens
-        at those slots (see ``ops.reshape_and_cache``; prefill)."""
-        with self._lock:
-            if isinstance(slot_mapping, BatchMetadata):
-                self._steps.write(self._current(slot_mapping, stream), layer, key, value)
-            else:
-                self._check_open()
-                k, v = self.k_cache(layer), self.v_cache(layer)  # checks the layer
-                k_scale, v_scale = self.config.kv_scales[layer]
-                stream = self._stream(stream)
-                if self._order is not None:
-                    self._order.used(stream)
-                ops.reshape_and_cache(key, value, k, v, slot_mapping, stream=stream,
-                                      k_scale=k_scale, v_scale=v_scale)
-
-    def attention(self, layer: int, out: DeviceArray, query: DeviceArray,
-                  batch: BatchMetadata, scale: float | None = None,
-                  stream: Stream | None = None) -> None:
-        """Decode attention of ``layer`` for the current ``batch()`` plan: one launch."""
-        with self._lock:
-            self._steps.attention(self._current(batch, stream), layer, out, query, scale)
-
-    def step_graph(self, headroom: int = 128, scale: float | None = None) -> StepGraph:
-        """A ``StepGraph`` of this cache: a decode step's launches captured once as a
-        CUDA/HIP graph and replayed per step (``graph.run(batch, layers)``), on the cache's
-        stream; a step that outgrows it by ``headroom`` tokens a sequence re-captures."""
-        self._check_open()
-        return StepGraph(self, headroom, scale)
-
     # --- accounting --------------------------------------------------------------------------
     @operation
     def stats(self) -> dict[str, Any]:
@@ -478,25 +386,3 @@ class KvCache(TierOps):
             self._host.check()
             assert not set(self._host.sequences) & set(self._rows.index), (
                 "a sequence is both on the device and swapped out")
-
-    # --- internals (lock held) ---------------------------------------------------------------
-    def _current(self, meta: Any, stream: Stream | None) -> BatchMetadata:
-        """``meta`` if it is this cache's current plan (O(1)); raises otherwise."""
-        if type(meta) is not BatchMetadata or meta._owner is not self:
-            self._check_open()
-            if type(meta) is not BatchMetadata:
-                raise TypeError(f"batch must be metadata from this cache's batch(), got "
-                                f"{checks.show(meta)}")
-            raise ValueError("batch must be metadata from this cache's batch(), not another "
-                             "cache's")
-        if meta is not self._steps.current or meta._epoch != self._epoch:
-            self._check_open()
-            raise ValueError("batch metadata is stale: the cache changed or planned another "
-                             "batch since; call batch() again")
-        if stream is not None and stream is not meta.stream:
-            stream_handle(stream, "stream", self.slab.backend, self.slab.device)  # a Stream?
-            raise ValueError(f"stream differs from the one the batch was planned on (given "
-                             f"{stream!r}, planned on {meta.stream!r}): plan the batch on the "
-                             "stream that runs it")
-        checked: BatchMetadata = meta
-        return checked

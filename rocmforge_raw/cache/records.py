@@ -6,7 +6,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Hashable
 from typing import Any
 
-from .. import checks
+from ..common import checks
 
 
 class FinishedRecords:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Any, ClassVar, TypeVar
 
-from .. import checks
+from ..common import checks
 from ..errors import BackendUnavailableError
 from ._alloc import Allocator, BackendAllocator
 from ._launch import DriverCalls, LaunchApi

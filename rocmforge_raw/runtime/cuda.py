@@ -10,27 +10,14 @@ import ctypes
 import threading
 from typing import Any
 
-from ..errors import (
-    BackendUnavailableError,
-    DeviceError,
-    KernelNotAvailableError,
-    OutOfMemoryError,
-)
+from ..errors import BackendUnavailableError, OutOfMemoryError
 from ._alloc import Allocator, CudaAllocator
 from ._launch import DriverCalls, LaunchApi
-from .base import (
-    Backend,
-    DeviceProperties,
-    ThreadDevices,
-    address,
-    as_text,
-    peer_enabled,
-    unwrap,
-)
+from .base import Backend, DeviceProperties, ThreadDevices, address, as_text, peer_enabled, unwrap
+from .cuda_compile import nvrtc_compile
 
 try:
     from cuda.bindings import driver as cu
-    from cuda.bindings import nvrtc
 except ImportError as exc:  # pragma: no cover - depends on the environment
     raise BackendUnavailableError(
         f"cuda-python is not installed ({exc}): pip install 'rocmforge_raw[cuda]' brings it "
@@ -385,47 +372,6 @@ class CudaBackend(ThreadDevices, Backend):
 
     def compile_source(self, source: str, name: str, arch: str, options: list[str]) -> bytes:
         return nvrtc_compile(source, name, arch, options)
-
-
-def _nvrtc(api: str, result: Any) -> Any:
-    return unwrap(api, result, nvrtc.nvrtcResult.NVRTC_SUCCESS,
-                  lambda s: (as_text(nvrtc.nvrtcGetErrorString(s)), ""))
-
-
-def nvrtc_version() -> str:
-    """NVRTC's version (``nvrtc 13.5``). Loads libnvrtc (the ``cuda`` extra brings its wheel,
-    ``nvidia-cuda-nvrtc``); needs no GPU or driver. Raises ``KernelNotAvailableError`` when it
-    cannot be loaded."""
-    try:
-        major, minor = _nvrtc("nvrtcVersion", nvrtc.nvrtcVersion())
-    except RuntimeError as exc:  # cuda.pathfinder found no libnvrtc
-        raise KernelNotAvailableError(
-            f"NVRTC cannot be loaded ({exc}); pip install 'rocmforge_raw[cuda]' brings it"
-        ) from exc
-    return f"nvrtc {major}.{minor}"
-
-
-def nvrtc_compile(source: str, name: str, arch: str, options: list[str]) -> bytes:
-    """``source`` compiled by NVRTC to a cubin for ``arch`` (``sm_90``); needs no GPU.
-    A compilation error raises ``DeviceError`` carrying NVRTC's log."""
-    nvrtc_version()  # a missing libnvrtc is reported as such, not as a failed call
-    prog = _nvrtc("nvrtcCreateProgram",
-                  nvrtc.nvrtcCreateProgram(source.encode(), name.encode(), 0, [], []))
-    try:
-        opts = [f"--gpu-architecture={arch}", *options]
-        status = nvrtc.nvrtcCompileProgram(prog, len(opts), [o.encode() for o in opts])[0]
-        if status != nvrtc.nvrtcResult.NVRTC_SUCCESS:
-            size = _nvrtc("nvrtcGetProgramLogSize", nvrtc.nvrtcGetProgramLogSize(prog))
-            log = b" " * size
-            _nvrtc("nvrtcGetProgramLog", nvrtc.nvrtcGetProgramLog(prog, log))
-            raise DeviceError("nvrtcCompileProgram", int(status), f"{name} for {arch}",
-                              as_text(log))
-        size = _nvrtc("nvrtcGetCUBINSize", nvrtc.nvrtcGetCUBINSize(prog))
-        cubin = b" " * size
-        _nvrtc("nvrtcGetCUBIN", nvrtc.nvrtcGetCUBIN(prog, cubin))
-        return cubin
-    finally:
-        nvrtc.nvrtcDestroyProgram(prog)
 
 
 def bare_alloc_free(nbytes: int) -> None:

@@ -32,7 +32,7 @@ from typing import Any
 
 from cffi import FFI
 
-from .. import procs
+from ..common import procs
 from ..errors import BackendUnavailableError, DeviceError, OutOfMemoryError
 from ._alloc import Allocator, HostAllocator
 from .base import Backend, DeviceProperties, ThreadDevices

@@ -7,7 +7,7 @@ transport would be one more file beside them. ``KvCache.export_sequence`` /
 ``import_sequence`` use them.
 """
 
-from .base import Transport, published
+from ..cache.transfer.transport import Transport, published
 from .ipc import IpcTransport
 from .mooncake import MooncakeEndpoint, MooncakeTransport
 from .peer import PeerEndpoint, PeerTransport

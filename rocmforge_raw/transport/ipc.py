@@ -13,12 +13,12 @@ from typing import Any
 
 import numpy as np
 
-from .. import checks
-from ..buffer import HipBuffer
+from ..cache.transfer.transport import Transport, copy_spans
+from ..common import checks
 from ..errors import IpcError
-from ..ipc import IpcHandle
-from ..stream import Stream
-from .base import Transport, copy_spans
+from ..memory.buffer import HipBuffer
+from ..memory.ipc import IpcHandle
+from ..memory.stream import Stream
 
 
 class IpcTransport(Transport):

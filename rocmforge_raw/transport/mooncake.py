@@ -27,11 +27,11 @@ from typing import Any
 
 import numpy as np
 
-from .. import checks
-from ..buffer import HipBuffer
+from ..cache.transfer.transport import Transport, wait
+from ..common import checks
 from ..errors import BackendUnavailableError, TransferError
-from ..stream import Stream
-from .base import Transport, wait
+from ..memory.buffer import HipBuffer
+from ..memory.stream import Stream
 
 #: What reaches each backend's memory: the package names of Mooncake's builds.
 _REACHES = {"host": lambda dist: True,

@@ -17,11 +17,11 @@ from typing import Any
 
 import numpy as np
 
-from .. import checks
-from ..buffer import HipBuffer
+from ..cache.transfer.transport import Transport, copy_spans
+from ..common import checks
 from ..errors import BufferClosedError
-from ..stream import Stream
-from .base import Transport, copy_spans
+from ..memory.buffer import HipBuffer
+from ..memory.stream import Stream
 
 _ids = itertools.count(1)
 _buffers: dict[int, weakref.ref[HipBuffer]] = {}

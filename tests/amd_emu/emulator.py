@@ -34,7 +34,7 @@ from typing import Any
 
 import numpy as np
 
-from rocmforge_raw.module import LaunchConfig, pack_args
+from rocmforge_raw.kernels.module import LaunchConfig, pack_args
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]

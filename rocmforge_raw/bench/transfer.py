@@ -1,0 +1,218 @@
+"""``bench --transfer``: a sequence's KV moved between two processes of one host.
+
+A spawned sender process (the prefill side) holds one sequence in a cache whose slab it
+publishes through the transport (``ipc`` or ``mooncake``), and sends its description; this
+process (the decode side) imports it ``iters`` times (removing it in between) and reports the
+median bytes per second of the transport's read alone and of the whole ``import_sequence``
+(layout checks and bookkeeping included). Against them, measured in the same run: the memory
+copy bandwidth of the same path, one copy of the same bytes through the same copy engine
+into the receiving slab (from the sender's slab mapped here where the transport is IPC,
+within the receiving slab otherwise): what a transport on this host approaches. GB/s count
+the bytes moved (not read plus written, as ``bench --attention``'s copy does). Two rows:
+the sequence's blocks consecutive on both sides (one span per layer and K/V plane) and
+scattered (every block its own span). The slab is random data, never zeros.
+
+With the sender on another device of the host (``sender_device``, ``--from-device``), the
+transport's copies are peer copies (through NVLink, xGMI or PCIe where the two devices have
+peer access, staged through host memory by the runtime where not: ``peer_access`` says
+which), and two more rows move the sequence between two caches of this one process
+(transport ``peer``, ``PeerTransport``); the copy of each row is then a raw peer copy of the
+same bytes from the sender's slab (``memcpy_peer``), the device pair's measured peer copy
+bandwidth.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing as mp
+import statistics
+import time
+import traceback
+from typing import Any
+
+import numpy as np
+
+from ..cache import CacheConfig, KvCache
+from ..runtime import Backend
+from .timing import fill_random
+
+#: Seconds the sender may take for any step before the benchmark gives up.
+TIMEOUT = 300.0
+
+
+def transfer_config(backend: Backend) -> CacheConfig:
+    """A 32-layer bf16 model's cache (8 kv heads of 128) on a GPU, an 8-layer one on the
+    host; room for two sequences of 4096 tokens (GPU) or 2048 (host), scattered or not."""
+    layers, tokens = (8, 2048) if backend.name == "host" else (32, 4096)
+    return CacheConfig(num_layers=layers, num_kv_heads=8, head_dim=128, block_size=16,
+                       num_blocks=2 * tokens // 16 + 2, dtype="bfloat16")
+
+
+def _link(transport: str) -> Any:
+    from ..transport import IpcTransport, MooncakeTransport
+
+    return IpcTransport() if transport == "ipc" else MooncakeTransport("127.0.0.1")
+
+
+def _sender(backend: str, device: int, transport: str, scattered: bool, conn: Any) -> None:
+    """The prefill side: a sequence filling half the cache (its blocks every other one when
+    ``scattered``), its description sent; waits for a word to end. An error is sent as
+    ``("error", traceback)``."""
+    try:
+        _serve(backend, device, transport, scattered, conn)
+    except BaseException:
+        conn.send(("error", traceback.format_exc()))
+        raise
+
+
+def _serve(backend: str, device: int, transport: str, scattered: bool, conn: Any) -> None:
+    config = transfer_config(_backend(backend))
+    with _link(transport) as link, KvCache(config, device, backend, strict=True,
+                                           shareable=transport == "ipc") as cache:
+        conn.send(_hold_prompt(cache, link, scattered))
+        conn.poll(TIMEOUT)
+
+
+def _hold_prompt(cache: KvCache, link: Any, scattered: bool) -> Any:
+    """The sender's side: random data published through ``link``, a sequence filling half
+    the cache (scattered or not); its description."""
+    fill_random(cache.slab.buffer, np.random.default_rng(0), cache.config.dtype)
+    link.publish(cache.slab)
+    if scattered:
+        _scatter(cache)
+    tokens = (cache.config.num_blocks - 2) // 2 * cache.config.block_size
+    cache.add_sequence("prompt", num_tokens=tokens)
+    return cache.export_sequence("prompt")
+
+
+def _scatter(cache: KvCache) -> None:
+    """One-block fillers, every other one removed: the free blocks alternate."""
+    config = cache.config
+    for i in range(config.num_blocks - 1):
+        cache.add_sequence(i, num_tokens=config.block_size)
+    for i in range(0, config.num_blocks - 1, 2):
+        cache.remove(i)
+
+
+def _backend(name: str) -> Backend:
+    from ..runtime import get_backend
+
+    return get_backend(name)
+
+
+def bench_transfer(backend: Backend, device: int, transport: str = "ipc", iters: int = 10,
+                   sender_device: int | None = None) -> list[dict[str, Any]]:
+    """One row per block layout: bytes, spans, transfer and import GB/s, copy GB/s, ratio,
+    the sequence moving from a sender process on ``sender_device`` (default: ``device``)
+    into a cache on ``device``. Across two devices, also one row per layout of the two
+    caches in this one process (transport ``peer``: peer copies), against a raw peer copy
+    of the same bytes."""
+    sender = device if sender_device is None else backend.resolve_device(sender_device)
+    rows = [_row(backend, device, sender, transport, scattered, iters)
+            for scattered in (False, True)]
+    if sender != device:
+        rows += [_peer_row(backend, device, sender, scattered, iters)
+                 for scattered in (False, True)]
+    return rows
+
+
+def _row(backend: Backend, device: int, sender_device: int, transport: str, scattered: bool,
+         iters: int) -> dict[str, Any]:
+    ctx = mp.get_context("spawn")
+    conn, child = ctx.Pipe()
+    sender = ctx.Process(target=_sender, args=(backend.name, sender_device, transport,
+                                               scattered, child), daemon=True)
+    sender.start()
+    child.close()  # the sender's end is the sender's alone: its exit reads as end of file
+    try:
+        desc = _receive(conn, sender)
+        with _link(transport) as link, \
+                KvCache(transfer_config(backend), device, backend, strict=True) as cache:
+            ipc = desc.endpoints.get("ipc")  # the copy: from the sender's slab mapped here
+            source = cache.slab.buffer if ipc is None else link.mapping(ipc)
+            return _measure(transport, scattered, cache, link, desc, source, iters)
+    finally:
+        with contextlib.suppress(OSError):  # a sender that failed has gone
+            conn.send("end")
+        sender.join(TIMEOUT)
+        if sender.is_alive():
+            sender.kill()
+            sender.join()
+
+
+def _peer_row(backend: Backend, device: int, sender_device: int, scattered: bool,
+              iters: int) -> dict[str, Any]:
+    """The sequence moved between two caches of this process on two devices."""
+    from ..transport import PeerTransport
+
+    config = transfer_config(backend)
+    with PeerTransport() as link, \
+            KvCache(config, sender_device, backend, strict=True) as sender, \
+            KvCache(config, device, backend, strict=True) as cache:
+        desc = _hold_prompt(sender, link, scattered)
+        return _measure("peer", scattered, cache, link, desc, sender.slab.buffer, iters)
+
+
+def _measure(transport: str, scattered: bool, cache: KvCache, link: Any, desc: Any,
+             source: Any, iters: int) -> dict[str, Any]:
+    """Import ``desc`` into ``cache`` (scattered too when ``scattered``) ``iters`` times,
+    then copy as many bytes from ``source`` into the receiving slab: the row."""
+    if scattered:  # the receiving side scattered too
+        _scatter(cache)
+    reads, imports = [], []
+    for _ in range(iters + 1):  # the first one maps, connects or enables peer access
+        start = time.perf_counter()
+        done = cache.import_sequence(desc, link, "copy")
+        imports.append(time.perf_counter() - start)
+        reads.append(done.seconds)
+        cache.remove("copy")
+    dst = cache.slab.buffer
+    nbytes = done.nbytes
+    copy_s = _copy_seconds(source, dst, nbytes, iters)
+    transfer, whole = statistics.median(reads[1:]), statistics.median(imports[1:])
+    backend, peer = dst.backend, source.device != dst.device
+    return {"transport": transport, "layout": "scattered" if scattered else "consecutive",
+            "sender_device": source.device, "receiver_device": dst.device,
+            "peer_access": backend.peer_access(dst.device, source.device) if peer else None,
+            "bytes": nbytes, "blocks": done.blocks_moved, "spans": _spans(desc, cache.config),
+            "transfer_gb_per_s": nbytes / transfer / 1e9,
+            "import_gb_per_s": nbytes / whole / 1e9, "copy_gb_per_s": nbytes / copy_s / 1e9,
+            "pct_of_copy": 100.0 * copy_s / transfer}
+
+
+def _receive(conn: Any, sender: Any) -> Any:
+    """The sender's description; its error raised here as a ``RuntimeError``."""
+    if not conn.poll(TIMEOUT):
+        raise TimeoutError(f"the sender process sent nothing in {TIMEOUT} s")
+    try:
+        message = conn.recv()
+    except EOFError:
+        sender.join(TIMEOUT)
+        raise RuntimeError(f"the sender process ended (exit code {sender.exitcode}) before "
+                           "it sent its description") from None
+    if isinstance(message, tuple) and message[:1] == ("error",):
+        raise RuntimeError(f"the sender process failed:\n{message[1]}")
+    return message
+
+
+def _spans(desc: Any, config: CacheConfig) -> int:
+    ids = np.asarray(desc.block_ids)
+    runs = 1 + int(np.count_nonzero(np.diff(ids) != 1))
+    return runs * 2 * config.num_layers
+
+
+def _copy_seconds(src: Any, dst: Any, nbytes: int, iters: int) -> float:
+    """Median seconds of one copy of ``nbytes`` from the end of ``src`` into ``dst`` (a
+    device copy, or a peer copy from another device), waited for."""
+    backend, device = dst.backend, dst.device
+    times = []
+    for _ in range(iters + 1):
+        start = time.perf_counter()
+        if src.device == device:
+            backend.memcpy_dtod(dst.ptr, src.ptr + src.nbytes - nbytes, nbytes)
+        else:
+            backend.memcpy_peer(dst.ptr, device, src.ptr + src.nbytes - nbytes, src.device,
+                                nbytes)
+        backend.synchronize(device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times[1:])

@@ -1,0 +1,267 @@
+"""StepGraph: one decode step's launches (every layer's K/V write and attention) captured
+once as a CUDA/HIP graph and replayed as one launch for later steps of the same shape.
+
+A graph fixes every kernel argument as captured, so what changes per step lives at fixed
+device addresses that each ``run`` updates in place: block tables (``width`` blocks per
+sequence, padded with the null block), lengths, slots and the attention's work split. The
+split's numbers (CTAs, tokens per CTA, total) are fixed too: the graph is captured for the
+step's lengths plus ``headroom`` tokens, and each replay lays its real work out over that
+same total (``graph_layout.padded_work``: every sequence's own work plus an even share of
+the slack, which the kernel skips past each sequence's length, so the device time stays
+that of the real work). A step whose members (ids, order), activations, table width or work outgrow
+the capture re-captures (``GraphShape.admits``); a plan that is not current is refused as
+by ``write``/``attention``, so a replay never reads stale metadata.
+
+Stream order: a run queues its upload (pinned host memory to the fixed addresses) and then
+the graph on the plan's stream, so the upload waits for the previous replay to finish
+reading; each pinned buffer is reused only once the event after its upload has passed
+(``staging.Fence``). Nothing here waits for the device. Graphs are a GPU feature: on the
+host backend ``run`` raises ``NotImplementedError``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from ...common import checks
+from ...kernels.planning import (
+    ATTENTION_PATCH,
+    OUT_SCALE_ARG,
+    SCALE_ARG,
+    THREADS,
+    WORK_GRANULE,
+    WRITE_PATCH,
+    WRITE_SCALE_ARGS,
+    WRITE_THREADS,
+    AttentionPlan,
+    attention_kernel,
+    default_scale,
+    plan_work,
+    split_workspace,
+    write_arguments,
+    write_kernel,
+)
+from ...kernels.planning._worksplit import prefix_sums
+from ...kernels.staging import ALIGN, Fence
+from ...memory.buffer import HipBuffer
+from ...memory.stream import Stream
+from .graph_layout import Activations, GraphShape, Layer, PinnedUploads, activations_of
+from .metadata import BatchMetadata
+
+
+class StepGraph:
+    """A decode step of ``cache`` as one graph (see the module docstring): ``run(meta,
+    layers)`` queues the step of the current plan ``meta`` for ``layers`` (per layer: the
+    new tokens' key and value ``[n, num_kv_heads, head_dim]``, the query and the output
+    ``[n, num_q_heads, head_dim]``, at the same addresses while the graph is replayed), on
+    the cache's stream. ``headroom``: tokens each sequence may grow by before a re-capture.
+    ``captures``/``replays`` count runs of each kind. Close it (or use ``with``)."""
+
+    def __init__(self, cache: Any, headroom: int = 128, scale: float | None = None) -> None:
+        self.cache, self.backend = cache, cache.slab.backend
+        self.device, self.stream = cache.slab.device, cache.stream
+        self.headroom = checks.integer(headroom, "headroom", 0, 1 << 20)
+        self.scale = default_scale(cache.config.head_dim, scale)
+        self.shape: GraphShape | None = None
+        self.captures = self.replays = 0
+        self._graph: Any = None
+        self._exec: Any = None
+        # the metadata, split-K partials and counters (zero between launches), reused by
+        # every capture that fits them; outgrown ones are kept until close() (a free waits
+        # for the whole device)
+        self._buffers: list[HipBuffer] = []
+        self._outgrown: list[HipBuffer] = []
+        self._layout: list[tuple[int, tuple[int, ...]]] = []
+        self._target = 0  # device address of the current graph's metadata
+        self._retired: list[tuple[Fence, Any, Any]] = []  # graphs the device may still run
+        self._uploads = PinnedUploads(self.device, self.backend)
+        self._capture_stream: Stream | None = None
+        self.closed = False
+
+    def run(self, meta: BatchMetadata, layers: Sequence[Layer]) -> bool:
+        """Queue ``meta``'s step: replay the graph (True), or capture it first (False) when
+        none was captured or the step does not fit it. Raises, changing nothing, for a plan
+        that is not the cache's current one, another stream, or bad layers."""
+        cache = self.cache
+        with cache._lock:
+            if self.closed:
+                raise ValueError("this StepGraph was closed")
+            meta = cache._current(meta, None)
+            if meta.stream is not self.stream:
+                raise ValueError("the batch was planned on another stream than the cache's, "
+                                 "which the graph runs on")
+            if self.backend.name == "host":
+                raise self.backend.no_graphs()
+            if not meta.seq_ids:
+                raise ValueError("the batch has no sequences: a graph of no step")
+            self.backend.activate(self.device)  # the graph calls' device; the thread's stays
+            layers = list(layers)
+            if len(layers) != cache.config.num_layers or not all(
+                    isinstance(layer, tuple) and len(layer) == 4 for layer in layers):
+                raise ValueError(f"layers must be {cache.config.num_layers} tuples (key, "
+                                 "value, query, out), one a layer")
+            members, activations = tuple(meta.seq_ids), activations_of(layers)
+            work = None if self.shape is None else self.shape.admits(
+                members, activations, meta.block_tables.shape[1], meta.seq_lens)
+            replay = work is not None
+            if work is None:
+                work = self._capture(meta, layers, members, activations)
+            self._uploads.upload([meta.block_tables, meta.seq_lens, meta.slot_mapping, *work],
+                                 self._layout, self._target, self.stream)
+            self.backend.graph_launch(self._exec, None if self.stream is None
+                                      else self.stream.handle)
+            self.replays += replay
+            self._sweep()
+            return replay
+
+    def _capture(self, meta: BatchMetadata, layers: list[Layer], members: tuple[Any, ...],
+                 activations: Activations) -> tuple[np.ndarray, np.ndarray]:
+        """Capture the step for ``layers`` with room for ``headroom`` more tokens a
+        sequence; the previous graph is retired only once the new one is made."""
+        c, steps = self.cache.config, self.cache._steps
+        n, lens = len(members), meta.seq_lens
+        q_shape: tuple[int, ...] = getattr(layers[0][2], "shape", ())
+        q_heads = q_shape[1] if len(q_shape) == 3 else 0
+        for key, value, query, out in layers:
+            for name, array, want in (("key", key, meta._kv_shape), ("value", value,
+                                      meta._kv_shape), ("query", query, (n, q_heads,
+                                      c.head_dim)), ("out", out, (n, q_heads, c.head_dim))):
+                steps._check(name, array, want)
+        if q_heads < 1 or q_heads % c.num_kv_heads:
+            raise ValueError(f"num_q_heads {q_heads} is not a multiple of num_kv_heads "
+                             f"{c.num_kv_heads}")
+        found = attention_kernel(self.backend, self.device, steps.act, c.head_dim,
+                                 q_heads // c.num_kv_heads, c.dtype)
+        room = (lens.astype(np.int64) + self.headroom).astype(np.int32)
+        width = max(meta.block_tables.shape[1], -(-int(room.max()) // c.block_size))
+        split = plan_work(c.num_kv_heads * found.groups, found.slots, n, room, sms=found.sms,
+                          rule=found.rule)
+        bound = prefix_sums(room, WORK_GRANULE, np.empty(n + 1, np.int64))  # (unpadded)
+        shape = GraphShape(members, activations, width, c.num_kv_heads * found.groups,
+                           split.total, split.per_cta, split.num_ctas, bound)
+        work = shape.admits(members, activations, width, lens)
+        assert work is not None  # the room holds these lengths
+        layout: list[tuple[int, tuple[int, ...]]] = []
+        offset = 0
+        for dtype, dims in ((np.int32, (n, width)), (np.int32, (n,)), (np.int64, (n,)),
+                            (np.int64, (n + 1,)), (np.int32, (split.num_ctas,))):
+            layout.append((offset, dims))
+            offset += -(-int(np.prod(dims)) * np.dtype(dtype).itemsize // ALIGN) * ALIGN
+        plan = AttentionPlan(found.kernel, found.group, split, found.shared_for(split), n,
+                             q_heads, c.num_kv_heads, c.head_dim, c.block_size, width)
+        # partials for every CTA even of a whole-unit capture: a replay's lengths may be laid
+        # out with slack shared out (graph_layout.padded_work), which cuts units
+        partial_bytes, counters = split_workspace(split.num_ctas, found.group, c.head_dim,
+                                                  n * split.groups)
+        graph = None
+        try:
+            buffers = self._room((offset, max(partial_bytes, 4), 4 * max(counters, 1)))
+            tables, lens_at, slots, cum16, first_seq = (buffers[0].ptr + o for o, _ in layout)
+            if self._capture_stream is None:
+                self._capture_stream = Stream(self.device, self.backend)
+            capture = self._capture_stream
+            write = write_kernel(self.backend, self.device, steps.act, c.dtype).prepare(
+                n, WRITE_THREADS, *write_arguments(0, 0, 0, 0, slots, c.num_kv_heads,
+                                                   c.block_size, c.head_dim * steps.act.itemsize,
+                                                   c.dtype), stream=capture, patch=WRITE_PATCH)
+            attention = plan.kernel.prepare(
+                plan.grid, THREADS, *plan.arguments(0, 0, 0, 0, tables, lens_at, self.scale,
+                                                    buffers[1].ptr, buffers[2].ptr, cum16,
+                                                    first_seq),
+                shared_bytes=plan.shared_bytes, stream=capture, patch=ATTENTION_PATCH)
+            graph = self._record(capture, write, attention, layers)
+            executable = self.backend.graph_instantiate(graph, self.device)
+        except BaseException:
+            self._retire(graph, None)
+            raise
+        self._retire(self._graph, self._exec)
+        self._graph, self._exec, self._layout = graph, executable, layout
+        self._target = buffers[0].ptr
+        self.shape = shape
+        self.captures += 1
+        return work
+
+    def _record(self, capture: Stream, write: Any, attention: Any, layers: list[Layer]) -> Any:
+        """Every layer's write and attention, captured on ``capture``; the graph."""
+        steps = self.cache._steps
+        self.backend.graph_begin(capture.handle)
+        try:
+            for layer, (key, value, query, out) in enumerate(layers):
+                k_plane, v_plane = steps.planes(layer)
+                if steps.fp8:  # this layer's scales, fixed in its launches
+                    k_inverse, v_inverse = steps._write_scales[layer]
+                    write.set_float(WRITE_SCALE_ARGS[0], k_inverse)
+                    write.set_float(WRITE_SCALE_ARGS[1], v_inverse)
+                    k_part, out_scale = steps._attention_scales[layer]
+                    attention.set_float(SCALE_ARG, self.scale * k_part)
+                    attention.set_float(OUT_SCALE_ARG, out_scale)
+                write(k_plane, v_plane, key.ptr, value.ptr)
+                attention(out.ptr, query.ptr, k_plane, v_plane)
+        except BaseException:
+            graph = self.backend.graph_end(capture.handle)  # capture ends even on an error
+            self._retire(graph, None)
+            raise
+        return self.backend.graph_end(capture.handle)
+
+    def _room(self, sizes: tuple[int, ...]) -> list[HipBuffer]:
+        """The metadata, partials and counters buffers, at least ``sizes`` bytes: those of
+        the last capture where they fit (the device reads them in stream order), else new
+        ones (counters zeroed on the stream)."""
+        if not self._buffers:
+            self._buffers = [None] * len(sizes)  # type: ignore[list-item]
+        for index, size in enumerate(sizes):
+            old = self._buffers[index]
+            if old is None or old.nbytes < size:
+                if old is not None:
+                    self._outgrown.append(old)
+                    size = max(size, 2 * old.nbytes)
+                self._buffers[index] = HipBuffer(size, self.device, self.backend)
+                if index == 2:
+                    self._buffers[index].fill(0, stream=self.stream)
+        return self._buffers
+
+    def _retire(self, graph: Any, executable: Any) -> None:
+        """Destroy ``graph`` and its executable once the device has passed what was queued
+        on the stream so far (``_sweep``)."""
+        if graph is not None:
+            fence = Fence(self.device, self.backend)
+            fence.mark(self.stream)
+            self._retired.append((fence, graph, executable))
+
+    def _sweep(self, wait: bool = False) -> None:
+        """Destroy the retired graphs the device has passed (all of them with ``wait``)."""
+        keep = []
+        for fence, graph, executable in self._retired:
+            if wait or fence.passed():
+                fence.wait()
+                fence.close()
+                self.backend.graph_destroy(graph, executable, self.device)
+            else:
+                keep.append((fence, graph, executable))
+        self._retired = keep
+
+    def close(self) -> None:
+        """Free the graph and its memory once the device has passed its last replay.
+        Idempotent."""
+        with self.cache._lock:
+            self.closed = True
+            self._retire(self._graph, self._exec)
+            self._graph = self._exec = self.shape = None
+            self._sweep(wait=True)  # every replay has passed: the memory may go
+            for buffer in (*self._buffers, *self._outgrown):
+                if buffer is not None:
+                    buffer.close()
+            self._buffers, self._outgrown = [], []
+            self._uploads.close()
+            if self._capture_stream is not None:
+                self._capture_stream.close()
+                self._capture_stream = None
+
+    def __enter__(self) -> StepGraph:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,113 @@
+"""The transport interface: publish a slab on the sending side, read spans of it on the other.
+
+A sender *publishes* a buffer (a cache's slab) through a transport once: ``publish(buffer)``
+returns an *endpoint*, a picklable value that tells a receiver where the bytes are, and
+remembers it for the buffer while the transport lives (``published(buffer)``:
+``KvCache.export_sequence`` puts every endpoint of its slab into the sequence's description). A
+receiver *reads*: ``read(endpoint, dst, spans, stream)`` copies each span ``(src_offset,
+dst_offset, nbytes)`` of the published buffer into ``dst`` and returns once the bytes have
+arrived (what the sender waits for before it may reuse them), or raises
+``TransferError``/``IpcError`` naming why. Writes into ``dst`` are ordered after the work
+already queued on ``stream``: a copy engine of the runtime queues on it, an outside engine
+waits for it first. Offsets and sizes are bytes.
+"""
+
+from __future__ import annotations
+
+import weakref
+from abc import ABC, abstractmethod
+from typing import Any, ClassVar
+
+import numpy as np
+
+from ...common import checks
+from ...kernels import ops
+from ...memory.buffer import HipBuffer
+from ...memory.stream import Event, Stream
+
+#: buffer -> {transport name: (the transport that published it, held weakly: a transport
+#: dropped unclosed is collected, its endpoint, which dies with it)}
+_published: weakref.WeakKeyDictionary[HipBuffer, dict[str, tuple[weakref.ref[Any], Any]]] = \
+    weakref.WeakKeyDictionary()
+
+
+def published(buffer: HipBuffer) -> dict[str, Any]:
+    """The endpoints ``buffer`` is published with by live transports, by transport name (the
+    latest of each)."""
+    return {name: endpoint for name, (transport, endpoint) in
+            _published.get(buffer.root, {}).items() if transport() is not None}
+
+
+class Transport(ABC):
+    """Moves spans of a published buffer into a local one. ``close()`` (or ``with``) lets go
+    of everything it registered or mapped; it is idempotent."""
+
+    #: The key of this transport's endpoints in a sequence description.
+    name: ClassVar[str]
+
+    def publish(self, buffer: Any) -> Any:
+        """Make ``buffer`` (a root ``HipBuffer``, or a ``DeviceArray`` of one: a cache's slab)
+        readable through this transport; returns its endpoint (the same one again later)."""
+        root = root_buffer(buffer)
+        endpoints = _published.setdefault(root, {})
+        if not self._published_by_me(endpoints):
+            endpoints[self.name] = (weakref.ref(self), self._publish(root))
+        return endpoints[self.name][1]
+
+    def _published_by_me(self, endpoints: dict[str, tuple[weakref.ref[Any], Any]]) -> bool:
+        return self.name in endpoints and endpoints[self.name][0]() is self
+
+    @abstractmethod
+    def _publish(self, buffer: HipBuffer) -> Any: ...
+
+    @abstractmethod
+    def read(self, endpoint: Any, dst: HipBuffer, spans: np.ndarray,
+             stream: Stream | None = None) -> None:
+        """Copy ``spans`` (int64 ``[n, 3]``: src offset, dst offset, bytes) of the buffer
+        ``endpoint`` names into ``dst``; return once they have arrived."""
+
+    def close(self) -> None:
+        """Let go of what this transport registered or mapped."""
+        return None
+
+    def _forget(self, buffer: HipBuffer) -> None:
+        """``buffer`` is published through this transport no more."""
+        endpoints = _published.get(buffer, {})
+        if self._published_by_me(endpoints):
+            del endpoints[self.name]
+
+    def __enter__(self) -> Any:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __reduce__(self) -> Any:
+        raise TypeError(f"a {type(self).__name__} holds mappings or an engine and cannot be "
+                        "pickled: send its endpoints (they are plain values)")
+
+
+def root_buffer(buffer: Any) -> HipBuffer:
+    """The open root ``HipBuffer`` of ``buffer`` (a HipBuffer or a DeviceArray)."""
+    buf = getattr(buffer, "buffer", buffer)
+    if not isinstance(buf, HipBuffer):
+        raise TypeError(f"buffer must be a HipBuffer or a DeviceArray, got "
+                        f"{checks.show(buffer)}")
+    buf.ptr  # noqa: B018 - raises BufferClosedError once closed
+    return buf.root
+
+
+def wait(dst: HipBuffer, stream: Stream | None) -> None:
+    """Block until the work queued on ``stream`` of ``dst``'s device has passed (the copies a
+    transport queued, or what ran before an outside engine may write)."""
+    with Event(dst.device, dst.backend) as event:
+        event.record(stream).synchronize()
+
+
+def copy_spans(dst: HipBuffer, src: HipBuffer, spans: np.ndarray,
+               stream: Stream | None) -> None:
+    """Copy ``spans`` of ``src`` (on ``dst``'s device or another device of its backend)
+    into ``dst`` on ``stream`` (``ops.copy_spans``: one launch where ``dst``'s device
+    reaches ``src``, runtime copies where it does not), then wait for them."""
+    ops.copy_spans(dst, src, spans, stream=stream)
+    wait(dst, stream)
