@@ -77,6 +77,12 @@ RF_DEVICE rf_u64 rf_clock_ns() {
   return t;
 }
 RF_DEVICE void rf_nap() { __nanosleep(1000); }
+// The dynamic shared memory this launch was given (bytes).
+RF_DEVICE unsigned rf_dynamic_smem_bytes() {
+  unsigned n;
+  asm volatile("mov.u32 %0, %%dynamic_smem_size;" : "=r"(n));
+  return n;
+}
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && defined(RF_USE_BULK)
 // sm_90 bulk copies (the copy engine) into shared memory, completing on an mbarrier: one
 // per 256-byte row costs the copy unit more than cp.async's 16-byte copies cost the LSU

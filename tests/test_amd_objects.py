@@ -21,6 +21,7 @@ import pytest
 from rocmforge_raw.kernels import planning
 from rocmforge_raw.kernels.codeobject import ElfImage
 from rocmforge_raw.kernels.module import KERNEL_DIR
+from rocmforge_raw.kernels.planning.prefill import WARPS as PREFILL_WARPS
 
 
 def _load_tool():
@@ -148,6 +149,9 @@ def test_launch_sizes_are_what_planning_and_basic_cu_launch(path):
                 "rf_reshape_and_cache_e4m3_bf16": planning.WRITE_THREADS,
                 "rf_copy_blocks": planning.WRITE_THREADS, "rf_copy_pieces": planning.WRITE_THREADS}
     for i in amd.instances(path):
+        if i.kernel.startswith("rf_prefill_"):  # four waves (native/pf_tile.h)
+            assert i.threads == PREFILL_WARPS * i.wave, i.kernel
+            continue
         assert i.threads == expected.get(i.kernel, planning.THREADS), i.kernel
 
 
@@ -205,8 +209,10 @@ def test_markdown_has_a_row_per_instance_and_json_the_same_rows(capsys):
     rows = amd.all_instances()
     table = amd.markdown(rows).splitlines()
     # per target: 60 attention instances (3 dtypes + 2 fp8 x 3 head dims x 4 groups), the 5
-    # cache ops (write, two fp8 writes, block and piece copies) and basic.cu's 4
-    assert len(table) == 2 + len(rows) == 2 + 3 * (60 + 5 + 4)
+    # cache ops (write, two fp8 writes, block and piece copies), basic.cu's 4 and the
+    # multi-token kernels: 23 (4 dtypes x head dims 64 and 128 x WM 1 and 4, and 256 at WM 4;
+    # f32 at WM 1) and their 15 combines
+    assert len(table) == 2 + len(rows) == 2 + 3 * (60 + 5 + 4 + 23 + 15)
     first = rows[0]
     assert table[2].startswith(f"| {first.object} | {first.kernel} | {first.wave} | 128 |")
     assert amd.main(["--json"]) == 0
@@ -317,4 +323,23 @@ def test_tile_loop_loads_the_next_tile_ahead_of_the_matrix_math(path):
                                f"{ahead[-1]} and the matrix instruction at {math}")
         except AssertionError as exc:
             failures.append(f"{kernel}: {exc}")
+    assert not failures, f"{path.name}: " + "; ".join(failures)
+
+
+@_each_object(("prefill",))
+def test_prefill_tiles_run_on_matrix_cores_from_lds(path):
+    """The multi-token kernel's tile loop reads K and V from LDS into v_mfma (gfx90a/gfx942)
+    or v_wmma (gfx1100) for 16-bit and fp8 caches (f32: FMAs); the combines have no loop."""
+    failures = []
+    for kernel, code in _disassembly(path).items():
+        if "_combine_" in kernel:
+            continue
+        math = MATH if "_f32_" in kernel else MATRIX
+        try:
+            loop = amd.innermost_loop(code, (r"ds_(read|load)", math))
+        except LookupError as exc:
+            failures.append(f"{kernel}: {exc}")
+            continue
+        if not re.match(r"s_(c)?branch", loop[-1].mnemonic):
+            failures.append(f"{kernel}: the loop does not end in a branch")
     assert not failures, f"{path.name}: " + "; ".join(failures)

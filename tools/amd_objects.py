@@ -31,7 +31,7 @@ from rocmforge_raw.kernels.codeobject import EM_AMDGPU, ElfImage
 from rocmforge_raw.kernels.module import KERNEL_DIR
 
 TARGETS = ("gfx90a", "gfx942", "gfx1100")
-STEMS = ("paged_attention", "cache_ops", "basic")
+STEMS = ("paged_attention", "cache_ops", "basic", "prefill")
 NT_AMDGPU_METADATA = 32
 OBJDUMP = os.environ.get("RF_OBJDUMP", "llvm-objdump-19")
 

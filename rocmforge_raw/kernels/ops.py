@@ -15,12 +15,8 @@ device. A decode loop should not call these per layer: ``KvCache.batch`` plans a
 
 from __future__ import annotations
 
-import ctypes
 import math
-import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 
@@ -30,8 +26,10 @@ from ..memory.array import DeviceArray
 from ..memory.buffer import HipBuffer
 from ..memory.stream import Stream, stream_handle
 from ..runtime import Backend
-from . import reference
+from . import multi_token, reference
+from .decode import launch_decode
 from .module import load_kernels
+from .oneoff import Place, host_view, metadata, release_staging, staging
 from .planning import (
     ATTENTION_STAGES,
     BLOCK_SIZES,
@@ -49,16 +47,14 @@ from .planning import (
     check_tables,
     check_write_arrays,
     default_scale,
-    device_ints,
     expect,
     host_ints,
     kernel_scales,
-    plan_attention,
     plan_work,
     write_arguments,
     write_kernel,
 )
-from .staging import Staging, StagingRing, Workspace
+from .staging import Workspace
 
 __all__ = ["ATTENTION_STAGES", "BLOCK_SIZES", "DTYPES", "GROUP_SIZES", "HEAD_DIMS",
            "PIECE_BYTES", "THREADS", "Workspace", "attention_shared_bytes", "copy_blocks",
@@ -66,75 +62,13 @@ __all__ = ["ATTENTION_STAGES", "BLOCK_SIZES", "DTYPES", "GROUP_SIZES", "HEAD_DIM
            "paged_attention", "plan_work", "release_staging", "reshape_and_cache"]
 
 
-def host_view(array: DeviceArray) -> np.ndarray:
-    """A NumPy array over a host-backend DeviceArray's memory (no copy)."""
-    if not isinstance(array, DeviceArray):
-        raise TypeError(f"array must be a DeviceArray, got {checks.show(array)}")
-    if array.backend.name != "host":
-        raise ValueError(f"host_view needs host memory, not {array.backend.name}")
-    raw: Any = (ctypes.c_char * array.nbytes).from_address(array.ptr) if array.nbytes else b""
-    return np.frombuffer(raw, array.dtype).reshape(array.shape)
-
-
-_rings: dict[tuple[int, int], tuple[threading.Lock, StagingRing]] = {}
-_rings_lock = threading.Lock()
-
-
-def release_staging() -> None:
-    """Free the staging memory the one-off ops keep per device (pinned and device buffers,
-    once the device has passed their last use); the next op allocates it again."""
-    with _rings_lock:
-        rings = list(_rings.values())
-        _rings.clear()
-    for lock, ring in rings:
-        with lock:
-            ring.close()
-
-
-class _Place(NamedTuple):
-    """A device of a backend, as ``_staging`` keys its rings."""
-
-    backend: Backend
-    device: int
-
-
-@contextmanager
-def _staging(like: DeviceArray | _Place, stream: Stream | None) -> Iterator[Staging]:
-    """A staging slot of ``like``'s device for one launch; its fence is marked on ``stream``
-    afterwards (also when the launch raised: an upload may be queued already)."""
-    key = (id(like.backend), like.device)
-    with _rings_lock:
-        if key not in _rings:
-            _rings[key] = threading.Lock(), StagingRing(like.device, like.backend)
-        lock, ring = _rings[key]
-    with lock:
-        slot = ring.acquire()
-        try:
-            yield slot
-        finally:
-            slot.fence.mark(stream)
-
-
-def _metadata(values: Any, name: str, dtype: Any, ndim: int, shape: tuple[int, ...] | None,
-              like: DeviceArray, like_name: str) -> np.ndarray | None:
-    """Host metadata as a checked array; device metadata checked by shape and place (on
-    ``like``'s device; None returned), except on the host backend, where it is host memory
-    and read in place."""
-    if not isinstance(values, DeviceArray):
-        array = host_ints(values, name, dtype, shape)
-        if array.ndim != ndim:
-            raise ValueError(f"{name} must have {ndim} dimensions, got shape {array.shape}")
-        return array
-    device_ints(values, name, dtype, ndim, shape, like, like_name)
-    return host_view(values) if like.backend.name == "host" else None
-
-
 # --- paged attention ---------------------------------------------------------------------
 def paged_attention(out: DeviceArray, query: DeviceArray, k_cache: DeviceArray,
                     v_cache: DeviceArray, block_tables: Any, seq_lens: Any,
-                    scale: float | None = None, *, num_partitions: int | None = None,
-                    stream: Stream | None = None, workspace: Workspace | None = None,
-                    check: bool = True, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
+                    scale: float | None = None, *, query_lens: Any = None,
+                    num_partitions: int | None = None, stream: Stream | None = None,
+                    workspace: Workspace | None = None, check: bool = True,
+                    k_scale: float = 1.0, v_scale: float = 1.0) -> None:
     """``out[s, h] = softmax(scale * q[s, h] . K[s]) V[s]`` over the first ``seq_lens[s]``
     tokens of sequence ``s``'s blocks. An fp8 cache (float16/bfloat16 queries) holds codes:
     K = code * ``k_scale``, V = code * ``v_scale``, dequantized in the kernel. The work is
@@ -145,16 +79,28 @@ def paged_attention(out: DeviceArray, query: DeviceArray, k_cache: DeviceArray,
     ``workspace`` or from the staging slot of this call. ``check`` validates host metadata
     against the cache (device metadata is never read back: lengths on the device must be
     at most the tables' width x block_size, and their block ids in the cache, as host
-    metadata is checked to be; the kernel trusts them)."""
+    metadata is checked to be; the kernel trusts them).
+
+    With ``query_lens`` (int32 ``[num_seqs]`` on the host), sequence ``s`` has
+    ``query_lens[s]`` consecutive query rows (``query`` and ``out`` are ``[sum(query_lens),
+    num_q_heads, head_dim]``): its newest tokens, row ``i`` attending to positions ``0 ..
+    seq_lens[s] - query_lens[s] + i`` (causal: prefill over a cached prefix, a prefill
+    chunk, speculative verification; ``multi_token``). Every length is then checked on the
+    host, and ``seq_lens`` must be there too."""
     check_options(query, stream, check, num_partitions, workspace)
-    num_seqs, num_q_heads, head_dim, num_blocks, num_kv_heads, block_size = (
+    num_seqs, _, head_dim, num_blocks, _, block_size = (
         check_attention_arrays(out, query, k_cache, v_cache))
     scale = default_scale(head_dim, scale)
     k_scale, v_scale = check_kv_scales(k_cache.dtype, k_scale, v_scale)
     kernel_scale, out_scale = kernel_scales(k_cache.dtype, scale, k_scale, v_scale)
+    if query_lens is not None:
+        multi_token.paged_attention_multi(
+            out, query, k_cache, v_cache, block_tables, seq_lens, query_lens, scale,
+            (kernel_scale, out_scale, k_scale, v_scale), num_partitions, stream, workspace)
+        return
     on_host = query.backend.name == "host"
-    tables = _metadata(block_tables, "block_tables", np.int32, 2, None, query, "query")
-    lens = _metadata(seq_lens, "seq_lens", np.int32, 1, (num_seqs,), query, "query")
+    tables = metadata(block_tables, "block_tables", np.int32, 2, None, query, "query")
+    lens = metadata(seq_lens, "seq_lens", np.int32, 1, (num_seqs,), query, "query")
     if (check or on_host) and tables is not None and lens is not None:
         check_tables(tables, lens, num_seqs, num_blocks, block_size)
     check_disjoint(out, "out", query=query, k_cache=k_cache, v_cache=v_cache)
@@ -167,23 +113,8 @@ def paged_attention(out: DeviceArray, query: DeviceArray, k_cache: DeviceArray,
                                            k_scale=k_scale, v_scale=v_scale)
         host_view(out)[...] = result.astype(out.dtype)
         return
-    plan = plan_attention(query.backend, query.device, query.dtype, num_seqs, num_q_heads,
-                          num_kv_heads, head_dim, block_size, block_tables.shape[1], lens,
-                          num_partitions, k_cache.dtype)
-    with _staging(query, stream) as slot:
-        uploads = [a for a in (tables, lens) if a is not None] + plan.work.arrays
-        addresses = iter(slot.put(uploads, stream))
-        d_tables = block_tables if tables is None else next(addresses)
-        d_lens = seq_lens if lens is None else next(addresses)
-        cum16, first_seq = (next(addresses), next(addresses)) if plan.work.arrays else (0, 0)
-        work = workspace or slot.workspace
-        part_buf, count_buf = work.get(plan.partial_bytes, plan.num_counters, query, stream)
-        plan.kernel.launch(plan.grid, THREADS, *plan.arguments(
-            out, query, k_cache, v_cache, d_tables, d_lens, kernel_scale, part_buf.ptr,
-            count_buf.ptr, cum16, first_seq, out_scale), shared_bytes=plan.shared_bytes,
-            stream=stream)
-        if workspace is not None:
-            workspace.used(stream)
+    launch_decode(out, query, k_cache, v_cache, block_tables, tables, seq_lens, lens,
+                  kernel_scale, out_scale, num_partitions, stream, workspace)
 
 
 # --- cache writes and copies -------------------------------------------------------------
@@ -198,7 +129,7 @@ def reshape_and_cache(key: DeviceArray, value: DeviceArray, k_cache: DeviceArray
     num_tokens, num_blocks, block_size = check_write_arrays(key, value, k_cache, v_cache)
     k_scale, v_scale = check_kv_scales(k_cache.dtype, k_scale, v_scale)
     on_host = key.backend.name == "host"
-    slots = _metadata(slot_mapping, "slot_mapping", np.int64, 1, (num_tokens,), key, "key")
+    slots = metadata(slot_mapping, "slot_mapping", np.int64, 1, (num_tokens,), key, "key")
     if (check or on_host) and slots is not None:
         check_slots(slots, num_blocks, block_size)
     for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
@@ -210,7 +141,7 @@ def reshape_and_cache(key: DeviceArray, value: DeviceArray, k_cache: DeviceArray
         return
     if num_tokens == 0:
         return
-    with _staging(key, stream) as slot:
+    with staging(key, stream) as slot:
         d_slots = slot_mapping if slots is None else slot.put([slots], stream)[0]
         write_kernel(key.backend, key.device, key.dtype, k_cache.dtype).launch(
             num_tokens, WRITE_THREADS, *write_arguments(
@@ -243,7 +174,7 @@ def copy_blocks(slab: DeviceArray, pairs: Any, *, stream: Stream | None = None) 
     if block_bytes % 16:
         raise ValueError(f"a block of {block_bytes} bytes is not a multiple of 16 bytes")
     module = load_kernels("cache_ops", slab.device, slab.backend)
-    with _staging(slab, stream) as slot:
+    with staging(slab, stream) as slot:
         module.function("rf_copy_blocks").launch(
             (len(pairs), num_layers * 2), WRITE_THREADS, slab, slot.put([pairs], stream)[0],
             np.int32(num_blocks), np.int64(block_bytes // 16), stream=stream)
@@ -353,7 +284,7 @@ def copy_pieces(backend: Backend, device: int, pieces: np.ndarray,
     function = load_kernels("cache_ops", device, backend).function("rf_copy_pieces")
     if not len(pieces):
         return
-    with _staging(_Place(backend, device), stream) as slot:
+    with staging(Place(backend, device), stream) as slot:
         table = slot.put([pieces], stream)[0]
         for start in range(0, len(pieces), MAX_PIECES):
             function.launch(min(MAX_PIECES, len(pieces) - start), WRITE_THREADS,

@@ -61,6 +61,52 @@ def paged_attention(query: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
     return out
 
 
+
+def query_starts(query_lens: np.ndarray) -> np.ndarray:
+    """Where each sequence's query rows start, and the total: the exclusive prefix sum of
+    ``query_lens`` (int64 ``[num_seqs + 1]``)."""
+    starts = np.zeros(len(query_lens) + 1, np.int64)
+    np.cumsum(query_lens, out=starts[1:])
+    return starts
+
+
+def paged_attention_multi(query: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
+                          block_tables: np.ndarray, seq_lens: np.ndarray,
+                          query_lens: np.ndarray, scale: float, accum: type = np.float32,
+                          k_scale: float = 1.0, v_scale: float = 1.0) -> np.ndarray:
+    """Attention of ``query_lens[s]`` query rows per sequence (``query`` ``[sum(query_lens),
+    num_q_heads, head_dim]``, each sequence's rows consecutive, in order): row ``i`` of
+    sequence ``s`` is its token ``seq_lens[s] - query_lens[s] + i`` and attends to cache
+    positions ``0 .. seq_lens[s] - query_lens[s] + i`` (causal, aligned to the end of the
+    sequence's KV). Returns ``accum`` values shaped like ``query``; ``query_lens`` of ones is
+    ``paged_attention``."""
+    _, num_q_heads, head_dim = query.shape
+    _, num_kv_heads, block_size, _ = k_cache.shape
+    group = num_q_heads // num_kv_heads
+    out = np.zeros(query.shape, accum)
+    starts = query_starts(query_lens)
+    for s in range(len(query_lens)):
+        length, rows = int(seq_lens[s]), int(query_lens[s])
+        if rows == 0:
+            continue
+        blocks = block_tables[s, : -(-length // block_size)]
+        k = dequantize(k_cache[blocks], k_scale, accum)
+        v = dequantize(v_cache[blocks], v_scale, accum)
+        k = k.transpose(1, 0, 2, 3).reshape(num_kv_heads, -1, head_dim)[:, :length]
+        v = v.transpose(1, 0, 2, 3).reshape(num_kv_heads, -1, head_dim)[:, :length]
+        q = query[starts[s]: starts[s + 1]].astype(accum)  # [rows, heads, dim]
+        q = q.reshape(rows, num_kv_heads, group, head_dim)
+        scores = np.einsum("ihgd,htd->ihgt", q, k) * accum(scale)
+        last = length - rows + np.arange(rows)  # the last position row i sees
+        visible = np.arange(length)[None, :] <= last[:, None]  # [rows, tokens]
+        scores = np.where(visible[:, None, None, :], scores, -np.inf)
+        scores -= scores.max(axis=-1, keepdims=True)
+        weights = np.exp(scores)
+        weights /= weights.sum(axis=-1, keepdims=True)
+        out[starts[s]: starts[s + 1]] = np.einsum("ihgt,htd->ihgd", weights, v).reshape(
+            rows, num_q_heads, head_dim)
+    return out
+
 def reshape_and_cache(key: np.ndarray, value: np.ndarray, k_cache: np.ndarray,
                       v_cache: np.ndarray, slot_mapping: np.ndarray, k_scale: float = 1.0,
                       v_scale: float = 1.0) -> None:

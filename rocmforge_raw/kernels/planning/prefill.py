@@ -1,0 +1,192 @@
+"""Planning attention over many query tokens per sequence (``native/prefill.cu``): the
+instance of a launch, its shared memory, and its work items.
+
+A sequence ``s`` with ``q_len`` query rows has ``q_len * ratio`` *packed rows* per kv head
+(row ``r`` is token ``r // ratio``, query head ``x * ratio + r % ratio``). A work item is
+``BM`` packed rows of one sequence and kv head over a piece of their KV range: the range
+ends where the item's last row stops seeing (causal: ``kv_len - q_len + token + 1``), so
+tiles above the diagonal are never read; long ranges of few items are cut into pieces of
+whole KV tiles (``n`` pieces, merged by the combine kernel). Items are ordered longest
+first, pieces ahead (so a piece's record slot is its item index), which keeps the
+hardware's CTA scheduler from leaving one long item for the end.
+
+The shapes mirror ``native/pf_tile.h`` (``rf_pf_shape``); a test compares them with the
+compiled instances' shared memory.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..module import Kernel, load_kernels
+from .arguments import DTYPES, FP8_DTYPES
+
+#: Threads of a CTA per warp size: four warps (rf_pf_shape, RF_PF_WARPS).
+WARPS = 4
+#: The dynamic buffer's alignment on NVIDIA (RF_PF_ALIGN): launches pass this much more.
+ALIGN = 128
+#: A work item's fixed cost in KV positions (its queries' load, its output), for ordering
+#: and for how far pieces are cut.
+ITEM_COST = 64
+#: Pieces are no shorter than this many KV tiles.
+MIN_PIECE_TILES = 4
+#: Pieces are cut until the launch holds this many CTAs per resident slot.
+PIECE_WAVES = 2
+
+
+@dataclass(frozen=True)
+class PrefillShape:
+    """One instance's tile shape (``rf_pf_shape``): ``bm`` query rows, ``bn`` KV tokens a
+    tile, ``stages``, and the dynamic shared memory a launch passes (bytes; 0 on hip, whose
+    buffer is static)."""
+
+    bm: int
+    bn: int
+    stages: int
+    shared_bytes: int
+
+
+def _round(nbytes: int) -> int:
+    return -(-nbytes // ALIGN) * ALIGN
+
+
+def prefill_shape(backend: str, dtype: np.dtype, cache_dtype: np.dtype, head_dim: int,
+                  wm: int) -> PrefillShape:
+    """The tile shape of the instance for ``dtype`` activations over a ``cache_dtype`` cache
+    with ``wm`` warps along the rows (``rf_pf_shape``, per backend)."""
+    fp8, f32 = cache_dtype in FP8_DTYPES, dtype.itemsize == 4
+    amd = backend == "hip"
+    if amd:
+        bn = (32 if head_dim == 64 else 16) if f32 else (64 if head_dim <= 128 else 16)
+        stages, widen_in_copy = 1, fp8
+    else:
+        bn = ({64: 64, 128: 32}.get(head_dim, 16) if f32 else
+              (64 if head_dim <= 128 else 32))
+        stages, widen_in_copy = 2, False
+    bm = 16 * wm
+    e_row = head_dim * dtype.itemsize
+    s_row = e_row if widen_in_copy else head_dim * cache_dtype.itemsize
+    code_stage = fp8 and not widen_in_copy
+    at_stages = _round(bm * e_row)
+    at_wide = at_stages + _round(stages * 2 * bn * s_row)
+    total = at_wide + _round(2 * bn * e_row if code_stage else 0)
+    return PrefillShape(bm, bn, stages, 0 if amd else total + ALIGN)
+
+
+def prefill_wm(backend: str, dtype: np.dtype, head_dim: int, rows: int) -> int:
+    """Warps along the rows for a launch whose longest packed-row run is ``rows``: 1 (16-row
+    tiles, the warps splitting the tokens) where every run fits 16 rows, or for f32; else 4.
+    AMD's head_dim 256 instances are WM = 4 only."""
+    if dtype.itemsize == 4:
+        return 1
+    if backend == "hip" and head_dim > 128:
+        return 4
+    return 1 if rows <= 16 else 4
+
+
+def prefill_instance(dtype: np.dtype, head_dim: int, cache_dtype: np.dtype, wm: int
+                     ) -> tuple[str, str]:
+    """The (attention, combine) kernel names of an instance."""
+    codes = "_e4m3" if cache_dtype in FP8_DTYPES else ""
+    suffix = f"_d{head_dim}_m{wm}"
+    return (f"rf_prefill_{DTYPES[dtype]}{codes}{suffix}",
+            f"rf_prefill_combine_{DTYPES[dtype]}{suffix}")
+
+
+@dataclass(frozen=True)
+class PrefillKernel:
+    """An instance loaded on one device: its two kernels, shape and ``slots``, the CTAs the
+    device runs at once."""
+
+    kernel: Kernel
+    combine: Kernel
+    wm: int
+    shape: PrefillShape
+    slots: int
+
+    @property
+    def threads(self) -> int:
+        return WARPS * self.kernel.module.backend.cached_properties(
+            self.kernel.module.device).warp_size
+
+
+@functools.lru_cache(maxsize=256)
+def prefill_kernel(backend: object, device: int, dtype: np.dtype, head_dim: int,
+                   cache_dtype: np.dtype, wm: int) -> PrefillKernel:
+    """The instance for these shapes, looked up once per process."""
+    name, combine = prefill_instance(dtype, head_dim, cache_dtype, wm)
+    module = load_kernels("prefill", device, backend)
+    kernel = module.function(name)
+    shape = prefill_shape(backend.name, dtype, cache_dtype, head_dim, wm)  # type: ignore[attr-defined]
+    props = backend.cached_properties(device)  # type: ignore[attr-defined]
+    threads = WARPS * props.warp_size
+    slots = max(kernel.max_active_blocks(threads, shape.shared_bytes), 1) * props.multiprocessors
+    return PrefillKernel(kernel, module.function(combine), wm, shape, slots)
+
+
+@dataclass(frozen=True)
+class PrefillWork:
+    """A launch's work: ``items`` int32 ``[n, 4]`` (s, row0, x | k << 16, pieces), the first
+    ``num_pieces`` of them pieces of split items (record slot = item index), ``combines``
+    int32 ``[m, 2]`` (first piece, pieces) per split item, and ``q_starts`` int32
+    ``[num_seqs + 1]`` (each sequence's first query row)."""
+
+    items: np.ndarray
+    combines: np.ndarray
+    q_starts: np.ndarray
+    num_pieces: int
+
+    @property
+    def arrays(self) -> list[np.ndarray]:
+        """What a launch uploads, in order: q_starts, items, and combines where any."""
+        return [self.q_starts, self.items] + ([self.combines] if len(self.combines) else [])
+
+    def partial_bytes(self, bm: int, head_dim: int) -> int:
+        """Workspace for the pieces' records: ``bm`` rows of ``head_dim + 4`` floats each."""
+        return self.num_pieces * bm * (head_dim + 4) * 4
+
+
+def plan_prefill(query_lens: np.ndarray, seq_lens: np.ndarray, num_kv_heads: int, ratio: int,
+                 bm: int, bn: int, slots: int) -> PrefillWork:
+    """The work items of one launch over checked host lengths (``query_lens[s] >= 1``,
+    ``query_lens[s] <= seq_lens[s]``): every ``bm`` packed rows of every sequence and kv
+    head, their KV ranges cut into pieces where the items are too few for PIECE_WAVES waves
+    of ``slots`` CTAs."""
+    q_lens = np.asarray(query_lens, np.int64)
+    kv_lens = np.asarray(seq_lens, np.int64)
+    q_starts = np.zeros(len(q_lens) + 1, np.int64)
+    np.cumsum(q_lens, out=q_starts[1:])
+    rows = q_lens * ratio
+    tiles_m = -(-rows // bm)  # row tiles per (sequence, kv head)
+    per_seq = tiles_m * num_kv_heads
+    seq = np.repeat(np.arange(len(q_lens)), per_seq)
+    within = np.arange(int(per_seq.sum())) - np.repeat(np.cumsum(per_seq) - per_seq, per_seq)
+    x = within // np.repeat(tiles_m, per_seq)
+    row0 = (within % np.repeat(tiles_m, per_seq)) * bm
+    last = np.minimum(row0 + bm, rows[seq]) - 1
+    hi = kv_lens[seq] - q_lens[seq] + last // ratio + 1  # positions each item reads
+    tiles = -(-hi // bn)
+    pieces = np.ones(len(seq), np.int64)
+    if len(seq) < PIECE_WAVES * slots and len(seq):
+        target = max(MIN_PIECE_TILES, math.ceil(int(tiles.sum()) / (PIECE_WAVES * slots)))
+        pieces = np.maximum(1, np.minimum(tiles // target, tiles))
+    per = -(-tiles // pieces)
+    pieces = -(-tiles // per)  # no empty piece
+    cost = np.minimum(per * bn, hi) + ITEM_COST  # the longest piece's positions
+    split = pieces > 1
+    order = np.concatenate([np.flatnonzero(split)[np.argsort(-cost[split], kind="stable")],
+                            np.flatnonzero(~split)[np.argsort(-cost[~split], kind="stable")]])
+    counts = pieces[order]
+    item_of = np.repeat(order, counts)  # each launched item's source
+    k = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
+    items = np.stack([seq[item_of], row0[item_of], x[item_of] | (k << 16), pieces[item_of]],
+                     axis=1).astype(np.int32)
+    num_pieces = int(counts[split[order]].sum())
+    first = (np.cumsum(counts) - counts)[split[order]]
+    combines = np.stack([first, counts[split[order]]], axis=1).astype(np.int32).reshape(-1, 2)
+    return PrefillWork(np.ascontiguousarray(items), np.ascontiguousarray(combines),
+                       q_starts.astype(np.int32), num_pieces)

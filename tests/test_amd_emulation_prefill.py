@@ -1,0 +1,120 @@
+"""The multi-token kernel's lane logic on the CPU emulation of the AMD target (tests/amd_emu),
+wave64 (MFMA, standing for gfx942) and wave32 (WMMA, gfx1100): planned as the hip backend
+plans it, against the float64 reference; pieces merged by the combine; 16-bit and fp8 caches
+on the matrix units, f32 on the vector units."""
+
+from __future__ import annotations
+
+import math
+
+import ml_dtypes
+import numpy as np
+import pytest
+from amd_emu.emulator import NATIVE_DIR, Build, compile_all, find_compiler, load
+from test_multi_token import random_inputs, tolerance, want
+from test_ops import POISON, relative_error
+
+from rocmforge_raw.kernels import planning
+from rocmforge_raw.kernels.planning.prefill import (
+    WARPS,
+    plan_prefill,
+    prefill_instance,
+    prefill_shape,
+    prefill_wm,
+)
+
+if find_compiler() is None:
+    pytest.skip("no C++ compiler (g++ or clang++) to build the AMD emulation",
+                allow_module_level=True)
+
+WAVES = (64, 32)
+F16, BF16, F32 = np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16), np.dtype(np.float32)
+
+
+@pytest.fixture(scope="module")
+def libraries():
+    builds = [Build(NATIVE_DIR / "prefill.cu", wave) for wave in WAVES]
+    compile_all(builds)
+    return {build.wave_size: load(build.source, build.wave_size) for build in builds}
+
+
+def emulate(emulator, wave, q, k, v, tables, lens, q_lens, k_scale=1.0, v_scale=1.0, slots=6,
+            seed=0):
+    """One launch (and its combine) as the hip backend plans it on a device of ``slots``
+    resident workgroups; returns (output as float64, the plan)."""
+    dtype, head_dim = q.dtype, q.shape[2]
+    num_kv_heads = k.shape[1]
+    ratio = q.shape[1] // num_kv_heads
+    wm = prefill_wm("hip", dtype, head_dim, int(q_lens.max()) * ratio)
+    shape = prefill_shape("hip", dtype, k.dtype, head_dim, wm)
+    work = plan_prefill(q_lens, lens, num_kv_heads, ratio, shape.bm, shape.bn, slots)
+    name, combine = prefill_instance(dtype, head_dim, k.dtype, wm)
+    partials = np.full(max(work.partial_bytes(shape.bm, head_dim) // 4, 1), np.nan, np.float32)
+    out = np.empty_like(q)
+    out.view(np.uint8)[...] = POISON
+    scale, out_scale = planning.kernel_scales(k.dtype, 1.0 / math.sqrt(head_dim), k_scale,
+                                              v_scale)
+    threads, p = WARPS * wave, (lambda a: a.ctypes.data)
+    i32 = np.int32
+    emulator.kernel(name, seed).launch(
+        len(work.items), threads, p(out), p(partials), p(q), p(k), p(v), p(tables), p(lens),
+        p(work.q_starts), p(work.items), np.float32(scale), i32(q.shape[1]), i32(num_kv_heads),
+        i32(tables.shape[1]), i32(k.shape[2].bit_length() - 1), np.float32(out_scale))
+    if len(work.combines):
+        emulator.kernel(combine, seed).launch(
+            len(work.combines), threads, p(out), p(partials), p(work.items), p(work.combines),
+            p(work.q_starts), i32(q.shape[1]), i32(num_kv_heads))
+    return out.astype(np.float64), work
+
+
+#: (dtype, head_dim, ratio, block_size, q_lens, kv_lens): rows past a prefix, chunks,
+#: decodes among prefills, 12 query heads a kv head (a tile spans tokens' heads partly).
+CASES = [
+    (F16, 128, 4, 16, [5, 37, 1], [40, 37, 9]),
+    (BF16, 64, 1, 8, [70, 2], [100, 2]),
+    (F32, 64, 2, 16, [9, 3], [30, 3]),
+    (F16, 256, 2, 32, [20], [50]),
+    (F16, 128, 4, 16, [3, 4], [300, 200]),
+    (BF16, 128, 12, 16, [2, 1, 3], [20, 5, 7]),
+    (F32, 256, 1, 128, [17], [140]),
+]
+
+
+@pytest.mark.parametrize("wave", WAVES, ids=lambda w: f"wave{w}")
+@pytest.mark.parametrize("case", range(len(CASES)),
+                         ids=[f"{c[0].name}-d{c[1]}-r{c[2]}-bs{c[3]}" for c in CASES])
+def test_matches_the_reference(libraries, rng, wave, case):
+    dtype, head_dim, ratio, block_size, q_lens, kv_lens = CASES[case]
+    emulator = libraries[wave]
+    before = emulator.matrix_ops
+    inputs = random_inputs(rng, dtype, head_dim, block_size, ratio, q_lens, kv_lens)
+    got, _ = emulate(emulator, wave, *inputs)
+    assert relative_error(got, want(*inputs)) < tolerance(dtype)
+    on_matrix = emulator.matrix_ops > before
+    assert on_matrix == (dtype != F32), f"matrix units used: {on_matrix}"
+
+
+@pytest.mark.parametrize("wave", WAVES, ids=lambda w: f"wave{w}")
+@pytest.mark.parametrize("seed", [1, 7])
+@pytest.mark.parametrize("dtype, head_dim, ratio, q_lens, kv_lens", [
+    (F16, 128, 4, [4], [2000]),
+    (F32, 128, 1, [5], [700]),
+    (BF16, 256, 1, [30], [1000]),
+])
+def test_pieces_merge_in_any_order(libraries, rng, wave, seed, dtype, head_dim, ratio, q_lens,
+                                   kv_lens):
+    """Few items over long ranges are cut into pieces; the combine merges them whatever
+    order the workgroups ran in (a seeded schedule)."""
+    inputs = random_inputs(rng, dtype, head_dim, 16, ratio, q_lens, kv_lens)
+    got, work = emulate(libraries[wave], wave, *inputs, seed=seed)
+    assert work.num_pieces > 1 and len(work.combines) >= 1
+    assert relative_error(got, want(*inputs)) < tolerance(dtype)
+
+
+@pytest.mark.parametrize("wave", WAVES, ids=lambda w: f"wave{w}")
+@pytest.mark.parametrize("dtype", [F16, BF16], ids=lambda d: d.name)
+def test_fp8_codes_widen_on_the_way_into_lds(libraries, rng, wave, dtype):
+    inputs = random_inputs(rng, dtype, 128, 16, 4, [6, 17], [60, 90],
+                           cache_dtype=np.dtype(ml_dtypes.float8_e4m3fn))
+    got, _ = emulate(libraries[wave], wave, *inputs)
+    assert relative_error(got, want(*inputs)) < tolerance(dtype, inputs[1].dtype)
