@@ -50,20 +50,20 @@ from .blocks import prefix
 from .blocks.block_pool import BlockPool
 from .blocks.chains import TokenChains
 from .blocks.rows import SequenceRows
+from .chunks import ChunkOps
 from .config import CacheConfig
 from .core import operation, repeated
 from .events import EventQueue
 from .records import FinishedRecords
 from .reservation import Reservation
 from .step.launches import StepLaunches
-from .step.metadata import BatchMetadata
 from .step.planner import StepPlanner
 from .tiers.host_tier import HostTier
 from .tiers.order import StreamOrder
 from .transfer.sequences import SequenceTransfer
 
 
-class KvCache(SequenceTransfer, StepLaunches):
+class KvCache(SequenceTransfer, ChunkOps, StepLaunches):
     """A paged KV cache on one device. ``strict=True`` raises ``CacheFullError`` where the
     default would preempt the least-recently-used running sequence. ``stream`` orders the
     cache's device work (copy-on-write copies, uploads, kernels) unless a call names one.
@@ -317,29 +317,6 @@ class KvCache(SequenceTransfer, StepLaunches):
         if self._swapped(seq_id) is None:
             self._rows.row(seq_id)
         return self._release_any(seq_id)
-
-    @operation
-    def batch(self, seq_ids: Iterable[Hashable], stream: Stream | None = None
-              ) -> BatchMetadata:
-        """The step's plan for ``seq_ids`` (in that order): metadata uploaded to the device
-        once, asynchronously on ``stream``, and the step's launches prepared. Current until
-        the cache changes or plans again; the previous plan stops being current. A
-        sequence swapped out to the host tier is refused (``swap_in`` it first)."""
-        ids = checks.id_list(seq_ids, "seq_ids")
-        stream = self._stream(stream)
-        rows_of = self._rows
-        rows = self._resident_rows(ids)
-        if not rows_of.distinct():
-            raise ValueError(f"batch lists sequence {repeated(ids)!r} twice")
-        if self._order is not None:
-            self._order.used(stream)
-        now = self._now()
-        c = self.config
-        tables, lens, slots = rows_of.gather(rows, c.num_blocks, c.block_size)
-        meta = self._steps.plan(self, self._epoch, rows_of.last_ids(), tables, lens, slots,
-                                stream)
-        rows_of.touch(rows, now)
-        return meta
 
     @operation
     def finished(self) -> dict[Hashable, tuple[float, int]]:

@@ -100,6 +100,33 @@ class TokenChains:
             filled.append((index, self.parents[row], parent, block))
         return filled
 
+    def push_many(self, row: int, length: int, tokens: np.ndarray | None
+                  ) -> list[tuple[int, bytes, bytes, np.ndarray]]:
+        """``tokens`` (ids, -1 unknown; None: none known) pushed on ``row``'s chain, whose
+        sequence held ``length`` tokens before them: ``push`` for many tokens of one row, a
+        block at a time. Returns, for each block that filled, (its index in the sequence,
+        its hash, its parent's hash, its token ids). An unknown id ends the chain there."""
+        if not self.count or row >= self.known.size or not self.known[row]:
+            return []
+        if tokens is None:
+            self.stop(row)
+            return []
+        unknown = np.flatnonzero(tokens < 0)
+        known = tokens if not unknown.size else tokens[: int(unknown[0])]
+        bs, filled, at = self.block_size, [], 0
+        while at < known.size:
+            offset = (length + at) % bs
+            take = min(bs - offset, known.size - at)
+            self.tails[row, offset: offset + take] = known[at: at + take]
+            at += take
+            if offset + take == bs:
+                parent, block = self.parents[row], self.tails[row].copy()
+                self.parents[row] = chain_hash(parent, block)
+                filled.append(((length + at - 1) // bs, self.parents[row], parent, block))
+        if unknown.size:
+            self.stop(row)
+        return filled
+
     def snapshot(self) -> tuple[Any, ...]:
         return self.known.copy(), self.tails.copy(), list(self.parents), self.count
 

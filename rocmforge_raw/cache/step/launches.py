@@ -1,6 +1,8 @@
-"""StepLaunches: a cache's device work per layer: its K and V planes, the K/V writes and the
-attention of the current plan (``batch()``), one launch each, and the step graph that
-replays a whole step's launches (``graph``).
+"""StepLaunches: a cache's steps: the plan of one (``batch()``: its metadata uploaded once,
+its launches prepared), and each layer's device work for the current plan: its K and V
+planes, the K/V writes and the attention, one launch each (two or three for a step of many
+query tokens: ``multi``), and the step graph that replays a whole step's launches
+(``graph``).
 
 A plan is current until the cache changes or plans again (``_current`` refuses any other in
 O(1)); a write given a slot mapping instead of a plan is the prefill path
@@ -9,22 +11,79 @@ O(1)); a write given a slot mapping instead of a plan is the prefill path
 
 from __future__ import annotations
 
+from collections.abc import Hashable, Iterable
 from typing import Any
+
+import numpy as np
 
 from ...common import checks
 from ...kernels import ops
 from ...memory.array import DeviceArray
 from ...memory.stream import Stream, stream_handle
-from ..core import CacheCore
+from ..core import operation, repeated
+from ..tiers.swap import TierOps
 from .graph import StepGraph
 from .metadata import BatchMetadata
+from .multi import query_slots
 from .planner import StepPlanner
 
 
-class StepLaunches(CacheCore):
+class StepLaunches(TierOps):
     """``KvCache``'s per-layer device work (module docstring)."""
 
     _steps: StepPlanner
+
+    # --- the plan -------------------------------------------------------------------------
+    @operation
+    def batch(self, seq_ids: Iterable[Hashable], stream: Stream | None = None, *,
+              query_lens: Any = None) -> BatchMetadata:
+        """The step's plan for ``seq_ids`` (in that order): metadata uploaded to the device
+        once, asynchronously on ``stream``, and the step's launches prepared. Current until
+        the cache changes or plans again; the previous plan stops being current. A
+        sequence swapped out to the host tier is refused (``swap_in`` it first).
+
+        ``query_lens`` (one int per sequence, each in ``[1, its length]``): sequence ``i``'s
+        last ``query_lens[i]`` tokens are the step's query rows (a prefill chunk, a prefix
+        hit's tail, drafted tokens: reserved by ``add_sequence`` or ``extend``): ``write``
+        takes their K/V (``[sum(query_lens), num_kv_heads, head_dim]``) and ``attention``
+        runs each row over the tokens up to it (``ops.paged_attention``). List decodes
+        first: they run in the decode kernel. All ones is the plain decode plan."""
+        ids = checks.id_list(seq_ids, "seq_ids")
+        stream = self._stream(stream)
+        rows_of = self._rows
+        rows = self._resident_rows(ids)
+        if not rows_of.distinct():
+            raise ValueError(f"batch lists sequence {repeated(ids)!r} twice")
+        q_lens = None if query_lens is None else self._query_lens(query_lens, rows)
+        if self._order is not None:
+            self._order.used(stream)
+        now = self._now()
+        c = self.config
+        tables, lens, slots = rows_of.gather(rows, c.num_blocks, c.block_size)
+        if q_lens is not None and (q_lens != 1).any():
+            slots = query_slots(tables, lens, q_lens, self.pool.ref_cnt, c.block_size)
+            slots.setflags(write=False)
+            q_lens.setflags(write=False)
+        else:
+            q_lens = None  # one row each: the decode plan
+        meta = self._steps.plan(self, self._epoch, rows_of.last_ids(), tables, lens, slots,
+                                stream, q_lens)
+        rows_of.touch(rows, now)
+        return meta
+
+    def _query_lens(self, query_lens: Any, rows: np.ndarray) -> np.ndarray:
+        """``query_lens`` checked for ``rows``: one int per sequence in ``[1, length]``."""
+        array = np.asarray(query_lens)
+        if array.dtype.kind not in "iu" or array.shape != rows.shape:
+            raise ValueError(f"query_lens must be {rows.size} integers (one per sequence), "
+                             f"got {checks.show(query_lens)}")
+        lens = self._rows.lens[rows]
+        bad = np.flatnonzero((array < 1) | (array > lens))
+        if bad.size:
+            i = int(bad[0])
+            raise ValueError(f"query_lens[{i}] = {int(array[i])} is not in [1, {int(lens[i])}] "
+                             f"(the sequence's tokens)")
+        return array.astype(np.int32)
 
     # --- planes, writes, attention ---------------------------------------------------------------
     def k_cache(self, layer: int) -> DeviceArray:

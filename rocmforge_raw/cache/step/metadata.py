@@ -20,8 +20,11 @@ class BatchMetadata:
 
     Host snapshots (read-only): ``block_tables`` int32 ``[n, max_blocks]`` padded with the
     null block 0, ``seq_lens`` int32 ``[n]``, ``slot_mapping`` int64 ``[n]`` (each
-    sequence's last reserved slot; -1: none). On a GPU the same arrays already live on the
-    device, uploaded on ``stream``. Usable with ``KvCache.write``/``attention`` while
+    sequence's last reserved slot; -1: none). A step of many query tokens per sequence
+    (``batch(seq_ids, query_lens=...)``) has ``query_lens`` int32 ``[n]`` and one slot per
+    query token (``[sum(query_lens)]``, each sequence's last ``query_lens`` tokens; -1: a
+    token in a block another sequence shares). On a GPU the same arrays already live on
+    the device, uploaded on ``stream``. Usable with ``KvCache.write``/``attention`` while
     current: until the cache changes (add, append, fork, finish, remove, preemption) or
     plans another batch. Read-only: only the planner sets its private fields.
     """
@@ -31,6 +34,7 @@ class BatchMetadata:
     seq_lens: np.ndarray
     slot_mapping: np.ndarray
     stream: Stream | None = None
+    query_lens: np.ndarray | None = None
     _owner: Any = field(default=None, repr=False)
     _epoch: int = field(default=-1, repr=False)
     _staging: Staging | None = field(default=None, repr=False)
@@ -44,8 +48,9 @@ class BatchMetadata:
     _scale: float = field(default=0.0, repr=False)
 
     def __post_init__(self) -> None:
-        for array in (self.block_tables, self.seq_lens, self.slot_mapping):
-            array.setflags(write=False)
+        for array in (self.block_tables, self.seq_lens, self.slot_mapping, self.query_lens):
+            if array is not None:
+                array.setflags(write=False)
 
     def _set(self, **fields: Any) -> None:
         """The planner's change of private fields (the dataclass is frozen to its users)."""

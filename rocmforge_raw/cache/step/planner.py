@@ -53,6 +53,7 @@ from ...memory.stream import Stream
 from ...runtime._launch import Launch
 from ..config import CacheConfig
 from .metadata import BatchMetadata
+from .multi import plan_multi
 
 
 class StepPlanner:
@@ -85,34 +86,47 @@ class StepPlanner:
                         for layer in range(c.num_layers)]
 
     def plan(self, owner: Any, epoch: int, seq_ids: tuple[Hashable, ...], tables: np.ndarray,
-             lens: np.ndarray, slots: np.ndarray, stream: Stream | None) -> BatchMetadata:
+             lens: np.ndarray, slots: np.ndarray, stream: Stream | None,
+             query_lens: np.ndarray | None = None) -> BatchMetadata:
         """The current plan for these snapshots (``owner``'s state at ``epoch``), which
-        ``SequenceRows.gather`` checked and handed out read-only. Built whole, then made
-        current: a plan that fails leaves the current one current."""
+        ``SequenceRows.gather`` checked and handed out read-only; ``query_lens`` for a step
+        of many query tokens per sequence (``slots`` then one per token: ``multi``). Built
+        whole, then made current: a plan that fails leaves the current one current."""
         n, num_q_heads = len(seq_ids), self.config.num_q_heads
+        rows = n if query_lens is None else int(query_lens.sum())
         fields: dict[str, Any] = dict(
             seq_ids=seq_ids, block_tables=tables, seq_lens=lens, slot_mapping=slots,
-            stream=stream, _owner=owner, _epoch=epoch, _kv_shape=(n, *self.row_shape),
-            _kv_bytes=n * self.row_bytes)
+            stream=stream, query_lens=query_lens, _owner=owner, _epoch=epoch,
+            _kv_shape=(rows, *self.row_shape), _kv_bytes=rows * self.row_bytes)
         staging, found = None, None
         try:
             if num_q_heads is not None:
                 found = self._kernel(num_q_heads)
-                fields.update(self._query_fields(n, num_q_heads))
+                fields.update(self._query_fields(rows, num_q_heads))
             if not self.on_host and n:
                 assert self.ring is not None  # a device cache stages its uploads
                 staging = self.ring.acquire()
-                if found is None:  # attention is planned by its first call
+                if query_lens is not None:
+                    addresses = staging.put([slots, lens, tables], stream)
+                    fields.update(_staging=staging, _addresses=tuple(addresses[2::-1]),
+                                  _write=self._write_launch(staging, rows, addresses[0],
+                                                            stream))
+                    if num_q_heads is not None:
+                        fields["_attention"] = plan_multi(self, staging, num_q_heads, lens,
+                                                          query_lens, tables.shape[1],
+                                                          addresses, stream)
+                elif found is None:  # attention is planned by its first call
                     # slots and lengths first: their addresses stay put while tables widen
                     addresses = staging.put([slots, lens, tables], stream)
                 else:  # with the work split, computed where the upload reads it
                     addresses, split = staging.put_step(
                         slots, lens, tables, self.config.num_kv_heads * found.groups,
                         found.slots, split_rule(found.sms, found.rule), stream)
-                slots_at, lens_at, tables_at = addresses[:3]
-                fields.update(_staging=staging, _addresses=(tables_at, lens_at, slots_at),
-                              _write=self._write_launch(staging, n, slots_at, stream))
-                if found is not None:
+                if query_lens is None:
+                    slots_at, lens_at, tables_at = addresses[:3]
+                    fields.update(_staging=staging, _addresses=(tables_at, lens_at, slots_at),
+                                  _write=self._write_launch(staging, n, slots_at, stream))
+                if found is not None and query_lens is None:
                     assert num_q_heads is not None  # (found for it)
                     fields["_attention"] = self._attention_launch(
                         staging, found, num_q_heads, n, split, tables.shape[1], addresses,
@@ -237,7 +251,8 @@ class StepPlanner:
             k, v = self._host_planes(layer)
             k_scale, v_scale = self.config.kv_scales[layer]
             ops.paged_attention(out, query, k, v, meta.block_tables, meta.seq_lens,
-                                meta._scale, check=False, k_scale=k_scale, v_scale=v_scale)
+                                meta._scale, check=False, k_scale=k_scale, v_scale=v_scale,
+                                query_lens=meta.query_lens)
 
     def _check_heads(self, num_q_heads: int) -> None:
         """``num_q_heads`` serves the cache's kv heads (a positive multiple of them)."""
@@ -284,7 +299,13 @@ class StepPlanner:
         found = self._kernel(num_q_heads)
         n = meta._kv_shape[0]
         fields = self._query_fields(n, num_q_heads)
-        if found is not None and n:
+        if found is not None and n and meta.query_lens is not None:
+            assert meta._staging is not None  # planned on the device
+            tables_at, lens_at, slots_at = meta._addresses
+            fields["_attention"] = plan_multi(
+                self, meta._staging, num_q_heads, meta.seq_lens, meta.query_lens,
+                meta.block_tables.shape[1], [slots_at, lens_at, tables_at], meta.stream)
+        elif found is not None and n:
             staging = meta._staging
             assert staging is not None  # planned on the device
             work = plan_work(self.config.num_kv_heads * found.groups, found.slots, n,

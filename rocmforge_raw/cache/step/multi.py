@@ -1,0 +1,128 @@
+"""The launches of a step with many query tokens per sequence (``KvCache.batch(seq_ids,
+query_lens=...)``): prefill chunks, prefix-hit tails and drafted tokens mixed with decodes.
+
+A step lists its decodes first (the Scheduler's order); those leading one-row sequences run
+in the decode kernel over the first rows of the step's tables and lengths, the rest in the
+multi-token kernel (``native/prefill.cu``) over the rows after them: two launches a layer
+(three where the multi-token items were cut into pieces: their combine). Everything is
+planned and uploaded with the step's metadata, every argument packed but the per-layer
+pointers, so a layer's attention is two or three launches from C.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ...kernels.planning import SCALE_ARG, plan_work
+from ...kernels.planning.prefill import plan_prefill, prefill_kernel, prefill_wm
+from ...kernels.staging import Staging
+from ...memory.stream import Stream
+from ...runtime._launch import Launch
+
+#: Indices in the multi-token kernel's arguments: the pointers a layer replaces (out, q, k,
+#: v), the scale and the fp8 output scale.
+PREFILL_PATCH = (0, 2, 3, 4)
+PREFILL_SCALE_ARG, PREFILL_OUT_SCALE_ARG = 9, 14
+
+
+def query_slots(tables: np.ndarray, lens: np.ndarray, query_lens: np.ndarray,
+                ref_cnt: np.ndarray, block_size: int) -> np.ndarray:
+    """The slots of each sequence's last ``query_lens`` tokens (int64, sequence by sequence):
+    where a step writes their K/V; -1 for a token in a block another sequence shares (a
+    prefix hit, a fork: the block holds its K/V already)."""
+    owner = np.repeat(np.arange(len(lens)), query_lens)
+    first = np.repeat(lens.astype(np.int64) - query_lens, query_lens)
+    positions = first + np.arange(int(query_lens.sum())) - np.repeat(
+        np.cumsum(query_lens) - query_lens, query_lens)
+    blocks = tables[owner, positions // block_size].astype(np.int64)
+    slots = blocks * block_size + positions % block_size
+    slots[ref_cnt[blocks] > 1] = -1
+    found: np.ndarray = slots
+    return found
+
+
+@dataclass
+class MultiLaunch:
+    """A layer's attention for a multi-token step: the decode launch of the leading
+    ``decodes`` sequences (None without), the multi-token launch of the rest, whose query
+    and output rows start ``offset`` bytes in, and its combine (None without pieces)."""
+
+    decode: Launch | None
+    prefill: Launch | None
+    combine: Launch | None
+    offset: int
+
+    def __call__(self, out: int, query: int, k: int, v: int) -> None:
+        if self.decode is not None:
+            self.decode(out, query, k, v)
+        if self.prefill is not None:
+            self.prefill(out + self.offset, query + self.offset, k, v)
+        if self.combine is not None:
+            self.combine(out + self.offset)
+
+    def set_float(self, index: int, value: float) -> None:
+        """``Launch.set_float`` of the decode launch's SCALE_ARG or OUT_SCALE_ARG, for
+        every launch of the layer (the planner sets a step's scales so)."""
+        if self.decode is not None:
+            self.decode.set_float(index, value)
+        if self.prefill is not None:
+            self.prefill.set_float(PREFILL_SCALE_ARG if index == SCALE_ARG
+                                   else PREFILL_OUT_SCALE_ARG, value)
+
+
+def plan_multi(planner: Any, staging: Staging, num_q_heads: int, lens: np.ndarray,
+               query_lens: np.ndarray, width: int, addresses: list[int],
+               stream: Stream | None) -> MultiLaunch:
+    """Plan and prepare a multi-token step's attention: ``addresses`` are the step's
+    uploaded slots, lengths and tables; the work arrays are appended to ``staging``'s
+    upload. ``planner`` is the cache's ``StepPlanner``."""
+    c = planner.config
+    i32, f32 = np.int32, np.float32
+    _, lens_at, tables_at = addresses
+    num_seqs = len(lens)
+    decodes = int(np.argmin(query_lens == 1)) if (query_lens != 1).any() else num_seqs
+    rest_q, rest_lens = query_lens[decodes:], lens[decodes:]
+    ratio = num_q_heads // c.num_kv_heads
+    act = planner.act
+    found_pf, plan = None, None
+    if decodes < num_seqs:  # the multi-token part first: its pieces' records sized first
+        wm = prefill_wm(planner.backend.name, act, c.head_dim, int(rest_q.max()) * ratio)
+        found_pf = prefill_kernel(planner.backend, planner.device, act, c.head_dim, c.dtype,
+                                  wm)
+        plan = plan_prefill(rest_q, rest_lens, c.num_kv_heads, ratio, found_pf.shape.bm,
+                            found_pf.shape.bn, found_pf.slots)
+        staging.workspace.get(plan.partial_bytes(found_pf.shape.bm, c.head_dim), 0,
+                              planner.slab, stream)
+    decode = None
+    if decodes:
+        found = planner._kernel(num_q_heads)
+        work = plan_work(c.num_kv_heads * found.groups, found.slots, decodes, lens[:decodes],
+                         sms=found.sms, rule=found.rule)
+        arrays = staging.put(work.arrays, stream, append=True) if work.arrays else [0, 0]
+        decode = planner._attention_launch(
+            staging, found, num_q_heads, decodes,
+            (work.num_ctas, work.per_cta, work.total, work.whole, work.lean), width,
+            [addresses[0], lens_at, tables_at, *arrays], stream)
+    if found_pf is None or plan is None:  # decodes only
+        assert decode is not None
+        return MultiLaunch(decode, None, None, 0)
+    shape = found_pf.shape
+    starts_at, items_at, *combines_at = staging.put(plan.arrays, stream, append=True)
+    partials = staging.workspace.get(plan.partial_bytes(shape.bm, c.head_dim), 0, planner.slab,
+                                     stream)[0].ptr
+    prefill = found_pf.kernel.prepare(
+        len(plan.items), found_pf.threads, 0, partials, 0, 0, 0, tables_at + 4 * decodes * width,
+        lens_at + 4 * decodes, starts_at, items_at, f32(planner.default_scale),
+        i32(num_q_heads), i32(c.num_kv_heads), i32(width), i32(c.block_size.bit_length() - 1),
+        f32(1.0), shared_bytes=shape.shared_bytes, stream=stream, patch=PREFILL_PATCH)
+    combine = None
+    if len(plan.combines):
+        combine = found_pf.combine.prepare(
+            len(plan.combines), found_pf.threads, 0, partials, items_at, combines_at[0],
+            starts_at, i32(num_q_heads), i32(c.num_kv_heads), stream=stream, patch=(0,))
+    offset = decodes * num_q_heads * c.head_dim * act.itemsize
+    return MultiLaunch(decode, prefill, combine, offset)
+
