@@ -6,12 +6,12 @@ from .config import CacheConfig
 from .events import AllCleared, BlockRemoved, BlockStored, EventBatch
 from .kv_cache import KvCache
 from .reservation import Reservation
-from .scheduler.requests import FinishedRequest, Request, StepPlan
+from .scheduler.requests import Chunk, FinishedRequest, Request, StepPlan
 from .scheduler.scheduler import Scheduler
 from .step.graph import StepGraph
 from .step.metadata import BatchMetadata
 
 __all__ = ["NULL_BLOCK", "AllCleared", "BatchMetadata", "BlockPool", "BlockRemoved",
-           "BlockStored", "CacheConfig", "CacheFullError", "EventBatch", "FinishedRequest",
-           "KvCache", "QueueFullError", "Request", "Reservation", "Scheduler", "StepGraph",
-           "StepPlan"]
+           "BlockStored", "CacheConfig", "CacheFullError", "Chunk", "EventBatch",
+           "FinishedRequest", "KvCache", "QueueFullError", "Request", "Reservation", "Scheduler",
+           "StepGraph", "StepPlan"]

@@ -20,9 +20,10 @@ class Request:
     ``prompt_tokens`` may be left 0), up to ``max_new_tokens`` (>= 1) out. ``overtaken``
     counts the later requests admitted while this one waited (bounded by the scheduler's
     ``max_overtakes``). The scheduler keeps the ids generated (``output_tokens``, -1 where
-    unknown), the prompt tokens the prefix cache held at admission (``num_cached_tokens``)
-    and whether the request is swapped out. Read-only while a scheduler holds it (see the
-    module)."""
+    unknown), the prompt tokens the prefix cache held at admission (``num_cached_tokens``),
+    the tokens of its context the cache holds as of the latest step (``num_computed_tokens``:
+    a chunked prefill's progress) and whether the request is swapped out. Read-only while a
+    scheduler holds it (see the module)."""
 
     request_id: Hashable
     prompt_tokens: int = 0
@@ -34,6 +35,7 @@ class Request:
     output_tokens: list[int] = field(default_factory=list)
     num_cached_tokens: int = 0
     swapped: bool = False
+    num_computed_tokens: int = 0
 
     @property
     def context(self) -> int:
@@ -78,14 +80,36 @@ def set_fields(request: Request, **values: Any) -> None:
 
 
 @dataclass(frozen=True)
+class Chunk:
+    """Tokens ``start .. start + len(slots) - 1`` of ``request``'s context (prompt, then
+    generated) that a step computes, with their slots; ``last``: they end the context (the
+    step's output for its last token gives the request's next token)."""
+
+    request: Request
+    start: int
+    slots: np.ndarray
+    last: bool
+
+    @property
+    def end(self) -> int:
+        """The context position after the chunk's last token."""
+        return self.start + len(self.slots)
+
+
+@dataclass(frozen=True)
 class StepPlan:
-    """One scheduling step: requests admitted with the slots of their prompt tokens to
-    prefill (of a request admitted by its ids, only the uncached ones: the last
-    ``len(slots)`` tokens of its context), requests decoding one token with their new slots,
-    requests preempted during the step, and requests brought back from the host tier
-    (``resumed``: they run from the next step). ``step`` numbers the plans of one
-    scheduler; only the latest may be advanced, once (the scheduler keeps its own list of
-    what the plan ran)."""
+    """One scheduling step: requests admitted or continuing their prefill with the slots of
+    the prompt tokens this step computes (``prefill``, and the same as ``chunks``: of a
+    request admitted by its ids only the uncached ones; with ``max_batched_tokens``, a
+    chunk of them), requests decoding one token with their new slots, requests preempted
+    during the step, and requests brought back from the host tier (``resumed``: they run
+    from the next step). ``step`` numbers the plans of one scheduler; only the latest may
+    be advanced, once (the scheduler keeps its own list of what the plan ran).
+
+    For the cache's step: ``seq_ids`` and ``query_lens`` (decodes first, one row each, then
+    the chunks) are ``KvCache.batch``'s arguments; ``generating`` lists the requests that
+    produce a token this step, in the order ``advance`` takes their ids (the chunks that
+    end their context, then the decodes)."""
 
     prefill: list[tuple[Request, np.ndarray]] = field(default_factory=list)
     decode: list[Request] = field(default_factory=list)
@@ -94,6 +118,24 @@ class StepPlan:
     step: int = 0
     _owner: Any = field(default=None, repr=False, compare=False)
     resumed: list[Request] = field(default_factory=list)
+    chunks: list[Chunk] = field(default_factory=list)
+
+    @property
+    def seq_ids(self) -> list[Hashable]:
+        """The ids of the step's sequences: decodes first, then chunks."""
+        return [r.request_id for r in self.decode] + [c.request.request_id
+                                                      for c in self.chunks]
+
+    @property
+    def query_lens(self) -> np.ndarray:
+        """Each sequence's query rows this step (int32, ``seq_ids``' order)."""
+        return np.array([1] * len(self.decode) + [len(c.slots) for c in self.chunks],
+                        np.int32)
+
+    @property
+    def generating(self) -> list[Request]:
+        """The requests that produce a token this step, in ``advance``'s order."""
+        return [c.request for c in self.chunks if c.last] + list(self.decode)
 
 
 @dataclass(frozen=True)

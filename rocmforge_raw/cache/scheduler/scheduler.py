@@ -41,7 +41,6 @@ from __future__ import annotations
 import math
 import threading
 import time
-import warnings
 from collections import deque
 from collections.abc import Callable, Hashable, Mapping
 from types import MappingProxyType
@@ -54,10 +53,11 @@ from ...errors import QueueFullError
 from ..blocks import prefix
 from ..kv_cache import KvCache
 from ..records import FinishedRecords
-from .requests import COUNTS, FinishedRequest, Request, StepPlan, set_fields
+from .admission import Admission
+from .requests import COUNTS, Chunk, FinishedRequest, Request, StepPlan, set_fields
 
 
-class Scheduler:
+class Scheduler(Admission):
     """Continuous batching over one cache. Thread-safe: one lock around each whole operation
     (taken before the cache's, which each operation holds throughout). Every operation
     either completes or raises with the queues, the requests and the cache as they were: all
@@ -65,10 +65,12 @@ class Scheduler:
 
     def __init__(self, cache: KvCache, *, max_running: int = 256, max_waiting: int = 4096,
                  max_overtakes: int = 8, max_finished: int = 1024,
-                 finished_ttl_s: float = 600.0, clock: Callable[[], float] = time.monotonic
-                 ) -> None:
+                 finished_ttl_s: float = 600.0, clock: Callable[[], float] = time.monotonic,
+                 max_batched_tokens: int | None = None) -> None:
         if not isinstance(cache, KvCache):
             raise TypeError(f"cache must be a KvCache, not {type(cache).__name__}")
+        self.max_batched_tokens = (None if max_batched_tokens is None else
+                                   checks.integer(max_batched_tokens, "max_batched_tokens", 1))
         self.max_running = checks.integer(max_running, "max_running", 1)
         self.max_waiting = checks.integer(max_waiting, "max_waiting", 1)
         self.max_overtakes = checks.integer(max_overtakes, "max_overtakes", 0)
@@ -165,9 +167,11 @@ class Scheduler:
 
     # --- steps -------------------------------------------------------------------------------
     def step(self) -> StepPlan:
-        """Reserve one decode slot for every running request (preempting LRU ones when the
-        cache is full), then admit waiting requests by the module's policy. The plan
-        supersedes any earlier one that was not advanced."""
+        """Reserve one decode slot for every running request that has computed its context
+        (preempting LRU ones when the cache is full), then the next prefill chunk of those
+        still prefilling, then admit waiting requests by the module's policy; with
+        ``max_batched_tokens``, within that many tokens (decodes first, ``admission``). The
+        plan supersedes any earlier one that was not advanced."""
         with self._lock, self.cache._lock:
             held = set(self.cache.seq_ids())
             clash = next((s for s in self._queued if s in held and s not in self._swapped),
@@ -177,23 +181,29 @@ class Scheduler:
                                  "sequence of that id (added outside the scheduler)")
             self._check_running(held)
             now = self.cache._now()  # the cache's one clock read, before the first change
+            budget = math.inf if self.max_batched_tokens is None else self.max_batched_tokens
             decode, slots = [], np.zeros(0, np.int64)
-            prefill: list[tuple[Request, np.ndarray]] = []
+            chunks: list[Chunk] = []
             preempted: list[Request] = []
             resumed: list[Request] = []
             with self.cache._at(now):
-                decoding = list(self._running)
+                decoding = [s for s, r in self._running.items()
+                            if r.context - r.num_computed_tokens <= 1][: int(min(budget, 1 << 62))]
                 if decoding:  # the first change; the cache refuses it atomically
                     reservation = self.cache.append(decoding, tokens=self._last_ids(decoding))
                     self._preempted(reservation, preempted)
                     keep = reservation.slot_mapping >= 0
                     decode = [self._running[s] for s, k in zip(decoding, keep) if k]
                     slots = reservation.slot_mapping[keep]
-                self._admit(prefill, preempted, resumed, changed=bool(decoding))
-            plan = StepPlan(prefill, decode, slots, preempted, self._step + 1, self,
-                            resumed)
+                    for request in decode:
+                        set_fields(request, num_computed_tokens=request.num_computed_tokens + 1)
+                    budget -= len(decode)
+                budget -= self._continue(chunks, preempted, budget, alone=not decode)
+                self._admit(chunks, preempted, resumed, bool(decoding or chunks), budget)
+            plan = StepPlan([(c.request, c.slots) for c in chunks], decode, slots, preempted,
+                            self._step + 1, self, resumed, chunks)
             self._step = self._pending = plan.step
-            self._pending_ran = [r for r, _ in prefill] + decode
+            self._pending_ran = plan.generating
             return plan
 
     def _check_running(self, held: set[Hashable]) -> None:
@@ -202,59 +212,6 @@ class Scheduler:
         if lost is not None:
             raise KeyError(f"request {lost!r} is running but its sequence left the cache "
                            f"outside the scheduler: abort({lost!r}) drops it")
-
-    def _admit(self, prefill: list[tuple[Request, np.ndarray]], preempted: list[Request],
-               resumed: list[Request], changed: bool) -> None:
-        """Admit waiting requests in queue order while they fit without preempting (one the
-        cache swapped out is swapped back in); one that does not fit may be overtaken until
-        its ``overtaken`` reaches ``max_overtakes``.
-        With the cache's lock held and its clock read, an admission cannot fail; if it did
-        after the step ``changed`` anything, admission stops there (with a warning) and the
-        step keeps what it did rather than raise half done."""
-        admitted: list[Request] = []
-        passed: list[tuple[Request, int]] = []  # requests passed over, admissions before
-        deadline = math.inf  # admissions after which a passed request may not be overtaken
-        smallest = math.inf  # blocks of the smallest request that did not fit
-        block_size = self.cache.config.block_size
-        try:
-            for request in list(self._waiting):
-                if (len(self._running) >= self.max_running or len(admitted) >= deadline
-                        or smallest == 1):
-                    break
-                need = -(-request.context // block_size)
-                ids = request.context_ids()
-                if need >= smallest or not self._fits(request, ids):
-                    smallest = min(smallest, need)
-                    passed.append((request, len(admitted)))
-                    deadline = min(deadline,
-                                   len(admitted) + self.max_overtakes - request.overtaken)
-                    continue
-                if request.swapped:  # it fits: swap_in never preempts
-                    self.cache.swap_in([request.request_id])
-                    set_fields(request, swapped=False)
-                    self._swapped.discard(request.request_id)
-                    resumed.append(request)
-                else:
-                    reservation = (self.cache.add_sequence(request.request_id, tokens=ids)
-                                   if ids is not None else
-                                   self.cache.add_sequence(request.request_id, request.context))
-                    cached = reservation.num_cached_tokens
-                    set_fields(request, num_cached_tokens=cached)
-                    prefill.append((request, reservation.slot_mapping[cached:]))
-                    self._preempted(reservation, preempted)  # only if the cache lied
-                admitted.append(request)
-                del self._queued[request.request_id]
-                self._running[request.request_id] = request
-        except Exception as exc:
-            if not (changed or admitted):
-                raise
-            warnings.warn(f"admission stopped: {exc!r}", RuntimeWarning, stacklevel=3)
-        finally:  # consistent whatever happened
-            for request, before in passed:
-                set_fields(request, overtaken=request.overtaken + len(admitted) - before)
-            if admitted:
-                chosen = {id(r) for r in admitted}
-                self._waiting = deque(r for r in self._waiting if id(r) not in chosen)
 
     def advance(self, plan: StepPlan, token_ids: Any = None) -> list[Request]:
         """Count one generated token for each request the plan ran; finish (and free the KV
@@ -338,23 +295,6 @@ class Scheduler:
         with self._lock:
             return not self._waiting and not self._running
 
-    def _fits(self, request: Request, ids: np.ndarray | None) -> bool:
-        """Whether ``request`` can be admitted now without preempting."""
-        if request.swapped:
-            return self.cache.can_swap_in([request.request_id])
-        if ids is not None:
-            return self.cache.can_allocate(tokens=ids)
-        return self.cache.can_allocate(request.context)
-
-    def _last_ids(self, decoding: list[Hashable]) -> np.ndarray | None:
-        """The id of each decoding request's newest token (-1: unknown), for ``append``;
-        None when no request was given by its ids."""
-        requests = [self._running[s] for s in decoding]
-        if all(r.tokens is None for r in requests):
-            return None
-        return np.array([r.output_tokens[-1] if r.tokens is not None and r.output_tokens
-                         else -1 for r in requests], np.int64)
-
     @staticmethod
     def _generated_ids(token_ids: Any, count: int) -> list[int]:
         """``token_ids`` checked as ``count`` ids (None: ``count`` unknown ids, -1)."""
@@ -366,19 +306,3 @@ class Scheduler:
                              f"ran, got {ids.dtype} of shape {ids.shape}")
         checked: list[int] = ids.astype(np.int64).tolist()
         return checked
-
-    def _preempted(self, reservation: Any, preempted: list[Request]) -> None:
-        swapped, front = set(reservation.swapped), []
-        for seq_id in reversed(reservation.preempted):  # most recent goes to the very front
-            request = self._running.pop(seq_id, None)
-            if request is not None:
-                set_fields(request, preemptions=request.preemptions + 1,
-                     swapped=seq_id in swapped)
-                if seq_id in swapped:
-                    self._swapped.add(seq_id)
-                self.num_preemptions += 1
-                self._waiting.appendleft(request)
-                front.append(request)
-                preempted.append(request)
-        if front:  # ``_queued`` keeps ``waiting``'s order: the preempted at its front too
-            self._queued = {r.request_id: r for r in reversed(front)} | self._queued
