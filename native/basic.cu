@@ -37,3 +37,45 @@ RF_KERNEL(256) rf_read_bytes(const rf_vec16* x, rf_u64 n16, rf_u64 stride, unsig
   for (; i < n16; i += stride) acc ^= x[i].x ^ x[i].y ^ x[i].z ^ x[i].w;
   if (acc == never) *sink = acc;
 }
+
+// The matrix units' rate: each warp runs `iters` rounds of 8 independent 16x16x16 (NVIDIA:
+// two m16n8k16) 16-bit products on register operands, nothing from memory, and stores a sum
+// only if it equals `never`. FLOPs: grid x 4 warps x iters x 8 x 8192. The ceiling of the
+// bench's multi-token rows (the dense matrix rate measured in the same run).
+RF_KERNEL(4 * RF_WARP) rf_matrix_rate_bf16(int iters, float never, float* sink) {
+  float acc = 0.f;
+#if defined(RF_HAVE_MMA)
+  const unsigned a[4] = {rf_tid() * 0x00010001u, 0x3f803f80u, rf_bid_x(), 0x3c003c00u};
+  const unsigned b[2] = {0x3f803f80u, rf_tid()};
+  float d[8][4] = {};
+  for (int i = 0; i < iters; ++i)
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      rf_mma16816<2>(d[j], a, b);
+      rf_mma16816<2>(d[j], a, b);
+    }
+#pragma unroll
+  for (int j = 0; j < 8; ++j) acc += d[j][0] + d[j][1] + d[j][2] + d[j][3];
+#elif defined(RF_HAVE_MFMA)
+  const rf_u64 a = 0x3f803f803f803f80ull ^ rf_tid(), b = 0x3f803f803f803f80ull ^ rf_bid_x();
+  float c[8][4] = {};
+  for (int i = 0; i < iters; ++i)
+#pragma unroll
+    for (int j = 0; j < 8; ++j) rf_mfma16<2>(c[j], a, b);
+#pragma unroll
+  for (int j = 0; j < 8; ++j) acc += c[j][0] + c[j][1] + c[j][2] + c[j][3];
+#elif defined(RF_HAVE_WMMA)
+  rf_u32x8 a, b;
+  for (int k = 0; k < 8; ++k) {
+    a.u[k] = 0x3f803f80u ^ rf_tid();
+    b.u[k] = 0x3f803f80u ^ rf_bid_x();
+  }
+  float c[8][8] = {};
+  for (int i = 0; i < iters; ++i)
+#pragma unroll
+    for (int j = 0; j < 8; ++j) rf_wmma16<2>(c[j], a, b);
+#pragma unroll
+  for (int j = 0; j < 8; ++j) acc += c[j][0] + c[j][7];
+#endif
+  if (acc == never) *sink = acc;
+}

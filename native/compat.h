@@ -377,6 +377,21 @@ RF_DEVICE unsigned short rf_float_to_bf16(float f) {  // round to nearest even, 
   return (unsigned short)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
 }
 
+// Two floats as two 16-bit values of KIND (1 fp16, 2 bf16), round to nearest even, ``lo`` in
+// the low half: one cvt instruction on NVIDIA (sm_80+), the element conversions elsewhere.
+template <int KIND>
+RF_DEVICE unsigned rf_pack2(float lo, float hi) {
+#if defined(RF_NVIDIA)
+  unsigned r;
+  if constexpr (KIND == 2) asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+  else asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+  return r;
+#else
+  if constexpr (KIND == 2) return rf_float_to_bf16(lo) | ((unsigned)rf_float_to_bf16(hi) << 16);
+  else return rf_float_to_half(lo) | ((unsigned)rf_float_to_half(hi) << 16);
+#endif
+}
+
 // The type A when C holds, else B (the standard library's conditional, which NVRTC and
 // -nogpuinc builds lack).
 template <bool C, class A, class B>

@@ -35,6 +35,9 @@ RF_DEVICE float rf_pf_rescale(float& m_run, float mx) {
   m_run = m_new;
   return alpha;
 }
+// The max to weigh a row's scores against: its max, or 0 while every score is -inf (then
+// every weight is 2^-inf = 0, never NaN).
+RF_DEVICE float rf_pf_safe(float m) { return m == -RF_INF ? 0.f : m; }
 RF_DEVICE float rf_pf_weight(float s, float m) { return s == -RF_INF ? 0.f : rf_exp2(s - m); }
 
 #if defined(RF_HAVE_MMA)
@@ -48,52 +51,64 @@ template <class E, int D, class Shape>
 struct rf_pf_mma {
   typedef typename Shape::QRows Rows;  // Q, K and V rows: E, swizzled
   static constexpr int KSTEPS = D / 16, NT = Shape::NTOK_W / 8, DT = D / 8;
-  static constexpr bool Q_REGS = D <= 128;
+  static constexpr int MT = Shape::MT;  // m-tiles (16 rows each) a warp holds
+  static constexpr bool Q_REGS = D <= 128 && MT == 1 && !Shape::FP8;  // (fp8: registers short)
   static constexpr int KIND = E::TENSOR_KIND;
-  static constexpr int ROWS = 2;  // rows a lane holds
+  static constexpr int ROWS = 2 * MT;  // rows a lane holds
   static_assert(KIND != 0, "16-bit rows");
   struct Shared {};
   rf_pf_warp w;
   unsigned qa[Q_REGS ? KSTEPS : 1][4];
-  float acc[DT][4], m_run[2], l_part[2];
-  int lim[2];
+  float acc[MT][DT][4], m_run[MT][2], l_part[MT][2];
+  int lim[MT][2];
   const char* q_plane;
 
   RF_DEVICE void load_q(const char* q, const int* lim_s) {
     q_plane = q;
-    const int row = w.row0 + w.lane % 16;
     if constexpr (Q_REGS)
 #pragma unroll
       for (int ks = 0; ks < KSTEPS; ++ks)
-        rf_ldmatrix_x4<false>(qa[ks], Rows::chunk(q, row, 2 * ks + w.lane / 16));
-    lim[0] = lim_s[w.row0 + w.lane / 4];
-    lim[1] = lim_s[w.row0 + w.lane / 4 + 8];
+        rf_ldmatrix_x4<false>(qa[ks], Rows::chunk(q, w.row0 + w.lane % 16, 2 * ks + w.lane / 16));
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+      lim[mt][0] = lim_s[w.row0 + 16 * mt + w.lane / 4];
+      lim[mt][1] = lim_s[w.row0 + 16 * mt + w.lane / 4 + 8];
+    }
   }
   RF_DEVICE void reset() {
 #pragma unroll
-    for (int dt = 0; dt < DT; ++dt)
+    for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
-      for (int e = 0; e < 4; ++e) acc[dt][e] = 0.f;
-    m_run[0] = m_run[1] = -RF_INF;
-    l_part[0] = l_part[1] = 0.f;
+      for (int dt = 0; dt < DT; ++dt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[mt][dt][e] = 0.f;
+      m_run[mt][0] = m_run[mt][1] = -RF_INF;
+      l_part[mt][0] = l_part[mt][1] = 0.f;
+    }
   }
   RF_DEVICE void tile(const char* k_plane, const char* v_plane, int t0, bool masked,
                       float qscale) {
     const int lane = w.lane;
-    float s[NT][4];
+    float s[MT][NT][4];
 #pragma unroll
-    for (int j = 0; j < NT; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
-    // S = Q K^T: per k-step, the 16 dims of every n-tile pair (x4: tokens 0-7 and 8-15 of
-    // the pair, each at dims 0-7 and 8-15)
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int j = 0; j < NT; ++j) s[mt][j][0] = s[mt][j][1] = s[mt][j][2] = s[mt][j][3] = 0.f;
+    // S = Q K^T: per k-step, each m-tile's Q fragment, then the 16 dims of every n-tile pair
+    // (x4: tokens 0-7 and 8-15 of the pair, each at dims 0-7 and 8-15), each feeding MT m-tiles
     const int k_row = w.tok0 + (lane / 16) * 8 + lane % 8, k_half = (lane / 8) % 2;
 #pragma unroll
     for (int ks = 0; ks < KSTEPS; ++ks) {
-      unsigned a[4];
-      if constexpr (Q_REGS) {
+      unsigned a[MT][4];
 #pragma unroll
-        for (int i = 0; i < 4; ++i) a[i] = qa[ks][i];
-      } else {
-        rf_ldmatrix_x4<false>(a, Rows::chunk(q_plane, w.row0 + lane % 16, 2 * ks + lane / 16));
+      for (int mt = 0; mt < MT; ++mt) {
+        if constexpr (Q_REGS) {
+#pragma unroll
+          for (int i = 0; i < 4; ++i) a[mt][i] = qa[ks][i];
+        } else {
+          rf_ldmatrix_x4<false>(a[mt], Rows::chunk(q_plane, w.row0 + 16 * mt + lane % 16,
+                                                   2 * ks + lane / 16));
+        }
       }
 #pragma unroll
       for (int np = 0; np < (NT + 1) / 2; ++np) {
@@ -103,41 +118,56 @@ struct rf_pf_mma {
         unsigned b[4];
         rf_ldmatrix_x4<false>(b, Rows::chunk(k_plane, row, 2 * ks + k_half));
         const unsigned b0[2] = {b[0], b[1]}, b1[2] = {b[2], b[3]};
-        rf_mma16816<KIND>(s[2 * np], a, b0);
-        if (2 * np + 1 < NT) rf_mma16816<KIND>(s[2 * np + 1], a, b1);
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+          rf_mma16816<KIND>(s[mt][2 * np], a[mt], b0);
+          if (2 * np + 1 < NT) rf_mma16816<KIND>(s[mt][2 * np + 1], a[mt], b1);
+        }
       }
     }
-    // scale, mask, online softmax of rows g and g + 8
-    float mx[2] = {-RF_INF, -RF_INF};
+    // mask (tiles that reach past a row's limit only), online softmax of rows g and g + 8 of
+    // each m-tile; the scores stay unscaled, qscale goes into the exponent
+    if (masked) {
 #pragma unroll
-    for (int j = 0; j < NT; ++j)
+      for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int r = e / 2, p = t0 + w.tok0 + 8 * j + 2 * (lane % 4) + e % 2;
-        s[j][e] = !masked || p <= lim[r] ? s[j][e] * qscale : -RF_INF;
-        mx[r] = rf_fmax(mx[r], s[j][e]);
-      }
-    float alpha[2];
+        for (int j = 0; j < NT; ++j)
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      mx[r] = rf_xor_max<1, 4>(mx[r]);
-      alpha[r] = rf_pf_rescale(m_run[r], mx[r]);
-      l_part[r] *= alpha[r];
+          for (int e = 0; e < 4; ++e) {
+            const int p = t0 + w.tok0 + 8 * j + 2 * (lane % 4) + e % 2;
+            s[mt][j][e] = p <= lim[mt][e / 2] ? s[mt][j][e] : -RF_INF;
+          }
     }
 #pragma unroll
-    for (int dt = 0; dt < DT; ++dt)
+    for (int mt = 0; mt < MT; ++mt) {
+      float mx[2] = {-RF_INF, -RF_INF};
 #pragma unroll
-      for (int e = 0; e < 4; ++e) acc[dt][e] *= alpha[e / 2];
+      for (int j = 0; j < NT; ++j)
 #pragma unroll
-    for (int j = 0; j < NT; ++j)
+        for (int e = 0; e < 4; ++e) mx[e / 2] = rf_fmax(mx[e / 2], s[mt][j][e]);
+      float alpha[2], base[2];
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        s[j][e] = rf_pf_weight(s[j][e], m_run[e / 2]);
-        l_part[e / 2] += s[j][e];
+      for (int r = 0; r < 2; ++r) {
+        mx[r] = rf_xor_max<1, 4>(mx[r]) * qscale;  // (qscale > 0: the max of the scaled)
+        alpha[r] = rf_pf_rescale(m_run[mt][r], mx[r]);
+        l_part[mt][r] *= alpha[r];
+        base[r] = rf_pf_safe(m_run[mt][r]);
       }
+#pragma unroll
+      for (int dt = 0; dt < DT; ++dt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[mt][dt][e] *= alpha[e / 2];
+#pragma unroll
+      for (int j = 0; j < NT; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {  // 2^(s qscale - max): one FMA and one exp2
+          s[mt][j][e] = rf_exp2(s[mt][j][e] * qscale - base[e / 2]);
+          l_part[mt][e / 2] += s[mt][j][e];
+        }
+    }
     // O += P V: P's A fragments straight from s (16 tokens a k-step), V's B fragments by
     // ldmatrix.trans (x4: tokens 0-7 and 8-15 of the k-step, each at dims 0-7 and 8-15 of a
-    // pair of d-tiles)
+    // pair of d-tiles), each feeding MT m-tiles
     const int v_row = w.tok0 + ((lane / 8) % 2) * 8 + lane % 8, v_half = lane / 16;
 #pragma unroll
     for (int kk = 0; kk < (NT + 1) / 2; ++kk) {
@@ -145,39 +175,51 @@ struct rf_pf_mma {
       // an odd last k-step: its tokens 8-15 (zero weights) read tokens 0-7 again, finite
       const int row = second ? v_row + 16 * kk : w.tok0 + 16 * kk + lane % 8;
       const int j1 = second ? 2 * kk + 1 : 2 * kk;  // (an index in range either way)
-      const unsigned a[4] = {pack(s[2 * kk][0], s[2 * kk][1]), pack(s[2 * kk][2], s[2 * kk][3]),
-                             second ? pack(s[j1][0], s[j1][1]) : 0u,
-                             second ? pack(s[j1][2], s[j1][3]) : 0u};
+      unsigned a[MT][4];
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) {
+        a[mt][0] = pack(s[mt][2 * kk][0], s[mt][2 * kk][1]);
+        a[mt][1] = pack(s[mt][2 * kk][2], s[mt][2 * kk][3]);
+        a[mt][2] = second ? pack(s[mt][j1][0], s[mt][j1][1]) : 0u;
+        a[mt][3] = second ? pack(s[mt][j1][2], s[mt][j1][3]) : 0u;
+      }
 #pragma unroll
       for (int dp = 0; dp < DT / 2; ++dp) {
         unsigned b[4];
         rf_ldmatrix_x4<true>(b, Rows::chunk(v_plane, row, 2 * dp + v_half));
         const unsigned b0[2] = {b[0], b[1]}, b1[2] = {b[2], b[3]};
-        rf_mma16816<KIND>(acc[2 * dp], a, b0);
-        rf_mma16816<KIND>(acc[2 * dp + 1], a, b1);
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+          rf_mma16816<KIND>(acc[mt][2 * dp], a[mt], b0);
+          rf_mma16816<KIND>(acc[mt][2 * dp + 1], a[mt], b1);
+        }
       }
     }
   }
-  RF_DEVICE static unsigned pack(float lo, float hi) {
-    return (unsigned)E::from_float(lo) | ((unsigned)E::from_float(hi) << 16);
-  }
-  // (slot, row of the warp's 16, max, sum) of each row this lane holds: every lane calls,
-  // and the lanes of a row pass the same values
+  RF_DEVICE static unsigned pack(float lo, float hi) { return rf_pack2<KIND>(lo, hi); }
+  // (slot, row of the warp's 16 MT, max, sum) of each row this lane holds: every lane
+  // calls, and the lanes of a row pass the same values
   template <class F>
   RF_DEVICE void row_stats(F&& f) {
 #pragma unroll
-    for (int r = 0; r < 2; ++r) f(r, w.lane / 4 + 8 * r, m_run[r], rf_xor_sum<1, 4>(l_part[r]));
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int r = 0; r < 2; ++r)
+        f(2 * mt + r, 16 * mt + w.lane / 4 + 8 * r, m_run[mt][r],
+          rf_xor_sum<1, 4>(l_part[mt][r]));
   }
   // (slot, row, first dim, values of 2 consecutive dims) of the lane's unnormalised outputs
   template <class F>
   RF_DEVICE void output(F&& f) {
 #pragma unroll
-    for (int dt = 0; dt < DT; ++dt)
+    for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        const float v[2] = {acc[dt][2 * r], acc[dt][2 * r + 1]};
-        f(r, w.lane / 4 + 8 * r, 8 * dt + 2 * (w.lane % 4), v, 2);
-      }
+      for (int dt = 0; dt < DT; ++dt)
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          const float v[2] = {acc[mt][dt][2 * r], acc[mt][dt][2 * r + 1]};
+          f(2 * mt + r, 16 * mt + w.lane / 4 + 8 * r, 8 * dt + 2 * (w.lane % 4), v, 2);
+        }
   }
 };
 #endif

@@ -1,12 +1,15 @@
 // The shapes and shared-memory layout of the multi-token attention kernel (prefill.cu), per
 // instance: E the queries' and outputs' type, C the cache's (E, or rf_e4m3 codes), D the
 // head size, WM the warps along the query rows (4: a 64-row query tile, each warp its own 16
-// rows over the whole KV tile; 1: a 16-row tile, the warps splitting each KV tile's tokens and
-// merging at the end, for short query runs such as decodes and speculative verification).
+// rows over the whole KV tile, 32 rows (128 a tile: MT = 2 m-tiles a warp) on NVIDIA's
+// 16-bit instances up to head_dim 128; 1: a 16-row tile, the warps splitting each KV tile's
+// tokens and merging at the end, for short query runs such as decodes and speculative
+// verification).
 //
 // Shared memory (bytes from the start of the kernel's buffer, each region 128-byte aligned):
 //   Q      BM rows of the queries (16-bit rows swizzled; f32 rows as they are)
-//   stages STAGES x [K, V] x BN rows of what the copy brings: the cache's rows (16-bit
+//   stages STAGES x [K, V] x BN rows of what the copy brings (NVIDIA: tile t + STAGES - 1
+//          in flight while tile t is computed): the cache's rows (16-bit
 //          swizzled, f32 plain), or on NVIDIA an fp8 cache's codes as they are
 //   wide   (NVIDIA fp8 only) [K, V] x BN rows of the codes widened to E, swizzled: what the
 //          matrix math reads (AMD widens in its copy, so its stage holds E already)
@@ -28,13 +31,19 @@ struct rf_pf_rows {
   static constexpr int CHUNKS = ROW_BYTES / 16;
   static constexpr int STRIDE = ROW_BYTES + PAD;     // bytes from one row to the next
   static constexpr bool ALIGNED = PAD % 16 == 0;     // every chunk 16-byte aligned
-  static_assert(!SWIZZLED || (CHUNKS >= 8 && PAD == 0), "swizzled rows: 8+ chunks, unpadded");
-  RF_DEVICE static int slot(int r, int j) { return SWIZZLED ? j ^ (r & 7) : j; }
-  RF_DEVICE static char* chunk(char* plane, int r, int j) {
-    return plane + r * STRIDE + 16 * slot(r, j);
-  }
+  static_assert(!SWIZZLED || (CHUNKS >= 8 && PAD == 0 && ROW_BYTES % 128 == 0),
+                "swizzled rows: whole 128-byte lines, unpadded");
+  // Swizzled, the XOR goes on the address: rows start at multiples of 128 bytes (the planes
+  // are RF_PF_ALIGN-aligned, rows 128 or more bytes), so it flips only the chunk's bits 4-6,
+  // and an access whose row is fixed mod 8 costs one XOR (not a slot's index arithmetic)
   RF_DEVICE static const char* chunk(const char* plane, int r, int j) {
-    return plane + r * STRIDE + 16 * slot(r, j);
+    const char* at = plane + r * STRIDE + 16 * j;
+    if constexpr (!SWIZZLED) return at;
+    const rf_u64 flip = 16u * (unsigned)(r & 7);
+    return reinterpret_cast<const char*>(reinterpret_cast<rf_u64>(at) ^ flip);
+  }
+  RF_DEVICE static char* chunk(char* plane, int r, int j) {
+    return const_cast<char*>(chunk(static_cast<const char*>(plane), r, j));
   }
   // byte b of row r (any alignment within its 16-byte chunk)
   RF_DEVICE static const char* at(const char* plane, int r, int b) {
@@ -54,14 +63,27 @@ template <class E, class C, int D, int WM>
 struct rf_pf_shape {
   static constexpr bool FP8 = sizeof(typename C::storage) == 1;
   static constexpr bool F32 = sizeof(typename E::storage) == 4;
-  static constexpr int BM = 16 * WM;  // query rows of a tile
+#if defined(RF_AMD)
+  static constexpr int MT = 1;
+#else
+  // NVIDIA's 16-bit WM = 4 instances up to head_dim 128 (not an fp8 cache's: its widening
+  // takes the registers): 32 rows a warp (two m-tiles), so each K or V fragment read from
+  // shared memory feeds twice the products
+  static constexpr int MT = WM == 4 && !F32 && !FP8 && D <= 128 ? 2 : 1;
+#endif
+  static constexpr int BM = 16 * WM * MT;  // query rows of a tile
 #if defined(RF_AMD)
   static constexpr int BN = F32 ? (D == 64 ? 32 : 16) : (D <= 128 ? 64 : 16);
   static constexpr int STAGES = 1;  // the copy is synchronous: a second stage would idle
   static constexpr bool WIDEN_IN_COPY = FP8;
 #else
-  static constexpr int BN = F32 ? (D == 64 ? 64 : D == 128 ? 32 : 16) : (D <= 128 ? 64 : 32);
-  static constexpr int STAGES = 2;
+  // (two m-tiles of head_dim 128 take 32-token tiles: 64 spilled their scores' registers)
+  static constexpr int BN = F32 ? (D == 64 ? 64 : D == 128 ? 32 : 16)
+                                : (D <= 128 && !(MT == 2 && D == 128) ? 64 : 32);
+  // stages in flight: up to head_dim 128 enough that a tile's loads outlast its math (four
+  // of 16 KiB, three larger), two at head_dim 256 and f32 (two CTAs a multiprocessor)
+  static constexpr int STAGE_BYTES = 2 * BN * D * (int)sizeof(typename C::storage);
+  static constexpr int STAGES = D <= 128 && !F32 ? (STAGE_BYTES <= 16384 ? 4 : 3) : 2;
   static constexpr bool WIDEN_IN_COPY = false;
 #endif
   static constexpr int NTOK_W = WM == 4 ? BN : BN / RF_PF_WARPS;  // tokens a warp takes
@@ -95,6 +117,4 @@ struct rf_pf_shape {
                                  : BYTES - AT_STAGES >= 2 * REGION         ? 2
                                                                            : 1;
   static_assert(BYTES - AT_STAGES >= REGION, "one warp's rows fit the stages for the merge");
-  static_assert(NTOK_W % 8 == 0 || F32, "whole 8-token slices for the matrix paths");
-  static_assert(!F32 || WM == 1, "f32 instances take 16-row tiles");
 };

@@ -87,6 +87,8 @@ RF_DEVICE void prefill(typename E::storage* __restrict__ out, float* __restrict_
   typedef typename Shape::QRows QRows;
   typedef typename Shape::SRows SRows;
   constexpr int BM = Shape::BM, BN = Shape::BN, STAGES = Shape::STAGES;
+  static_assert(Shape::NTOK_W % 8 == 0 || Shape::F32, "whole 8-token slices for the matrices");
+  static_assert(!Shape::F32 || WM == 1, "f32 instances take 16-row tiles");
   constexpr int QC = QRows::CHUNKS;                          // 16-byte chunks of a Q row
   constexpr int CC = D * (int)sizeof(typename C::storage) / 16;  // of a cache row
   constexpr int WIDEN = sizeof(typename E::storage) / sizeof(typename C::storage);  // 1 or 2
@@ -171,6 +173,7 @@ RF_DEVICE void prefill(typename E::storage* __restrict__ out, float* __restrict_
   auto widen = [&](int st) {
     if constexpr (Shape::CODE_STAGE) {
       const char* codes = stages + (2 * st) * Shape::PLANE;
+#pragma unroll 1  // (unrolled, its chunks' registers sat beside the accumulators)
       for (int i = tid; i < 2 * BN * CC; i += RF_PF_THREADS) {
         const int kv = i / (BN * CC), row = i / CC % BN, j = i % CC;
         const rf_vec16 c = SRows::load(codes + kv * Shape::PLANE, row, j);
@@ -182,7 +185,7 @@ RF_DEVICE void prefill(typename E::storage* __restrict__ out, float* __restrict_
   };
 
   Math math{};
-  math.w = rf_pf_warp{tid, lane, warp, WM == 4 ? 16 * warp : 0,
+  math.w = rf_pf_warp{tid, lane, warp, WM == 4 ? 16 * Shape::MT * warp : 0,
                       WM == 4 ? 0 : Shape::NTOK_W * warp};
   if constexpr (sizeof(typename Math::Shared) > 1) math.sh = &math_s;
   math.reset();
@@ -190,20 +193,18 @@ RF_DEVICE void prefill(typename E::storage* __restrict__ out, float* __restrict_
   const int first_tile = it.lo / BN, tiles = (it.end - it.lo + BN - 1) / BN;
   const int full_lim = it.limit(0, ratio);  // row 0 sees least: a tile up to it needs no mask
   rf_copy_commit();  // the queries: group 0
-  if (tiles > 0) issue(0, first_tile);
+#pragma unroll
+  for (int i = 0; i + 1 < STAGES; ++i) {  // tiles 0 .. STAGES - 2 in flight (empty groups past
+    if (i < tiles) issue(i, first_tile + i);  // the last tile keep the count)
+    else rf_copy_commit();
+  }
   for (int t = 0; t < tiles; ++t) {
-    const int st = t % STAGES;
-    if constexpr (STAGES > 1) {  // tile t + 1 goes out, then tile t (and before it all) is in
-      if (t + 1 < tiles) {
-        issue((t + 1) % STAGES, first_tile + t + 1);
-        rf_copy_wait<1>();
-      } else {
-        rf_copy_wait<0>();
-      }
-    } else {
-      if (t > 0) issue(0, first_tile + t);  // every warp passed the last tile's barrier
-      rf_copy_wait<0>();
-    }
+    const int st = t % STAGES, ahead = t + STAGES - 1;
+    // tile t + STAGES - 1 into the stage tile t - 1 left (every warp passed its barrier),
+    // then wait until only the STAGES - 1 newest groups are in flight: tile t is in
+    if (ahead < tiles) issue(ahead % STAGES, first_tile + ahead);
+    else rf_copy_commit();
+    rf_copy_wait<STAGES - 1>();
     rf_sync();  // tile t (at t = 0: the queries and limits too) is in shared memory
     if (t == 0) math.load_q(q_plane, lim_s);
     const char* k_plane = stages + (2 * st) * Shape::PLANE;
@@ -298,14 +299,13 @@ RF_DEVICE void prefill(typename E::storage* __restrict__ out, float* __restrict_
 }
 
 // Merges the pieces of split items: combine c takes items first .. first + n - 1 (`combines`,
-// int32 x 2: first, n), the pieces of one item's rows; each row's output is sum_k w_k o_k /
+// int32 x 2: first, n), the pieces of one item's BM rows (the instance's tile); each row's output is sum_k w_k o_k /
 // sum_k w_k l_k with w_k = 2^(m_k - max_k m_k), pieces without tokens (sum 0) left out.
 template <class E, int D, int WM>
 RF_DEVICE void prefill_combine(typename E::storage* __restrict__ out,
                                const float* __restrict__ partials, const int* __restrict__ items,
                                const int* __restrict__ combines, const int* __restrict__ q_starts,
-                               int num_q_heads, int num_kv_heads) {
-  constexpr int BM = 16 * WM;
+                               int num_q_heads, int num_kv_heads, int BM) {
   const int c = (int)rf_bid_x(), tid = (int)rf_tid(), ratio = num_q_heads / num_kv_heads;
   const int first = combines[2 * c], n = combines[2 * c + 1];
   const int* e = items + 4 * (rf_i64)first;
@@ -355,9 +355,9 @@ RF_DEVICE void prefill_combine(typename E::storage* __restrict__ out,
   rf_prefill_combine_##NAME##_d##D##_m##WM(E::storage* out, const float* partials,            \
                                            const int* items, const int* combines,              \
                                            const int* q_starts, int num_q_heads,               \
-                                           int num_kv_heads) {                                 \
+                                           int num_kv_heads, int rows) {                       \
     prefill_combine<E, D, WM>(out, partials, items, combines, q_starts, num_q_heads,          \
-                              num_kv_heads);                                                   \
+                              num_kv_heads, rows);                                             \
   }
 
 // The instances: WM = 4 and 1 for 16-bit caches and fp8 (AMD's d256: WM = 4 only, its

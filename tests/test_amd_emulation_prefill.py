@@ -63,7 +63,7 @@ def emulate(emulator, wave, q, k, v, tables, lens, q_lens, k_scale=1.0, v_scale=
     if len(work.combines):
         emulator.kernel(combine, seed).launch(
             len(work.combines), threads, p(out), p(partials), p(work.items), p(work.combines),
-            p(work.q_starts), i32(q.shape[1]), i32(num_kv_heads))
+            p(work.q_starts), i32(q.shape[1]), i32(num_kv_heads), i32(shape.bm))
     return out.astype(np.float64), work
 
 

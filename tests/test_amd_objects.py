@@ -149,7 +149,7 @@ def test_launch_sizes_are_what_planning_and_basic_cu_launch(path):
                 "rf_reshape_and_cache_e4m3_bf16": planning.WRITE_THREADS,
                 "rf_copy_blocks": planning.WRITE_THREADS, "rf_copy_pieces": planning.WRITE_THREADS}
     for i in amd.instances(path):
-        if i.kernel.startswith("rf_prefill_"):  # four waves (native/pf_tile.h)
+        if i.kernel.startswith(("rf_prefill_", "rf_matrix_rate")):  # four waves
             assert i.threads == PREFILL_WARPS * i.wave, i.kernel
             continue
         assert i.threads == expected.get(i.kernel, planning.THREADS), i.kernel
@@ -209,10 +209,10 @@ def test_markdown_has_a_row_per_instance_and_json_the_same_rows(capsys):
     rows = amd.all_instances()
     table = amd.markdown(rows).splitlines()
     # per target: 60 attention instances (3 dtypes + 2 fp8 x 3 head dims x 4 groups), the 5
-    # cache ops (write, two fp8 writes, block and piece copies), basic.cu's 4 and the
+    # cache ops (write, two fp8 writes, block and piece copies), basic.cu's 5 and the
     # multi-token kernels: 23 (4 dtypes x head dims 64 and 128 x WM 1 and 4, and 256 at WM 4;
     # f32 at WM 1) and their 15 combines
-    assert len(table) == 2 + len(rows) == 2 + 3 * (60 + 5 + 4 + 23 + 15)
+    assert len(table) == 2 + len(rows) == 2 + 3 * (60 + 5 + 5 + 23 + 15)
     first = rows[0]
     assert table[2].startswith(f"| {first.object} | {first.kernel} | {first.wave} | 128 |")
     assert amd.main(["--json"]) == 0

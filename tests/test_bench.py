@@ -8,7 +8,7 @@ import pytest
 from conftest import DEVICE
 
 import rocmforge_raw as rf
-from rocmforge_raw import bench
+from rocmforge_raw import bench, ops
 from rocmforge_raw.bench import attention
 
 MiB = 1 << 20
@@ -125,3 +125,45 @@ def test_a_step_row_times_each_variant(gpu):
         assert row[f"{variant}_step_ms"] > 0 and row[f"{variant}_host_us"] > 0
         assert row[f"{variant}_step_over_kernels"] > 0.5
     assert row["graph_captures"] == 1 and row["kernels_ms"] > 0
+
+
+def test_a_prefill_shape_counts_each_causal_pair_once():
+    from rocmforge_raw.bench.prefill import BF16, HEAD_DIM, KV_HEADS, Q_HEADS, PrefillShape
+
+    shape = PrefillShape("T", (1, 3, 5), (7, 3, 9), "t")
+    pairs = sum(kv - q + i + 1 for q, kv in zip(shape.q_lens, shape.kv_lens) for i in range(q))
+    assert pairs == 7 + (1 + 2 + 3) + (5 + 6 + 7 + 8 + 9)
+    assert shape.flops() == 4 * HEAD_DIM * Q_HEADS * pairs
+    row = Q_HEADS * HEAD_DIM * BF16.itemsize
+    assert shape.bytes() == 19 * KV_HEADS * HEAD_DIM * 2 * BF16.itemsize + 2 * 9 * row
+
+
+def test_the_prefill_bench_times_what_the_op_computes(gpu):
+    """PrefillLaunch (the bench's prepared launches: decodes, multi-token kernel, combine)
+    writes what ops.paged_attention(query_lens=) writes for the same inputs, and its row's
+    rate is its FLOPs over its time."""
+    from rocmforge_raw.bench.prefill import (
+        PrefillLaunch,
+        PrefillShape,
+        bench_prefill,
+        prefill_inputs,
+    )
+
+    shape = PrefillShape("T", (1, 1, 37, 90), (300, 40, 37, 200), "t")
+    q, out, k, v, tables, lens, q_lens = prefill_inputs(shape, np.random.default_rng(3), gpu,
+                                                        DEVICE)
+    want = rf.DeviceArray.empty(out.shape, out.dtype, DEVICE, gpu)
+    ops.paged_attention(want, q, k, v, tables, lens, query_lens=q_lens)
+    launch = PrefillLaunch(out, q, k, v, tables, lens, q_lens)
+    launch()
+    got, expected = (a.to_numpy().astype(np.float32) for a in (out, want))
+    np.testing.assert_allclose(got, expected, atol=2e-2, rtol=2e-2)
+    assert np.abs(expected).max() > 0
+    launch.close()
+    for array in (q, out, k, v, want):
+        array.buffer.root.close()
+    result = bench_prefill(gpu, DEVICE, copy_gbs=1000.0, iters=2, shapes=(shape,))
+    (row,) = result["rows"]
+    assert result["matrix_tflops"] > 0 and row["query_rows"] == 129 and row["batch"] == 4
+    assert row["tflops"] == pytest.approx(shape.flops() / (row["ms"] * 1e-3) / 1e12)
+    assert "pct_copy" not in row  # only P4 and P5 are measured against the copy bandwidth

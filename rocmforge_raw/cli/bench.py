@@ -79,6 +79,34 @@ def _step(backend: Backend, device: int, result: dict[str, Any]) -> list[str]:
                     f"{r['write_host_us']:8.2f} {r['attention_host_us']:8.2f}" for r in rows]
 
 
+def _prefill(backend: Backend, device: int, iters: int, result: dict[str, Any]) -> list[str]:
+    from ..bench.prefill import BANDWIDTH_TARGET_PCT, bench_mixed_step, bench_prefill
+
+    copy = result.get("copy_gb_per_s") or timing.copy_bandwidth(backend, device)
+    result["copy_gb_per_s"] = copy
+    found = bench_prefill(backend, device, copy, min(iters, 20))
+    step = bench_mixed_step(backend, device)
+    result["prefill"] = {**found, "mixed_step": step}
+    lines = [f"attention over many query tokens, bf16, 32/8 heads, head_dim 128, block 16: "
+             f"TFLOP/s over causal FLOPs; % of the matrix units' rate measured now "
+             f"({found['matrix_tflops']:.0f} TFLOP/s); P4/P5 also % of copy bandwidth "
+             f"({copy:.0f} GB/s; target {BANDWIDTH_TARGET_PCT:.0f} %)",
+             f"{'shape':>5} {'what':<22} {'rows':>6} {'ms':>8} {'TFLOP/s':>8} {'% matrix':>8} "
+             f"{'% copy':>7}"]
+    for r in found["rows"]:
+        pct = f"{r['pct_copy']:6.1f}%" if "pct_copy" in r else f"{'-':>7}"
+        mark = "  MISSED" if r.get("met_target") is False else ""
+        lines.append(f"{r['shape']:>5} {r['what']:<22} {r['query_rows']:6} {r['ms']:8.3f} "
+                     f"{r['tflops']:8.1f} {r['pct_matrix']:7.1f}% {pct}{mark}")
+    lines.append(f"mixed step through the cache ({step['layers']} layers of P5): kernels "
+                 f"{step['kernels_ms']:.3f} ms; plain {step['step_ms']:.3f} ms (ratio "
+                 f"{step['step_over_kernels']:.3f}, batch {step['batch_host_us']:.0f} us "
+                 f"host); planned ahead {step['ahead_step_ms']:.3f} ms (ratio "
+                 f"{step['ahead_over_kernels']:.3f}); target <= {step['target']}"
+                 + ("" if step["met_target"] else "  MISSED"))
+    return lines
+
+
 def _cache(result: dict[str, Any]) -> list[str]:
     row = result["cache"] = cache.bench_cache()
     verdict = ("met" if row["met_target"] else
@@ -136,13 +164,14 @@ def run(args: argparse.Namespace, backend: Backend, device: int, where: str
     ``device`` of ``backend``; ``where`` names the target (the host says why it is used)."""
     attention = args.attention or args.sweep
     everything = not (args.alloc or attention or args.cache or args.step or args.transfer
-                      or args.offload)
+                      or args.offload or args.prefill)
     result: dict[str, Any] = {"backend": backend.name, "where": where,
                               "device": backend.properties(device).name, "skipped": {}}
     lines = [f"device: {where} {result['device']}"]
     if args.alloc or everything:
         lines += _alloc(backend, device, args.iters, result)
-    gpu_rows = {"attention": attention or everything, "step": args.step or everything}
+    gpu_rows = {"attention": attention or everything, "step": args.step or everything,
+                "prefill": args.prefill or everything}
     if backend.name == "host":
         for name in (n for n, wanted in gpu_rows.items() if wanted):
             why = (f"needs a GPU backend: on the {where} the operations run as the NumPy "
@@ -154,6 +183,8 @@ def run(args: argparse.Namespace, backend: Backend, device: int, where: str
             lines += _attention(backend, device, args.iters, args.sweep, result)
         if gpu_rows["step"]:
             lines += _step(backend, device, result)
+        if gpu_rows["prefill"]:
+            lines += _prefill(backend, device, args.iters, result)
     if args.cache or everything:
         lines += _cache(result)
     if args.transfer:

@@ -44,6 +44,7 @@ EXAMPLES = {
     "demo": "examples:\n  rocmforge-raw demo\n  rocmforge-raw demo --scale 0.3 --seed 3",
     "bench": "examples:\n  rocmforge-raw bench --cache\n  rocmforge-raw bench --attention "
              "--sweep --json > sweep.json\n  rocmforge-raw bench --step --iters 20\n"
+             "  rocmforge-raw bench --prefill --json\n"
              "  rocmforge-raw bench --offload --json",
     "soak": "examples:\n  rocmforge-raw soak                      # 60 s, files in soak-out/\n"
             "  rocmforge-raw soak --minutes 10 --out /tmp/soak\n"
@@ -286,6 +287,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--cache", action="store_true", help="KV cache decode step (CPU)")
     bench.add_argument("--step", action="store_true",
                        help="a whole decode step through the cache's API (GPU)")
+    bench.add_argument("--prefill", action="store_true",
+                       help="attention over many query tokens a sequence: prefill, chunks, "
+                            "prefix hits, speculative verify, mixed steps (GPU)")
     bench.add_argument("--transfer", action="store_true",
                        help="a sequence's KV between two processes vs the copy bandwidth")
     bench.add_argument("--offload", action="store_true",

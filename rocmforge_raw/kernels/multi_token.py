@@ -153,6 +153,6 @@ def launch_prefill(out: DeviceArray, query: DeviceArray, k_cache: DeviceArray,
         if len(work.combines):
             found.combine.launch(len(work.combines), found.threads, out, partials.ptr,
                                  items_ptr, combines_ptr, starts_ptr, i32(num_q_heads),
-                                 i32(num_kv_heads), stream=stream)
+                                 i32(num_kv_heads), i32(shape.bm), stream=stream)
         if workspace is not None:
             workspace.used(stream)

@@ -122,7 +122,8 @@ def plan_multi(planner: Any, staging: Staging, num_q_heads: int, lens: np.ndarra
     if len(plan.combines):
         combine = found_pf.combine.prepare(
             len(plan.combines), found_pf.threads, 0, partials, items_at, combines_at[0],
-            starts_at, i32(num_q_heads), i32(c.num_kv_heads), stream=stream, patch=(0,))
+            starts_at, i32(num_q_heads), i32(c.num_kv_heads), i32(shape.bm), stream=stream,
+            patch=(0,))
     offset = decodes * num_q_heads * c.head_dim * act.itemsize
     return MultiLaunch(decode, prefill, combine, offset)
 

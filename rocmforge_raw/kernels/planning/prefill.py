@@ -61,13 +61,17 @@ def prefill_shape(backend: str, dtype: np.dtype, cache_dtype: np.dtype, head_dim
     fp8, f32 = cache_dtype in FP8_DTYPES, dtype.itemsize == 4
     amd = backend == "hip"
     if amd:
+        mt = 1
         bn = (32 if head_dim == 64 else 16) if f32 else (64 if head_dim <= 128 else 16)
         stages, widen_in_copy = 1, fp8
-    else:
+    else:  # two m-tiles a warp for 16-bit WM = 4 up to head_dim 128 (rf_pf_shape::MT)
+        mt = 2 if wm == 4 and not f32 and not fp8 and head_dim <= 128 else 1
         bn = ({64: 64, 128: 32}.get(head_dim, 16) if f32 else
-              (64 if head_dim <= 128 else 32))
-        stages, widen_in_copy = 2, False
-    bm = 16 * wm
+              (64 if head_dim <= 128 and not (mt == 2 and head_dim == 128) else 32))
+        stage_bytes = 2 * bn * head_dim * cache_dtype.itemsize  # rf_pf_shape::STAGES
+        stages = (4 if stage_bytes <= 16384 else 3) if head_dim <= 128 and not f32 else 2
+        widen_in_copy = False
+    bm = 16 * wm * mt
     e_row = head_dim * dtype.itemsize
     s_row = e_row if widen_in_copy else head_dim * cache_dtype.itemsize
     code_stage = fp8 and not widen_in_copy
