@@ -465,3 +465,13 @@ def test_demo_reports_multi_turn_prefix_hits_and_swap_traffic(capsys):
     assert summary["follow_up_cached_share"] > 0.5 and summary["turn_host_hits"] > 0
     assert summary["turn_swapped_out_blocks"] > 0 and summary["turn_resumed"] > 0
     assert summary["turn_demoted_blocks"] > 0 and summary["turn_copied_bytes"] > 0
+    # prefill runs through the multi-token op, in chunks mixed with decodes; the prefix cache
+    # served more prompt tokens than were computed
+    assert 0 < summary["turn_prefill_tokens"] < summary["turn_cached_prompt_tokens"]
+    assert summary["turn_mixed_steps"] > 0
+    # the measured saving: the longest conversation's last prompt, whole and past its hit
+    assert 0 < summary["prefix_hit_cached_tokens"] < summary["prefix_hit_prompt_tokens"]
+    assert summary["prefix_hit_cached_tokens"] % 16 == 0
+    assert summary["prefill_whole_ms"] > 0 and summary["prefill_past_hit_ms"] > 0
+    assert summary["prefix_hit_saved_ms"] == pytest.approx(
+        summary["prefill_whole_ms"] - summary["prefill_past_hit_ms"])

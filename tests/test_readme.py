@@ -12,7 +12,12 @@ def test_readme_example_runs(capsys):
     text = (Path(__file__).resolve().parent.parent / "README.md").read_text()
     code = re.search(r"```python\n(.*?)```", text, re.S).group(1)
     exec(compile(code, "README.md", "exec"), {})
-    assert capsys.readouterr().out.strip().endswith("7")  # 100 tokens in blocks of 16
+    found, last = capsys.readouterr().out.strip().split("\n")
+    # the second prompt's 64-token prefix was found (4 full blocks of 16), so only its
+    # 20-token tail was prefilled
+    assert found == "req-2 found 64 of its 84 prompt tokens in the cache"
+    # 103 tokens in 7 blocks, and 23 tokens past the 4 shared blocks in 2
+    assert last.endswith("] 9")
 
 
 def test_readme_serving_example_runs_as_a_script(tmp_path):

@@ -12,9 +12,10 @@ share a system prompt run on an fp8 (e4m3) cache with per-layer K/V scales: thei
 are given by token ids, so the prefix cache serves the shared blocks (hit rate in the
 summary) and only the rest is prefilled; a few decode steps follow, and attention is
 checked against the reference over the dequantized codes. Last, multi-turn conversations
-run on a cache with a host tier (``demo_turns``): the share of follow-up prompts found in
-the prefix cache, host-tier hits and swap traffic. The summary ends with the live buffers
-left after teardown (must be 0).
+run on a cache with a host tier (``demo.turns``), prefilled in chunks through the
+multi-token attention mixed with decodes: the prefill tokens computed and those the prefix
+cache served, the time a prefix hit saved (measured), host-tier hits and swap traffic. The
+summary ends with the live buffers left after teardown (must be 0).
 """
 
 from __future__ import annotations
@@ -251,16 +252,20 @@ def _write(cache: KvCache, rng: np.random.Generator, slots: np.ndarray, dtype: A
 
 def _check(cache: KvCache, meta: Any, query: DeviceArray, out: DeviceArray, layer: int,
            index: int) -> None:
-    """Sequence ``index`` of the batch against the float64 reference; raises on mismatch."""
+    """Sequence ``index`` of the step (its query rows: one, or ``meta.query_lens[index]``)
+    against the float64 reference; raises on mismatch."""
     k = cache.k_cache(layer).to_numpy()
     v = cache.v_cache(layer).to_numpy()
-    q = query.to_numpy()[index : index + 1]
+    lens = (np.ones(len(meta.seq_ids), np.int32) if meta.query_lens is None
+            else meta.query_lens)
+    starts = reference.query_starts(lens)
+    rows = slice(int(starts[index]), int(starts[index + 1]))
     k_scale, v_scale = cache.config.kv_scales[layer]
-    want = reference.paged_attention(q, k, v, meta.block_tables[index : index + 1],
-                                     meta.seq_lens[index : index + 1],
-                                     1 / math.sqrt(cache.config.head_dim), np.float64,
-                                     k_scale, v_scale)
-    got = out.to_numpy()[index : index + 1].astype(np.float64)
+    want = reference.paged_attention_multi(
+        query.to_numpy()[rows], k, v, meta.block_tables[index : index + 1],
+        meta.seq_lens[index : index + 1], lens[index : index + 1],
+        1 / math.sqrt(cache.config.head_dim), np.float64, k_scale, v_scale)
+    got = out.to_numpy()[rows].astype(np.float64)
     error = np.linalg.norm(got - want) / np.linalg.norm(want)
     tolerance = 1e-5 if cache.config.activation_dtype == np.float32 else 2e-2
     if not error < tolerance:

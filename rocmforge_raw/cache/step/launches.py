@@ -105,9 +105,10 @@ class StepLaunches(TierOps):
 
     def write(self, layer: int, key: DeviceArray, value: DeviceArray,
               slot_mapping: BatchMetadata | Any, stream: Stream | None = None) -> None:
-        """Write K/V of ``layer``: with the current ``batch()`` plan, each sequence's new
-        token (``[n, num_kv_heads, head_dim]``, one launch); with a slot mapping, any tokens
-        at those slots (see ``ops.reshape_and_cache``; prefill)."""
+        """Write K/V of ``layer``: with the current ``batch()`` plan, the K/V of each query
+        token of the step (``[sum(query_lens), num_kv_heads, head_dim]``: one row a sequence
+        for a decode plan; rows in shared blocks, which already hold them, are skipped), one
+        launch; with a slot mapping, any tokens at those slots (``ops.reshape_and_cache``)."""
         with self._lock:
             if isinstance(slot_mapping, BatchMetadata):
                 self._steps.write(self._current(slot_mapping, stream), layer, key, value)
@@ -124,7 +125,9 @@ class StepLaunches(TierOps):
     def attention(self, layer: int, out: DeviceArray, query: DeviceArray,
                   batch: BatchMetadata, scale: float | None = None,
                   stream: Stream | None = None) -> None:
-        """Decode attention of ``layer`` for the current ``batch()`` plan: one launch."""
+        """Attention of ``layer`` for the current ``batch()`` plan: each query row (one a
+        sequence, or ``query_lens``' rows: causal, aligned to the end of its sequence) over
+        its sequence's cache, with the launches the plan prepared."""
         with self._lock:
             self._steps.attention(self._current(batch, stream), layer, out, query, scale)
 
