@@ -66,6 +66,18 @@ RF_DEVICE void rf_copy16_async(void* smem, const void* gmem) {
                "l"(gmem) : "memory");
 #endif
 }
+// The shared-window address of `smem` as plain arithmetic the compiler folds and hoists
+// (rf_smem_addr's asm is repeated at each use): for address math in hot loops.
+RF_DEVICE unsigned rf_smem_u32(const void* smem) {
+  return (unsigned)__cvta_generic_to_shared(smem);
+}
+// 16 bytes from `gmem` to the shared-window address `smem` as rf_copy16_async, or 16 zero
+// bytes where `valid` is false (src-size 0: nothing is read, `gmem` need only be a global
+// address).
+RF_DEVICE void rf_copy16_async_zfill(unsigned smem, const void* gmem, bool valid) {
+  asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16, %2;" ::"r"(smem), "l"(gmem),
+               "r"(valid ? 16 : 0) : "memory");
+}
 RF_DEVICE void rf_copy_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
 // Wait until at most `pending` committed groups are still in flight.
 template <int pending>
@@ -141,14 +153,19 @@ RF_DEVICE float rf_shfl(float v, int src) { return __shfl_sync(0xffffffffu, v, s
 RF_DEVICE int rf_shfl_int(int v, int src) { return __shfl_sync(0xffffffffu, v, src); }
 // Four 8x8 tiles of 16-bit values from shared memory (transposed with TRANS); lane i gives
 // the address of row i % 8 of tile i / 8.
+// rf_ldmatrix_x4_at: the same from a shared-window address (rf_smem_u32).
 template <bool TRANS>
-RF_DEVICE void rf_ldmatrix_x4(unsigned (&r)[4], const void* smem_row) {
+RF_DEVICE void rf_ldmatrix_x4_at(unsigned (&r)[4], unsigned row_addr) {
   if (TRANS)
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(rf_smem_addr(smem_row)));
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(row_addr));
   else
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(rf_smem_addr(smem_row)));
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(row_addr));
+}
+template <bool TRANS>
+RF_DEVICE void rf_ldmatrix_x4(unsigned (&r)[4], const void* smem_row) {
+  rf_ldmatrix_x4_at<TRANS>(r, rf_smem_addr(smem_row));
 }
 // d += a (16x16, row-major) * b (16x8, column-major), float32 accumulate; KIND 1 = fp16,
 // 2 = bf16 inputs.
@@ -358,6 +375,13 @@ RF_DEVICE int rf_uniform(int x) { return __builtin_amdgcn_readfirstlane(x); }
 #endif
 
 RF_DEVICE float rf_fmax(float a, float b) { return a > b ? a : b; }
+// max(a, b) as IEEE maxNum (a NaN operand gives the other): one instruction on NVIDIA
+// (FMNMX; rf_fmax's compare-and-select takes two), for values that are never NaN
+#if defined(RF_NVIDIA)
+RF_DEVICE float rf_fmaxnum(float a, float b) { return fmaxf(a, b); }
+#else
+RF_DEVICE float rf_fmaxnum(float a, float b) { return __builtin_fmaxf(a, b); }
+#endif
 // x rounded to an integer, halves to even
 #if defined(RF_NVIDIA)
 RF_DEVICE float rf_rint(float x) {

@@ -61,14 +61,15 @@ struct rf_pf_mma {
   unsigned qa[Q_REGS ? KSTEPS : 1][4];
   float acc[MT][DT][4], m_run[MT][2], l_part[MT][2];
   int lim[MT][2];
-  const char* q_plane;
+  unsigned q_plane;  // shared-window address of the Q rows
 
   RF_DEVICE void load_q(const char* q, const int* lim_s) {
-    q_plane = q;
+    q_plane = rf_smem_u32(q);
     if constexpr (Q_REGS)
 #pragma unroll
       for (int ks = 0; ks < KSTEPS; ++ks)
-        rf_ldmatrix_x4<false>(qa[ks], Rows::chunk(q, w.row0 + w.lane % 16, 2 * ks + w.lane / 16));
+        rf_ldmatrix_x4_at<false>(qa[ks], Rows::addr(q_plane, w.row0 + w.lane % 16,
+                                                    2 * ks + w.lane / 16));
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
       lim[mt][0] = lim_s[w.row0 + 16 * mt + w.lane / 4];
@@ -89,6 +90,7 @@ struct rf_pf_mma {
   RF_DEVICE void tile(const char* k_plane, const char* v_plane, int t0, bool masked,
                       float qscale) {
     const int lane = w.lane;
+    const unsigned k_at = rf_smem_u32(k_plane), v_at = rf_smem_u32(v_plane);
     float s[MT][NT][4];
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
@@ -106,8 +108,8 @@ struct rf_pf_mma {
 #pragma unroll
           for (int i = 0; i < 4; ++i) a[mt][i] = qa[ks][i];
         } else {
-          rf_ldmatrix_x4<false>(a[mt], Rows::chunk(q_plane, w.row0 + 16 * mt + lane % 16,
-                                                   2 * ks + lane / 16));
+          rf_ldmatrix_x4_at<false>(a[mt], Rows::addr(q_plane, w.row0 + 16 * mt + lane % 16,
+                                                     2 * ks + lane / 16));
         }
       }
 #pragma unroll
@@ -116,7 +118,7 @@ struct rf_pf_mma {
         // rows past the warp's
         const int row = 2 * np + 1 < NT ? k_row + 16 * np : w.tok0 + 16 * np + lane % 8;
         unsigned b[4];
-        rf_ldmatrix_x4<false>(b, Rows::chunk(k_plane, row, 2 * ks + k_half));
+        rf_ldmatrix_x4_at<false>(b, Rows::addr(k_at, row, 2 * ks + k_half));
         const unsigned b0[2] = {b[0], b[1]}, b1[2] = {b[2], b[3]};
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt) {
@@ -144,11 +146,12 @@ struct rf_pf_mma {
 #pragma unroll
       for (int j = 0; j < NT; ++j)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) mx[e / 2] = rf_fmax(mx[e / 2], s[mt][j][e]);
+        for (int e = 0; e < 4; ++e) mx[e / 2] = rf_fmaxnum(mx[e / 2], s[mt][j][e]);
       float alpha[2], base[2];
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
-        mx[r] = rf_xor_max<1, 4>(mx[r]) * qscale;  // (qscale > 0: the max of the scaled)
+        mx[r] = rf_fmaxnum(mx[r], rf_shfl_xor_c<1>(mx[r]));  // the row's 4 lanes
+        mx[r] = rf_fmaxnum(mx[r], rf_shfl_xor_c<2>(mx[r])) * qscale;  // (qscale > 0)
         alpha[r] = rf_pf_rescale(m_run[mt][r], mx[r]);
         l_part[mt][r] *= alpha[r];
         base[r] = rf_pf_safe(m_run[mt][r]);
@@ -186,7 +189,7 @@ struct rf_pf_mma {
 #pragma unroll
       for (int dp = 0; dp < DT / 2; ++dp) {
         unsigned b[4];
-        rf_ldmatrix_x4<true>(b, Rows::chunk(v_plane, row, 2 * dp + v_half));
+        rf_ldmatrix_x4_at<true>(b, Rows::addr(v_at, row, 2 * dp + v_half));
         const unsigned b0[2] = {b[0], b[1]}, b1[2] = {b[2], b[3]};
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt) {

@@ -42,6 +42,14 @@ struct rf_pf_rows {
     const rf_u64 flip = 16u * (unsigned)(r & 7);
     return reinterpret_cast<const char*>(reinterpret_cast<rf_u64>(at) ^ flip);
   }
+  // The same as a shared-window address (NVIDIA's hot loops: 32-bit arithmetic the compiler
+  // folds), `plane` the plane's (RF_PF_ALIGN-aligned): the row's start plus the chunk's
+  // offset with bits 4-6 flipped, which is the XOR above (the row's start has bits 0-6 clear)
+  RF_DEVICE static unsigned addr(unsigned plane, int r, int j) {
+    const unsigned start = plane + (unsigned)(r * STRIDE);
+    if constexpr (!SWIZZLED) return start + 16u * (unsigned)j;
+    return start + ((16u * (unsigned)j) ^ (16u * (unsigned)(r & 7)));
+  }
   RF_DEVICE static char* chunk(char* plane, int r, int j) {
     return const_cast<char*>(chunk(static_cast<const char*>(plane), r, j));
   }

@@ -20,8 +20,8 @@
 // so their record slots are their item indices).
 //
 // Pipeline. The CTA's queries and each KV tile go to shared memory (pf_tile.h): NVIDIA by
-// 16-byte cp.async copies, two stages (tile t + 1 in flight while tile t is computed), an fp8
-// cache's codes widened into E rows once a tile has arrived; AMD by synchronous 16-byte loads
+// 16-byte cp.async copies, STAGES deep (tiles t + 1 .. t + STAGES - 1 in flight while tile t
+// is computed), an fp8 cache's codes widened into E rows once a tile has arrived; AMD by synchronous 16-byte loads
 // into one stage, fp8 codes widened on the way. The math (pf_math.h) runs per warp over its
 // 16 rows (WM = 4) or over its quarter of every tile's tokens (WM = 1, the warps' softmax
 // states merged at the end).
@@ -91,7 +91,6 @@ RF_DEVICE void prefill(typename E::storage* __restrict__ out, float* __restrict_
   static_assert(!Shape::F32 || WM == 1, "f32 instances take 16-row tiles");
   constexpr int QC = QRows::CHUNKS;                          // 16-byte chunks of a Q row
   constexpr int CC = D * (int)sizeof(typename C::storage) / 16;  // of a cache row
-  constexpr int WIDEN = sizeof(typename E::storage) / sizeof(typename C::storage);  // 1 or 2
 #if defined(RF_AMD)
   RF_SHARED rf_vec16 buf_v[Shape::BYTES / 16];
   char* const buf = reinterpret_cast<char*>(buf_v);
@@ -131,12 +130,41 @@ RF_DEVICE void prefill(typename E::storage* __restrict__ out, float* __restrict_
 
   // tile t's K and V rows into stage st: the cache's rows (AMD fp8: widened to E), zeros
   // past the piece's end, so products over whole tiles stay finite
+#if !defined(RF_AMD)
+  // NVIDIA: thread tid copies chunk tid % CC of rows tid / CC + PASS_ROWS i of the tile, so
+  // its shared addresses are fixed offsets from the stage's and each row's source is found
+  // once for its K and V chunks; rows past the piece's end are zero-filled by the copy
+  constexpr int PASS_ROWS = RF_PF_THREADS / CC, PASSES = BN / PASS_ROWS;
+  static_assert(RF_PF_THREADS % CC == 0 && BN % PASS_ROWS == 0, "whole passes over a tile");
+  constexpr rf_u64 CACHE_ROW = D * sizeof(typename C::storage);  // bytes of a cache row
+  const int copy_j = tid % CC, copy_r = tid / CC;
+  const unsigned stages_at = rf_smem_u32(stages);
+  const char* const k_src = reinterpret_cast<const char*>(k_cache) + 16 * copy_j;
+  const char* const v_src = reinterpret_cast<const char*>(v_cache) + 16 * copy_j;
+  auto issue = [&](int st, int t) {
+    const unsigned k_dst = stages_at + (unsigned)(2 * st * Shape::PLANE);
+    const unsigned v_dst = k_dst + Shape::PLANE;
+#pragma unroll
+    for (int i = 0; i < PASSES; ++i) {
+      const int row = copy_r + PASS_ROWS * i, p = t * BN + row;
+      const bool here = p < it.end;
+      const int at = here ? p : it.lo;  // (past the end: a position the table holds)
+      // the row's index among the cache's rows: unsigned, as a cache of 2^32 rows of 64 or
+      // more bytes (256 GiB) fits no GPU
+      const unsigned cache_row =
+          ((unsigned)table[at >> block_shift] * num_kv_heads + it.x) * block_size +
+          (at & (block_size - 1));
+      const rf_u64 offset = cache_row * CACHE_ROW;
+      rf_copy16_async_zfill(SRows::addr(k_dst, row, copy_j), k_src + offset, here);
+      rf_copy16_async_zfill(SRows::addr(v_dst, row, copy_j), v_src + offset, here);
+    }
+    rf_copy_commit();
+  };
+#else
   auto issue = [&](int st, int t) {
     char* k_dst = stages + (2 * st) * Shape::PLANE;
     char* v_dst = k_dst + Shape::PLANE;
-#if defined(RF_AMD)
 #pragma unroll 1  // synchronous copies: unrolled, their registers sat beside the accumulators
-#endif
     for (int i = tid; i < BN * CC; i += RF_PF_THREADS) {
       const int row = i / CC, j = i % CC, p = t * BN + row;
       if (p < it.end) {
@@ -151,15 +179,13 @@ RF_DEVICE void prefill(typename E::storage* __restrict__ out, float* __restrict_
           SRows::store(k_dst, row, 2 * j + 1, rf_e4m3::widen<E>(kc.z, kc.w));
           SRows::store(v_dst, row, 2 * j, rf_e4m3::widen<E>(vc.x, vc.y));
           SRows::store(v_dst, row, 2 * j + 1, rf_e4m3::widen<E>(vc.z, vc.w));
-        } else if constexpr (SRows::ALIGNED) {
-          rf_copy16_async(SRows::chunk(k_dst, row, j), ks);
-          rf_copy16_async(SRows::chunk(v_dst, row, j), vs);
-        } else {  // (AMD's padded rows: synchronous copies anyway)
+        } else {
           SRows::store(k_dst, row, j, *ks);
           SRows::store(v_dst, row, j, *vs);
         }
       } else {
-        constexpr int PER = Shape::WIDEN_IN_COPY ? WIDEN : 1;  // stage chunks a cache chunk
+        // stage chunks a cache chunk: 1, or 2 where the copy widens fp8 codes
+        constexpr int PER = Shape::WIDEN_IN_COPY ? sizeof(typename E::storage) : 1;
 #pragma unroll
         for (int h = 0; h < PER; ++h) {
           SRows::store(k_dst, row, PER * j + h, rf_vec16{0u, 0u, 0u, 0u});
@@ -169,6 +195,7 @@ RF_DEVICE void prefill(typename E::storage* __restrict__ out, float* __restrict_
     }
     rf_copy_commit();
   };
+#endif
   // NVIDIA fp8: stage st's codes widened into E rows (`wide`), the planes the math reads
   auto widen = [&](int st) {
     if constexpr (Shape::CODE_STAGE) {
