@@ -378,3 +378,32 @@ def test_an_advance_whose_clock_fails_changes_nothing(answer):
     sched.clock = lambda: 1.0
     assert [r.request_id for r in sched.advance(plan)] == ["r"]
     cache.close()
+
+
+def test_a_submitted_prompt_is_the_schedulers_own_copy():
+    """Changing the caller's array after submit changes nothing the scheduler admits."""
+    cache, sched = make(num_blocks=32)
+    buf = np.arange(40)
+    sched.submit(Request("a", tokens=buf, max_new_tokens=3))
+    buf[:] = 7
+    plan = sched.step()
+    (request, slots), = plan.prefill
+    np.testing.assert_array_equal(request.tokens, np.arange(40))
+    assert not request.tokens.flags.writeable
+    assert cache.cached_tokens(np.arange(40)) == 39  # its blocks: named by the submitted ids
+    assert cache.cached_tokens(np.full(40, 7)) == 0
+
+
+@pytest.mark.parametrize("ids", [[-5], np.array([2**63 + 1], np.uint64), [-2]])
+def test_advance_refuses_ids_that_no_later_step_could_take(ids):
+    """An id below -1 (unknown) or past int64 is refused, naming it, and the plan stays the
+    one to advance: the request is not wedged."""
+    cache, sched = make(num_blocks=32)
+    sched.submit(Request("a", tokens=np.arange(20), max_new_tokens=3))
+    plan = sched.step()
+    before = snapshot(cache, sched)
+    with pytest.raises(ValueError, match="token_ids"):
+        sched.advance(plan, ids)
+    assert snapshot(cache, sched) == before
+    sched.advance(plan, [5])
+    assert [r.request_id for r in sched.step().decode] == ["a"]

@@ -144,7 +144,9 @@ class Scheduler(Admission):
         name = f"request {request.request_id!r}:"
         values: dict[str, Any] = {}
         if request.tokens is not None:
-            tokens = prefix.token_ids(request.tokens, f"{name} tokens")
+            # a copy: the caller's array may change after submit, the request's may not
+            tokens = prefix.token_ids(request.tokens, f"{name} tokens").copy()
+            tokens.flags.writeable = False
             if request.prompt_tokens not in (0, tokens.size):
                 raise ValueError(f"{name} prompt_tokens {request.prompt_tokens} differs from "
                                  f"its {tokens.size} token ids")
@@ -304,5 +306,8 @@ class Scheduler(Admission):
         if ids.shape != (count,) or (count and ids.dtype.kind not in "iu"):
             raise ValueError(f"token_ids must be {count} integer ids, one per request the plan "
                              f"ran, got {ids.dtype} of shape {ids.shape}")
-        checked: list[int] = ids.astype(np.int64).tolist()
+        if not count:
+            return []
+        # ids >= 0 that fit int64 (-1: not known), as every later step reads them
+        checked: list[int] = prefix.token_ids(ids, "token_ids", least=-1).tolist()
         return checked
