@@ -344,3 +344,36 @@ def test_every_public_class_and_method_of_the_cache_has_a_docstring(cls):
     missing = [name for name, member in _public_members(cls) if not (member.__doc__ or "")
                .strip()]
     assert not missing, f"{cls.__name__}: no docstring on {', '.join(missing)}"
+
+
+# every public operation that takes a sequence id (or a list of them) as its first argument,
+# with what else it needs; an unhashable id must be refused by name, on a cache with a host
+# tier and without one
+ID_OPERATIONS = [("add_sequence", (4,)), ("append", ()), ("batch", ()), ("block_ids", ()),
+                 ("can_append", ()), ("can_swap_in", ()), ("export_sequence", ()),
+                 ("extend", ([1],)), ("finish", ()), ("fork", ("child",)), ("is_swapped", ()),
+                 ("remove", ()), ("room", ()), ("seq_len", ()), ("swap_in", ()),
+                 ("swap_out", ()), ("times", ())]
+
+
+def test_every_id_operation_is_listed():
+    takes_ids = {name for name in dir(KvCache) if not name.startswith("_")
+                 and callable(getattr(KvCache, name))
+                 and (params := list(inspect.signature(getattr(KvCache, name)).parameters))[1:]
+                 and params[1] in ("seq_id", "seq_ids", "parent_id")}
+    assert takes_ids == {name for name, _ in ID_OPERATIONS}
+
+
+@pytest.mark.parametrize("host_blocks", [0, 8])
+@pytest.mark.parametrize("name, rest", ID_OPERATIONS, ids=[n for n, _ in ID_OPERATIONS])
+def test_an_unhashable_id_is_refused_by_name(name, rest, host_blocks):
+    cache = KvCache(CacheConfig(1, 1, 64, 16, 32, np.float32, host_blocks=host_blocks),
+                    backend="host")
+    cache.add_sequence("a", 20)
+    before = cache.stats()
+    takes_list = name in ("append", "batch", "can_append", "can_swap_in", "extend",
+                          "swap_in", "swap_out")
+    with pytest.raises(TypeError, match=r"hashable.*\['a'\]|\['a'\].*hashable"):
+        getattr(cache, name)([["a"]] if takes_list else ["a"], *rest)
+    assert cache.stats() == before and cache.seq_ids() == ["a"]
+    cache.close()

@@ -387,7 +387,7 @@ def test_a_submitted_prompt_is_the_schedulers_own_copy():
     sched.submit(Request("a", tokens=buf, max_new_tokens=3))
     buf[:] = 7
     plan = sched.step()
-    (request, slots), = plan.prefill
+    ((request, _),) = plan.prefill
     np.testing.assert_array_equal(request.tokens, np.arange(40))
     assert not request.tokens.flags.writeable
     assert cache.cached_tokens(np.arange(40)) == 39  # its blocks: named by the submitted ids

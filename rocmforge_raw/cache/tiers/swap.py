@@ -93,7 +93,7 @@ class TierOps(PrefixTiers):
     @operation
     def is_swapped(self, seq_id: Hashable) -> bool:
         """Whether ``seq_id`` is swapped out to the host tier (``KeyError`` if unknown)."""
-        if self._host is not None and seq_id in self._host.sequences:
+        if self._swapped(seq_id) is not None:
             return True
         self._rows.row(seq_id)
         return False
@@ -119,8 +119,8 @@ class TierOps(PrefixTiers):
         preempting (False for an id that is not swapped out, or one listed twice)."""
         ids = checks.id_list(seq_ids, "seq_ids")
         host = self._host
-        if host is None or len(set(ids)) != len(ids) or any(s not in host.sequences
-                                                            for s in ids):
+        if _distinct(ids) != len(ids) or host is None or any(s not in host.sequences
+                                                             for s in ids):
             return False
         hits, fills, _ = self._swap_in_plan(ids)
         return self._needed(len(fills), hits, self.pool.ref_cnt) <= self.pool.num_free
@@ -151,8 +151,13 @@ class TierOps(PrefixTiers):
 
     # --- internals (lock held) ---------------------------------------------------------------
     def _swapped(self, seq_id: Hashable) -> Swapped | None:
-        """``seq_id``'s record on the host tier, or None."""
-        return None if self._host is None else self._host.sequences.get(seq_id)
+        """``seq_id``'s record on the host tier, or None (``TypeError`` naming an id that
+        cannot be one: unhashable)."""
+        try:
+            return None if self._host is None else self._host.sequences.get(seq_id)
+        except TypeError:
+            checks.hashable(seq_id, "sequence id")  # says which
+            raise
 
     def _preempt(self, victims: list[Hashable], stream: Stream | None, now: float
                  ) -> list[Hashable]:
@@ -192,7 +197,7 @@ class TierOps(PrefixTiers):
 
     def _listed(self, seq_ids: Any, what: str) -> list[Hashable]:
         ids = checks.id_list(seq_ids, "seq_ids")
-        if len(set(ids)) != len(ids):
+        if _distinct(ids) != len(ids):
             raise ValueError(f"{what} lists sequence {repeated(ids)!r} twice")
         return ids
 
@@ -292,3 +297,13 @@ class TierOps(PrefixTiers):
             pool.share(np.array(extra, np.int64))
         host.counts["swapped_in_blocks"] += len(placed)
 
+
+def _distinct(ids: list[Hashable]) -> int:
+    """How many distinct ids ``ids`` holds; ``TypeError`` naming the first that cannot be
+    an id (unhashable)."""
+    try:
+        return len(set(ids))
+    except TypeError:
+        for i, seq_id in enumerate(ids):
+            checks.hashable(seq_id, f"seq_ids[{i}]")  # says which
+        raise
