@@ -140,6 +140,29 @@ def test_a_handle_of_a_killed_exporter_is_refused_and_its_files_swept(backend):
     assert not [n for n in names if n.startswith(f"{procs.PREFIX}{handle.pid}-")]
 
 
+def test_a_handle_mapped_here_is_not_imported_anew_once_its_exporter_exited(backend):
+    """The mapping this process keeps does not make a killed exporter's handle importable:
+    a new import is refused as in a process that never mapped it; the buffer imported
+    before stays this process's to close."""
+    with spawned(export_and_wait, backend.name) as worker:
+        handle = worker.receive()
+        first = rf.HipBuffer.from_ipc(handle)
+        worker.kill()
+    with pytest.raises(IpcError, match="has exited"):
+        rf.HipBuffer.from_ipc(handle)
+    first.close()
+    assert ipc.pending()["imported"] == 0
+
+
+def test_a_handle_whose_lease_names_no_file_is_refused(backend):
+    with _shared(backend) as buf:
+        handle = buf.ipc_handle()
+        for lease in ("", ".", "..", procs.PREFIX):
+            with spawned(try_map, dataclasses.replace(handle, lease=lease)) as worker:
+                kind, message = worker.receive()
+            assert kind == "IpcError" and f"handle.lease {lease!r} names no lease" in message
+
+
 def test_foreign_garbled_and_own_handles_get_clear_errors(backend):
     with _shared(backend) as buf:
         handle = buf.ipc_handle()

@@ -252,8 +252,9 @@ def import_handle(handle: Any) -> tuple[Backend, int, HookAllocator]:
             raise IpcError(f"the handle does not match the one its memory is mapped with here "
                            f"(size {handle.nbytes} vs {mapping.handle.nbytes}, device "
                            f"{handle.device} vs {mapping.handle.device}): it was altered")
-        else:
+        else:  # mapped here already: imported anew only while its exporter holds it
             _check_state(os.pread(mapping.fd, 1, 0), handle)
+            _check_alive(handle)
         mapping.refs += 1
     collect()
     return backend, mapping.ptr, HookAllocator(backend, None, mapping.release)
@@ -262,11 +263,18 @@ def import_handle(handle: Any) -> tuple[Backend, int, HookAllocator]:
 def _map(backend: Backend, handle: IpcHandle) -> _Mapping:
     """Take a shared lock on the handle's lease, check it is live, then map."""
     owner = f"process {handle.pid}"
+    name = os.path.basename(handle.lease)
+    if not (name.startswith(procs.PREFIX) and name.endswith(".lease")):
+        raise IpcError(f"handle.lease {handle.lease!r} names no lease file of this package: "
+                       "the handle was altered")
     try:
-        fd = os.open(procs.shm_path(os.path.basename(handle.lease)), os.O_RDONLY)
+        fd = os.open(procs.shm_path(name), os.O_RDONLY)
     except FileNotFoundError:
         raise IpcError(f"the memory of this handle is gone: {owner} freed it or exited (lease "
                        f"{handle.lease} not found)") from None
+    except OSError as exc:
+        raise IpcError(f"the lease {handle.lease!r} of this handle cannot be opened: "
+                       f"{exc.strerror}") from None
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
@@ -277,12 +285,17 @@ def _map(backend: Backend, handle: IpcHandle) -> _Mapping:
         if lease[1:] != handle.seal():
             raise IpcError(f"the handle does not match the memory {owner} exported under lease "
                            f"{handle.lease}: its backend, device, size or key was altered")
-        if not procs.alive(handle.pid, handle.pid_start):
-            raise IpcError(f"{owner}, which exported this handle, has exited")
+        _check_alive(handle)
         return _Mapping(backend, handle, fd)
     except BaseException:
         os.close(fd)
         raise
+
+
+def _check_alive(handle: IpcHandle) -> None:
+    """Refuse to map memory of an exporter that has exited (its lease may still read live)."""
+    if not procs.alive(handle.pid, handle.pid_start):
+        raise IpcError(f"process {handle.pid}, which exported this handle, has exited")
 
 
 def _check_state(state: bytes, handle: IpcHandle) -> None:
