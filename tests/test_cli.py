@@ -45,7 +45,12 @@ def test_info_device_flag_selects_that_device(capsys):
     (["soak", "--seconds", "-5"], "argument --seconds: -5 is not above 0"),
     (["soak", "--seconds", "4"], "a 4-second soak cannot be judged"),
     (["bench", "--iters", "0"], "argument --iters: 0 is below 1"),
-], ids=["device-99", "negative-seconds", "too-short-to-judge", "zero-iters"])
+    (["bench", "--cache", "--transport", "ipc", "--backend", "host"],
+     "--transport goes with --transfer, which was not given"),
+    (["bench", "--from-device", "0", "--transport", "mooncake", "--backend", "host"],
+     "--transport and --from-device go with --transfer"),
+], ids=["device-99", "negative-seconds", "too-short-to-judge", "zero-iters",
+        "transport-without-transfer", "from-device-without-transfer"])
 def test_bad_flags_end_in_one_line_and_status_2(argv, words):
     result = subprocess.run([sys.executable, "-m", "rocmforge_raw.cli", *argv],
                             capture_output=True, text=True, timeout=120)
@@ -475,3 +480,18 @@ def test_demo_reports_multi_turn_prefix_hits_and_swap_traffic(capsys):
     assert summary["prefill_whole_ms"] > 0 and summary["prefill_past_hit_ms"] > 0
     assert summary["prefix_hit_saved_ms"] == pytest.approx(
         summary["prefill_whole_ms"] - summary["prefill_past_hit_ms"])
+
+
+def test_bench_over_mooncake_without_the_engine_says_so_in_one_line(tmp_path):
+    """No Mooncake (a package that cannot be imported shadows it): one line naming what to
+    install, status 2, before any worker process starts."""
+    (tmp_path / "mooncake").mkdir()
+    (tmp_path / "mooncake" / "__init__.py").write_text("raise ImportError('no engine here')\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [str(tmp_path), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    result = subprocess.run([sys.executable, "-m", "rocmforge_raw.cli", "bench", "--transfer",
+                             "--transport", "mooncake", "--backend", "host"],
+                            capture_output=True, text=True, timeout=120, env=env)
+    assert result.returncode == 2 and result.stdout == ""
+    assert result.stderr.count("\n") == 1, result.stderr
+    assert "Mooncake's Transfer Engine cannot be loaded (no engine here)" in result.stderr

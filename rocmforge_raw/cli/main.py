@@ -220,6 +220,16 @@ def cmd_soak(args: argparse.Namespace) -> int:
 def cmd_bench(args: argparse.Namespace) -> int:
     from . import bench as cli_bench
 
+    given = [flag for flag, value in (("--transport", args.transport),
+                                      ("--from-device", args.from_device)) if value is not None]
+    if given and not args.transfer:
+        verb = "go" if len(given) > 1 else "goes"
+        args.parser.error(f"{' and '.join(given)} {verb} with --transfer, which was not given")
+    args.transport = args.transport or "ipc"
+    if args.transfer and args.transport == "mooncake":  # before any process starts
+        from ..transport.mooncake import engine_class
+
+        engine_class()
     backend, device = _target(args)
     if args.from_device is not None:  # a device of the backend, before anything runs
         backend.resolve_device(args.from_device)
@@ -294,8 +304,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="a sequence's KV between two processes vs the copy bandwidth")
     bench.add_argument("--offload", action="store_true",
                        help="swapping a sequence to the host tier and back vs pinned copies")
-    bench.add_argument("--transport", choices=["ipc", "mooncake"], default="ipc",
-                       help="with --transfer: IPC handles or Mooncake's engine (TCP loopback)")
+    bench.add_argument("--transport", choices=["ipc", "mooncake"], default=None,
+                       help="with --transfer: IPC handles (the default) or Mooncake's engine "
+                            "(TCP loopback)")
     bench.add_argument("--from-device", type=flags.count(0, MAX_DEVICE), default=None,
                        metavar="N",
                        help="with --transfer: the sender's device (default: --device); "

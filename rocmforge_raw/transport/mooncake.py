@@ -48,7 +48,9 @@ class MooncakeEndpoint:
     nbytes: int
 
 
-def _engine_class() -> Any:
+def engine_class() -> Any:
+    """Mooncake's ``TransferEngine`` class; ``BackendUnavailableError`` saying what to
+    install where it cannot be loaded."""
     try:
         from mooncake.engine import TransferEngine
     except ImportError as exc:
@@ -84,7 +86,7 @@ class MooncakeTransport(Transport):
                 raise TypeError(f"{arg} must be a str, got {checks.show(value)}")
         if protocol not in PROTOCOLS:
             raise ValueError(f"protocol must be one of {', '.join(PROTOCOLS)}, got {protocol!r}")
-        self._engine = _engine_class()()
+        self._engine = engine_class()()
         status = self._engine.initialize(hostname, "P2PHANDSHAKE", protocol, device_name)
         if status != 0:
             raise TransferError(f"Mooncake's engine did not start on {hostname} over "
