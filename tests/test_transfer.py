@@ -361,6 +361,28 @@ def test_a_mooncake_transport_dropped_unclosed_lets_go_of_its_engine_and_slabs(b
     assert rf.memory_stats()["live_buffers"] == live and cache.slab.buffer.closed
 
 
+@pytest.mark.parametrize("kind", ["peer", "ipc", "mooncake"])
+def test_a_closed_transport_publishes_and_reads_no_more(backend, kind):
+    """close() ends a transport: publish and read raise naming it, and the endpoints it
+    published leave ``published()`` (a description would carry dead ones)."""
+    from rocmforge_raw.transport import IpcTransport
+
+    link = (_mooncake_or_skip(backend) if kind == "mooncake" else
+            PeerTransport() if kind == "peer" else IpcTransport())
+    with KvCache(config(), backend=backend, shareable=kind == "ipc") as cache, \
+            KvCache(config(), backend=backend) as receiver:
+        endpoint = link.publish(cache.slab)
+        assert rf.transport.published(cache.slab.buffer) == {link.name: endpoint}
+        link.close()
+        assert link.closed and rf.transport.published(cache.slab.buffer) == {}
+        name = type(link).__name__
+        with pytest.raises(TransferError, match=f"this {name} was closed"):
+            link.publish(cache.slab)
+        with pytest.raises(TransferError, match=f"this {name} was closed"):
+            link.read(endpoint, receiver.slab.buffer, np.array([[0, 0, 16]], np.int64))
+        link.close()  # idempotent
+
+
 def test_peer_copies_work_within_one_device(backend, rng):
     """memcpy_peer with the same device on both ends (what one GPU can test of a copy
     between two), on the default stream and on a stream."""

@@ -34,6 +34,7 @@ class IpcTransport(Transport):
 
     def read(self, endpoint: Any, dst: HipBuffer, spans: np.ndarray,
              stream: Stream | None = None) -> None:
+        self._check_open()
         if not isinstance(endpoint, IpcHandle):
             raise TypeError(f"an ipc endpoint is an IpcHandle, got {checks.show(endpoint)}")
         src = self.mapping(endpoint)
@@ -45,6 +46,7 @@ class IpcTransport(Transport):
     def mapping(self, handle: IpcHandle) -> HipBuffer:
         """The buffer ``handle`` names, mapped here once (until ``close()``); a mapping whose
         exporter exited is dropped."""
+        self._check_open()
         src = self._mapped.get(handle.key)
         if src is not None and not handle.exporter_alive():
             self._mapped.pop(handle.key).close()
@@ -55,5 +57,6 @@ class IpcTransport(Transport):
 
     def close(self) -> None:
         """Unmap every slab this transport mapped (their exporters may then free them)."""
+        super().close()
         while self._mapped:
             self._mapped.popitem()[1].close()

@@ -126,6 +126,7 @@ class MooncakeTransport(Transport):
 
     def read(self, endpoint: Any, dst: HipBuffer, spans: np.ndarray,
              stream: Stream | None = None) -> None:
+        self._check_open()
         if not isinstance(endpoint, MooncakeEndpoint):
             raise TypeError(f"a mooncake endpoint is a MooncakeEndpoint, got "
                             f"{checks.show(endpoint)}")
@@ -144,6 +145,7 @@ class MooncakeTransport(Transport):
 
     def close(self) -> None:
         """Unregister every buffer (closed ones are freed now) and stop the engine."""
+        super().close()
         for buffer, _ in self._registered.values():
             self._forget(buffer)
         self._release()

@@ -52,6 +52,7 @@ class PeerTransport(Transport):
 
     def read(self, endpoint: Any, dst: HipBuffer, spans: np.ndarray,
              stream: Stream | None = None) -> None:
+        self._check_open()
         if not isinstance(endpoint, PeerEndpoint):
             raise TypeError(f"a peer endpoint is a PeerEndpoint, got {checks.show(endpoint)}")
         if endpoint.pid != os.getpid():

@@ -21,6 +21,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from ...common import checks
+from ...errors import TransferError
 from ...kernels import ops
 from ...memory.buffer import HipBuffer
 from ...memory.stream import Event, Stream
@@ -32,22 +33,34 @@ _published: weakref.WeakKeyDictionary[HipBuffer, dict[str, tuple[weakref.ref[Any
 
 
 def published(buffer: HipBuffer) -> dict[str, Any]:
-    """The endpoints ``buffer`` is published with by live transports, by transport name (the
-    latest of each)."""
+    """The endpoints ``buffer`` is published with by live transports (not collected, not
+    closed), by transport name (the latest of each)."""
     return {name: endpoint for name, (transport, endpoint) in
-            _published.get(buffer.root, {}).items() if transport() is not None}
+            _published.get(buffer.root, {}).items()
+            if (live := transport()) is not None and not live.closed}
 
 
 class Transport(ABC):
     """Moves spans of a published buffer into a local one. ``close()`` (or ``with``) lets go
-    of everything it registered or mapped; it is idempotent."""
+    of everything it registered or mapped; it is idempotent, and a closed transport
+    publishes and reads no more (``TransferError``)."""
 
     #: The key of this transport's endpoints in a sequence description.
     name: ClassVar[str]
+    _closed = False
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise TransferError(f"this {type(self).__name__} was closed")
 
     def publish(self, buffer: Any) -> Any:
         """Make ``buffer`` (a root ``HipBuffer``, or a ``DeviceArray`` of one: a cache's slab)
         readable through this transport; returns its endpoint (the same one again later)."""
+        self._check_open()
         root = root_buffer(buffer)
         endpoints = _published.setdefault(root, {})
         if not self._published_by_me(endpoints):
@@ -67,8 +80,8 @@ class Transport(ABC):
         ``endpoint`` names into ``dst``; return once they have arrived."""
 
     def close(self) -> None:
-        """Let go of what this transport registered or mapped."""
-        return None
+        """Let go of what this transport registered or mapped (subclasses extend this)."""
+        self._closed = True
 
     def _forget(self, buffer: HipBuffer) -> None:
         """``buffer`` is published through this transport no more."""
