@@ -148,6 +148,36 @@ def test_a_source_overlapping_a_destination_of_one_buffer_is_refused(backend):
             np.testing.assert_array_equal(buf.to_numpy(), data)
 
 
+def test_spans_that_only_touch_in_one_buffer_copy(backend):
+    """A destination ending exactly where a source starts (and the other way round) shares
+    no byte with it: accepted, and copied."""
+    data = np.arange(4 * KiB, dtype=np.uint32).view(np.uint8)[: 4 * KiB]
+    with rf.HipBuffer.from_numpy(data, DEVICE, backend) as buf:
+        spans = np.array([[0, 64, 64], [256, 192, 64]], np.int64)  # dst 64..128 after src
+        ops.copy_spans(buf, buf, spans)  # 0..64; dst 192..256 before src 256..320
+        want = data.copy()
+        want[64:128], want[192:256] = data[0:64], data[256:320]
+        np.testing.assert_array_equal(buf.to_numpy(), want)
+
+
+def test_two_imports_of_one_handle_are_one_memory_to_the_overlap_check(backend):
+    """Two HipBuffers imported from one handle are two roots at one address: a span that
+    reads what another writes is refused as within one buffer."""
+    from workers import export_and_wait, spawned
+
+    with spawned(export_and_wait, backend.name) as worker:
+        try:
+            handle = worker.receive()
+            with rf.HipBuffer.from_ipc(handle) as a, rf.HipBuffer.from_ipc(handle) as b:
+                assert a.ptr == b.ptr and a.root is not b.root
+                before = a.to_numpy()
+                with pytest.raises(ValueError, match="read bytes another span writes"):
+                    ops.copy_spans(a, b, np.array([[0, 1 * KiB, 2 * KiB]], np.int64))
+                np.testing.assert_array_equal(a.to_numpy(), before)
+        finally:
+            worker.kill()
+
+
 def test_buffers_of_two_backends_or_no_buffer_are_refused(backend):
     with rf.HipBuffer(64, DEVICE, backend) as buf:
         with pytest.raises(TypeError, match="src must be a HipBuffer, got 'x'"):
