@@ -123,12 +123,19 @@ def test_clearing_the_prefix_cache_is_one_event_and_needs_an_empty_cache():
         with pytest.raises(ValueError, match="holds 1 sequence"):
             cache.clear_prefix_cache()
         cache.finish("a")
-        cache.add_sequence("filler", BS)  # one prefix demoted to the host tier
+        cache.add_sequence("filler", 3 * BS)  # every block: a's two prefixes demoted
         cache.finish("filler")
+        prompt(cache, "c", np.arange(500, 500 + BS))  # and one prefix left on the device
+        cache.finish("c")
+        stats = cache.stats()
+        assert stats["host_cached_blocks"] == 2 and stats["cached_free_blocks"] == 1
         cache.events()
         cache.clear_prefix_cache()
         assert list(cache.events()) == [AllCleared()]
-        assert cache.stats()["cached_free_blocks"] == cache.stats()["host_cached_blocks"] == 0
+        stats = cache.stats()
+        assert stats["cached_free_blocks"] == stats["host_cached_blocks"] == 0
+        # the forgotten blocks are free again, on both tiers
+        assert stats["host_free_blocks"] == 8 and stats["free_blocks"] == 3
         reservation = cache.add_sequence("b", tokens=tokens)
         assert reservation.num_cached_tokens == 0
         cache.check_invariants()

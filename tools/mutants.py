@@ -267,6 +267,47 @@ NAMED += [
              PROBE + "[cli-soak-minutes-1e308]"),
 ]
 
+def _issue44(name: str, path: str, old: str, new: str, *tests: str, anchor: str = ""
+             ) -> Mutant:
+    return Mutant(f"issue 44: {name}", path, old, new, tests, anchor)
+
+
+TIERS = "rocmforge_raw/cache/tiers/"
+NAMED += [
+    _issue44("HostTier.clear forgetting blocks without freeing them", TIERS + "host_tier.py",
+             "            self._free.append(block)\n        self._cached.clear()",
+             "            pass\n        self._cached.clear()",
+             "tests/test_cache_events.py::test_clearing_the_prefix_cache_is_one_event_and_"
+             "needs_an_empty_cache"),
+    _issue44("clear_prefix_cache leaving the host tier's prefixes", TIERS + "tiered.py",
+             "            self._host.clear()", "            pass",
+             "tests/test_cache_events.py::test_clearing_the_prefix_cache_is_one_event_and_"
+             "needs_an_empty_cache"),
+    _issue44("touching spans refused as overlapping", "rocmforge_raw/kernels/ops.py",
+             ".sum(1) > src_start)", ".sum(1) >= src_start)",
+             "tests/test_span_copies.py::test_spans_that_only_touch_in_one_buffer_copy"),
+    _issue44("the overlap check by root only", "rocmforge_raw/kernels/ops.py",
+             "if src.ptr < dst.ptr + dst.nbytes and dst.ptr < src.ptr + src.nbytes:",
+             "if src.root is dst.root:",
+             "tests/test_span_copies.py::test_two_imports_of_one_handle_are_one_memory_to_the_"
+             "overlap_check"),
+    _issue44("a submitted prompt kept as the caller's array", SCHED_PY,
+             'prefix.token_ids(request.tokens, f"{name} tokens").copy()',
+             'prefix.token_ids(request.tokens, f"{name} tokens")',
+             SCHED + "test_a_submitted_prompt_is_the_schedulers_own_copy"),
+    _issue44("advance taking any int64 id", SCHED_PY,
+             'prefix.token_ids(ids, "token_ids", least=-1)', "ids.astype(np.int64)",
+             SCHED + "test_advance_refuses_ids_that_no_later_step_could_take"),
+    _issue44("a closed transport working on", "rocmforge_raw/cache/transfer/transport.py",
+             "        if self._closed:\n", "        if False:\n",
+             "tests/test_transfer.py::test_a_closed_transport_publishes_and_reads_no_more"),
+    _issue44("a mapped handle imported again after its exporter exited",
+             "rocmforge_raw/memory/ipc.py", "            _check_alive(handle)\n        mapping",
+             "            pass\n        mapping",
+             "tests/test_ipc.py::test_a_handle_mapped_here_is_not_imported_anew_once_its_"
+             "exporter_exited"),
+]
+
 # Operator swaps for the generated core mutants: (pattern, replacement), one site at a time.
 OPERATORS = [(" < ", " <= "), (" <= ", " < "), (" > ", " >= "), (" >= ", " > "),
              (" == ", " != "), (" != ", " == "), (" + ", " - "), (" - ", " + "),
