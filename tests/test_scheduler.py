@@ -407,3 +407,53 @@ def test_advance_refuses_ids_that_no_later_step_could_take(ids):
     assert snapshot(cache, sched) == before
     sched.advance(plan, [5])
     assert [r.request_id for r in sched.step().decode] == ["a"]
+
+
+def _run_to_the_end(cache, sched, steps=400):
+    for _ in range(steps):
+        plan = sched.step()
+        sched.advance(plan, np.zeros(len(plan.generating), np.int64))
+        if sched.idle:
+            break
+    cache.check_invariants()
+    return {k: v.generated for k, v in sched.finished().items()}
+
+
+@pytest.mark.parametrize("outside", ["swap_in", "remove"])
+def test_a_swapped_out_request_whose_sequence_was_moved_outside_still_finishes(outside):
+    """A request the cache swapped out, then swapped back in (it resumes as it is) or
+    removed (it computes its context again) by a call outside the scheduler, is admitted
+    again and finishes: never left waiting for a swap-in that cannot come."""
+    cache = KvCache(CacheConfig(1, 1, 64, 16, 8, "float32", host_blocks=16), backend="host")
+    sched = Scheduler(cache, max_running=4)
+    sched.submit(Request("a", tokens=np.arange(40), max_new_tokens=60))
+    sched.submit(Request("b", tokens=np.arange(100, 140), max_new_tokens=60))
+    moved = None
+    for _ in range(400):
+        plan = sched.step()
+        sched.advance(plan, np.zeros(len(plan.generating), np.int64))
+        swapped = cache.swapped_ids()
+        if moved is None and swapped and (outside == "remove" or cache.can_swap_in(swapped)):
+            moved = swapped[0]
+            getattr(cache, outside)(moved if outside == "remove" else [moved])
+            waiting = next(r for r in sched.waiting if r.request_id == moved)
+            assert waiting.swapped  # as the scheduler left it
+        if sched.idle:
+            break
+    assert moved is not None
+    cache.check_invariants()
+    assert {k: v.generated for k, v in sched.finished().items()} == {"a": 60, "b": 60}
+    cache.close()
+
+
+def test_a_running_request_swapped_out_outside_waits_to_be_swapped_back_in():
+    cache = KvCache(CacheConfig(1, 1, 64, 16, 16, "float32", host_blocks=16), backend="host")
+    sched = Scheduler(cache, max_running=4)
+    sched.submit(Request("a", tokens=np.arange(40), max_new_tokens=20))
+    sched.advance(sched.step(), [1])
+    cache.swap_out(["a"])
+    plan = sched.step()  # a swap-in, not an error from the cache about a swapped sequence
+    assert [r.request_id for r in plan.resumed] == ["a"] and not plan.seq_ids
+    sched.advance(plan, [])
+    assert _run_to_the_end(cache, sched) == {"a": 20}
+    cache.close()

@@ -301,6 +301,11 @@ NAMED += [
     _issue44("a closed transport working on", "rocmforge_raw/cache/transfer/transport.py",
              "        if self._closed:\n", "        if False:\n",
              "tests/test_transfer.py::test_a_closed_transport_publishes_and_reads_no_more"),
+    _issue44("a swapped request removed outside left waiting for a swap-in", SCHED_PY,
+             "            self._moved_outside(held)\n", "",
+             SCHED + "test_a_swapped_out_request_whose_sequence_was_moved_outside_still_"
+             "finishes", SCHED + "test_a_running_request_swapped_out_outside_waits_to_be_"
+             "swapped_back_in"),
     _issue44("a mapped handle imported again after its exporter exited",
              "rocmforge_raw/memory/ipc.py", "            _check_alive(handle)\n        mapping",
              "            pass\n        mapping",

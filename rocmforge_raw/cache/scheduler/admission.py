@@ -101,7 +101,8 @@ class Admission:
                                    len(admitted) + self.max_overtakes - request.overtaken)
                     continue
                 if request.swapped:  # it fits: swap_in never preempts
-                    self.cache.swap_in([request.request_id])
+                    if self.cache.is_swapped(request.request_id):  # (else a call outside
+                        self.cache.swap_in([request.request_id])   # swapped it in already)
                     set_fields(request, swapped=False)
                     self._swapped.discard(request.request_id)
                     resumed.append(request)
@@ -129,6 +130,23 @@ class Admission:
                 chosen = {id(r) for r in admitted}
                 self._waiting = deque(r for r in self._waiting if id(r) not in chosen)
 
+    def _moved_outside(self, held: set[Hashable]) -> None:
+        """Take in what calls outside the scheduler did to its requests' sequences (``held``:
+        the ids the cache holds). A running request swapped out waits at the front of the
+        queue to be swapped back in, as if the cache had preempted it; a waiting one whose
+        swapped-out sequence was removed lost its KV and computes its context again, as a
+        request the cache dropped. (One swapped back in resumes as it is at admission.)"""
+        out = set(self.cache.swapped_ids()) if self._swapped or self._running else set()
+        for seq_id in [s for s in self._running if s in out]:
+            request = self._running.pop(seq_id)
+            set_fields(request, swapped=True)
+            self._swapped.add(seq_id)
+            self._waiting.appendleft(request)
+            self._queued = {seq_id: request} | self._queued
+        for seq_id in [s for s in self._swapped if s not in held]:
+            set_fields(self._queued[seq_id], swapped=False, num_computed_tokens=0)
+            self._swapped.discard(seq_id)
+
     def _first_end(self, request: Request, ids: np.ndarray | None, budget: float) -> int:
         """Where an admission's first chunk ends: the whole context without a budget; else
         the tokens the cache holds of it plus what the budget allows."""
@@ -141,7 +159,8 @@ class Admission:
         """Whether ``request`` can be admitted now, its first ``end`` tokens, without
         preempting."""
         if request.swapped:
-            return bool(self.cache.can_swap_in([request.request_id]))
+            seq_id = request.request_id
+            return not self.cache.is_swapped(seq_id) or bool(self.cache.can_swap_in([seq_id]))
         if ids is not None:
             return bool(self.cache.can_allocate(tokens=ids[:end]))
         return bool(self.cache.can_allocate(end))

@@ -182,6 +182,7 @@ class Scheduler(Admission):
                 raise ValueError(f"request {clash!r} is waiting but the cache already holds a "
                                  "sequence of that id (added outside the scheduler)")
             self._check_running(held)
+            self._moved_outside(held)
             now = self.cache._now()  # the cache's one clock read, before the first change
             budget = math.inf if self.max_batched_tokens is None else self.max_batched_tokens
             decode, slots = [], np.zeros(0, np.int64)
