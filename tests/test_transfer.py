@@ -184,7 +184,12 @@ def test_altered_or_inconsistent_descriptions_are_refused():
                (dataclasses.replace(desc, prefix_hashes=(b"x",)), r"full block\) of 16 bytes"),
                (dataclasses.replace(desc, prefix_hashes=(*desc.prefix_hashes, b"p" * 16)),
                 "at most 2 hashes"),  # 40 tokens: the third block is partial
-               (dataclasses.replace(desc, endpoints={}), "published through no transport")]
+               (dataclasses.replace(desc, endpoints={}), "published through no transport"),
+               # a smaller count reads other blocks at the planes' strides, still inside
+               # the sender's slab: checked against the size the endpoint names
+               (dataclasses.replace(desc, num_blocks=16), "desc.num_blocks 16 makes a slab of "
+                                                          r"\d+ bytes, but the endpoint names"),
+               (dataclasses.replace(desc, num_blocks=64), "desc.num_blocks 64")]
         for wrong, message in bad:
             with pytest.raises(ValueError, match=message):
                 dst.import_sequence(wrong, link)

@@ -32,16 +32,24 @@ class IpcTransport(Transport):
     def _publish(self, buffer: HipBuffer) -> IpcHandle:
         return buffer.ipc_handle()  # raises unless the buffer is shareable
 
+    def endpoint_nbytes(self, endpoint: Any) -> int:
+        # (the handle's size is sealed in its lease: mapping refuses an altered one)
+        return self._handle(endpoint).nbytes
+
     def read(self, endpoint: Any, dst: HipBuffer, spans: np.ndarray,
              stream: Stream | None = None) -> None:
         self._check_open()
-        if not isinstance(endpoint, IpcHandle):
-            raise TypeError(f"an ipc endpoint is an IpcHandle, got {checks.show(endpoint)}")
-        src = self.mapping(endpoint)
+        src = self.mapping(self._handle(endpoint))
         if src.backend is not dst.backend:
             raise ValueError(f"the sender's slab is {src.backend.name} memory, the receiver's "
                              f"{dst.backend.name}: IPC copies within one backend")
         copy_spans(dst, src, spans, stream)
+
+    @staticmethod
+    def _handle(endpoint: Any) -> IpcHandle:
+        if not isinstance(endpoint, IpcHandle):
+            raise TypeError(f"an ipc endpoint is an IpcHandle, got {checks.show(endpoint)}")
+        return endpoint
 
     def mapping(self, handle: IpcHandle) -> HipBuffer:
         """The buffer ``handle`` names, mapped here once (until ``close()``); a mapping whose

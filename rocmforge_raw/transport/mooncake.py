@@ -124,12 +124,13 @@ class MooncakeTransport(Transport):
                                 f"(status {status})")
         self._registered[buffer.ptr] = (buffer, end)
 
+    def endpoint_nbytes(self, endpoint: Any) -> int:
+        return _endpoint(endpoint).nbytes
+
     def read(self, endpoint: Any, dst: HipBuffer, spans: np.ndarray,
              stream: Stream | None = None) -> None:
         self._check_open()
-        if not isinstance(endpoint, MooncakeEndpoint):
-            raise TypeError(f"a mooncake endpoint is a MooncakeEndpoint, got "
-                            f"{checks.show(endpoint)}")
+        endpoint = _endpoint(endpoint)
         spans = checks.spans(spans, endpoint.nbytes, dst.nbytes)
         self._register(dst.root)
         if not spans.size:
@@ -150,6 +151,13 @@ class MooncakeTransport(Transport):
             self._forget(buffer)
         self._release()
         self._engine = None  # the engine stops listening when it is destroyed
+
+
+def _endpoint(endpoint: Any) -> MooncakeEndpoint:
+    if not isinstance(endpoint, MooncakeEndpoint):
+        raise TypeError(f"a mooncake endpoint is a MooncakeEndpoint, got "
+                        f"{checks.show(endpoint)}")
+    return endpoint
 
 
 def _unregister_all(engine: Any, registered: dict[int, tuple[HipBuffer, Any]]) -> None:

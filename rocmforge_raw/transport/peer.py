@@ -50,20 +50,29 @@ class PeerTransport(Transport):
         _buffers[number] = weakref.ref(buffer, functools.partial(_forget, number))
         return PeerEndpoint(os.getpid(), number)
 
+    def endpoint_nbytes(self, endpoint: Any) -> int:
+        return _source(endpoint, open_only=False).nbytes  # (a closed one has its size)
+
     def read(self, endpoint: Any, dst: HipBuffer, spans: np.ndarray,
              stream: Stream | None = None) -> None:
         self._check_open()
-        if not isinstance(endpoint, PeerEndpoint):
-            raise TypeError(f"a peer endpoint is a PeerEndpoint, got {checks.show(endpoint)}")
-        if endpoint.pid != os.getpid():
-            raise ValueError(f"a peer endpoint names memory of process {endpoint.pid}, and "
-                             "peer copies stay in one process: use IpcTransport across "
-                             "processes")
-        ref = _buffers.get(endpoint.number)
-        src = None if ref is None else ref()
-        if src is None or src.closed:
-            raise BufferClosedError("the sender's slab was closed")
+        src = _source(endpoint)
         if src.backend is not dst.backend:
             raise ValueError(f"the sender's slab is {src.backend.name} memory, the receiver's "
                              f"{dst.backend.name}: peer copies stay within one backend")
         copy_spans(dst, src, spans, stream)
+
+
+def _source(endpoint: Any, open_only: bool = True) -> HipBuffer:
+    """The buffer a peer endpoint of this process names (open, with ``open_only``)."""
+    if not isinstance(endpoint, PeerEndpoint):
+        raise TypeError(f"a peer endpoint is a PeerEndpoint, got {checks.show(endpoint)}")
+    if endpoint.pid != os.getpid():
+        raise ValueError(f"a peer endpoint names memory of process {endpoint.pid}, and "
+                         "peer copies stay in one process: use IpcTransport across "
+                         "processes")
+    ref = _buffers.get(endpoint.number)
+    src = None if ref is None else ref()
+    if src is None or (open_only and src.closed):
+        raise BufferClosedError("the sender's slab was closed")
+    return src

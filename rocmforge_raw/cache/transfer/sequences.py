@@ -149,6 +149,13 @@ def _import(cache: TierOps, desc: Any, transport: Any, seq_id: Hashable | None =
         raise ValueError(f"the sending cache's slab is published through "
                          f"{sorted(desc.endpoints) or 'no transport'}, not {transport.name!r}: "
                          f"publish it there first ({type(transport).__name__}.publish(slab))")
+    # the sender's slab has num_blocks blocks of this layout, exactly: a description whose
+    # count was altered would read other blocks' bytes at the planes' strides
+    slab = transport.endpoint_nbytes(desc.endpoints[transport.name])
+    if slab != desc.num_blocks * config.block_bytes:
+        raise ValueError(f"desc.num_blocks {desc.num_blocks} makes a slab of "
+                         f"{desc.num_blocks * config.block_bytes} bytes, but the endpoint names "
+                         f"{slab}: the description was altered")
     now = cache._now()
     pool = cache.pool
     hits = pool.lookup(list(desc.prefix_hashes))

@@ -74,6 +74,11 @@ class Transport(ABC):
     def _publish(self, buffer: HipBuffer) -> Any: ...
 
     @abstractmethod
+    def endpoint_nbytes(self, endpoint: Any) -> int:
+        """The size in bytes of the buffer ``endpoint`` names (``TypeError`` for an endpoint
+        of another transport): what a description's counts are checked against."""
+
+    @abstractmethod
     def read(self, endpoint: Any, dst: HipBuffer, spans: np.ndarray,
              stream: Stream | None = None) -> None:
         """Copy ``spans`` (int64 ``[n, 3]``: src offset, dst offset, bytes) of the buffer
