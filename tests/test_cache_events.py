@@ -164,3 +164,39 @@ def test_events_keep_operation_order_across_tiers():
         assert host == [(BlockStored, hashes[0]), (BlockRemoved, hashes[0]),
                         (BlockStored, hashes[1]), (BlockRemoved, hashes[1]),
                         (BlockStored, hashes[2])]
+
+
+def test_an_undone_operation_announces_only_what_it_forgot():
+    """An import whose read fails after its allocation demoted cached prefixes to the host
+    tier is undone: the demotions' events (stored on the host, removed from the device)
+    stay unpublished; only the prefix blocks the failed read may have written, which the
+    cache forgets, are announced, once each."""
+    from rocmforge_raw.errors import BufferClosedError
+    from rocmforge_raw.transport import PeerTransport
+
+    config = CacheConfig(2, 2, 64, 16, 8, "float32", num_q_heads=4, host_blocks=8)
+    with PeerTransport() as link:
+        with KvCache(CacheConfig(2, 2, 64, 16, 8, "float32", num_q_heads=4),
+                     backend="host") as src:
+            link.publish(src.slab)
+            r = src.add_sequence("s", tokens=np.arange(5 * 16))
+            write(src, r.slot_mapping, np.arange(5 * 16))
+            desc = src.export_sequence("s")
+        with KvCache(config, backend="host") as dst:
+            old = np.arange(1000, 1000 + 7 * 16)
+            r = dst.add_sequence("old", tokens=old)
+            write(dst, r.slot_mapping, old)
+            dst.finish("old")  # 7 cached prefix blocks: the import's 5 evict 5 of them
+            hashes = set(block_hashes(old, 16))
+            dst.events()
+            with pytest.raises(BufferClosedError):
+                dst.import_sequence(desc, link)
+            events = kinds(dst.events())
+            assert events and {tier for _, _, tier in events} == {"device"}
+            assert {kind for kind, _, _ in events} == {"BlockRemoved"}
+            forgotten = [h for _, h, _ in events]
+            assert len(set(forgotten)) == len(forgotten) and set(forgotten) <= hashes
+            stats = dst.stats()
+            assert stats["host_cached_blocks"] == 0
+            assert stats["cached_free_blocks"] == 7 - len(forgotten)
+            dst.check_invariants()

@@ -306,6 +306,10 @@ NAMED += [
              SCHED + "test_a_swapped_out_request_whose_sequence_was_moved_outside_still_"
              "finishes", SCHED + "test_a_running_request_swapped_out_outside_waits_to_be_"
              "swapped_back_in"),
+    _issue44("an undone operation's events published", "rocmforge_raw/cache/events.py",
+             "        del self.pending[mark:]\n", "        pass\n",
+             "tests/test_cache_events.py::test_an_undone_operation_announces_only_what_it_"
+             "forgot"),
     _issue44("a description's num_blocks trusted", "rocmforge_raw/cache/transfer/sequences.py",
              "if slab != desc.num_blocks * config.block_bytes:", "if False:",
              "tests/test_transfer.py::test_altered_or_inconsistent_descriptions_are_refused"),
