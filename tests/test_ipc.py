@@ -15,6 +15,7 @@ from workers import (
     map_and_ask,
     map_and_map_again,
     map_and_write,
+    map_then_close_when_told,
     map_twice,
     share_once,
     spawned,
@@ -89,6 +90,23 @@ def test_close_while_another_process_maps_it_defers_the_free(backend):
     assert ipc.collect() == 4096  # the importer unmapped: now it is freed
     assert ipc.pending()["deferred"] == 0
     assert not _files()
+
+
+def test_the_last_importer_letting_go_lets_the_exporter_free_while_it_lives(backend):
+    """The importer's close (not its exit) releases the lease: the exporter's deferred
+    free completes while the importing process still runs."""
+    buf = _shared(backend)
+    with spawned(map_then_close_when_told, buf.ipc_handle()) as worker:
+        assert worker.receive() == "holding"
+        buf.close()
+        assert ipc.collect() == 0  # still mapped there
+        worker.send("close")
+        assert worker.receive() == "closed"
+        try:
+            assert ipc.collect() == 4096 and ipc.pending()["deferred"] == 0
+            assert not _files()
+        finally:
+            worker.send("exit")
 
 
 def test_memory_its_exporter_closed_is_not_mapped_anew(backend):

@@ -97,6 +97,21 @@ def map_and_write(handle: Any, hold: bool, conn: Any) -> None:
     buf.close()
 
 
+def map_then_close_when_told(handle: Any, conn: Any) -> None:
+    """Map ``handle`` and send "holding"; when told, close it and send "closed", then stay
+    alive until told again (a living process that let go)."""
+    from rocmforge_raw import HipBuffer
+
+    buf = HipBuffer.from_ipc(handle)
+    conn.send("holding")
+    if conn.poll(TIMEOUT):
+        conn.recv()
+    buf.close()
+    conn.send("closed")
+    if conn.poll(TIMEOUT):
+        conn.recv()
+
+
 def map_twice(handle: Any, conn: Any) -> None:
     """Import ``handle`` twice: send both addresses, then the data seen through the second
     after the first closed, and the count of mappings."""
