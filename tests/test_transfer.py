@@ -472,3 +472,31 @@ def test_peer_access_is_asked_once_per_pair_and_is_true_within_a_device(two_devi
     assert backend.peer_access(0, 1) is first and isinstance(first, bool)
     with pytest.raises(rf.BackendUnavailableError, match="device 64"):
         backend.peer_access(0, 64)
+
+
+def test_closing_an_ipc_transport_unmaps_what_it_mapped(backend):
+    from workers import export_and_wait
+
+    from rocmforge_raw.memory import ipc
+    from rocmforge_raw.transport import IpcTransport
+
+    with spawned(export_and_wait, backend.name) as worker:
+        try:
+            handle = worker.receive()
+            link = IpcTransport()
+            mapped = link.mapping(handle)
+            assert link.mapping(handle) is mapped and ipc.pending()["imported"] == 1
+            link.close()
+            assert mapped.closed and ipc.pending()["imported"] == 0
+        finally:
+            worker.kill()
+
+
+def test_endpoints_of_a_collected_transport_are_not_listed(backend):
+    with KvCache(config(), backend=backend) as cache:
+        link = PeerTransport()
+        link.publish(cache.slab)
+        assert set(rf.transport.published(cache.slab.buffer)) == {"peer"}
+        del link
+        gc.collect()
+        assert rf.transport.published(cache.slab.buffer) == {}

@@ -310,6 +310,13 @@ NAMED += [
              "                os.close(self.fd)  # releases", "                pass  # releases",
              "tests/test_ipc.py::test_the_last_importer_letting_go_lets_the_exporter_free_"
              "while_it_lives"),
+    _issue44("IpcTransport.close dropping its mappings unclosed", "rocmforge_raw/transport/ipc.py",
+             "self._mapped.popitem()[1].close()", "self._mapped.popitem()",
+             "tests/test_transfer.py::test_closing_an_ipc_transport_unmaps_what_it_mapped"),
+    _issue44("published() listing a collected transport's endpoints",
+             "rocmforge_raw/cache/transfer/transport.py",
+             "if (live := transport()) is not None and not live.closed}", "if True}",
+             "tests/test_transfer.py::test_endpoints_of_a_collected_transport_are_not_listed"),
     _issue44("an undone operation's events published", "rocmforge_raw/cache/events.py",
              "        del self.pending[mark:]\n", "        pass\n",
              "tests/test_cache_events.py::test_an_undone_operation_announces_only_what_it_"
