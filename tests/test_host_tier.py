@@ -415,3 +415,41 @@ def test_a_restore_forgets_the_cached_host_block_a_successful_swap_wrote(monkeyp
         assert prompt(cache, "x2", tokens) == 0  # forgotten: a hit would read c's values
         np.testing.assert_array_equal(read(cache, "x2"), tokens)
         cache.check_invariants()
+
+
+def test_a_device_prefix_evicted_while_on_the_host_tier_becomes_its_most_recent():
+    """Prefix P reaches the host tier first (a swapped-out sharer, then removed), Q after
+    it; P's device copy is then evicted: P is used now, so when R's demotion needs room
+    the host tier lets Q go (its least recent), not P."""
+    bs = 8
+    config = CacheConfig(1, 1, 64, bs, 5, "float32", host_blocks=2)  # 4 usable blocks
+    with KvCache(config, backend="host") as cache:
+        p, q, r = (np.arange(k * 100, k * 100 + bs) for k in (1, 2, 3))
+
+        def prompt(seq_id, tokens):
+            reservation = cache.add_sequence(seq_id, tokens=tokens)
+            write(cache, reservation.slot_mapping, tokens)
+
+        def evict_all():  # a filler taking every device block, then removed
+            cache.add_sequence("filler", 4 * bs)
+            cache.remove("filler")
+
+        def found(tokens):
+            return cache.cached_tokens(np.append(tokens, 1))
+
+        prompt("x", np.append(p, 7))
+        cache.add_sequence("y", tokens=np.append(p, 9))  # shares P's block with x
+        cache.swap_out(["x"])
+        cache.remove("x")  # P cached on the host tier; its device block held by y
+        prompt("q", q)
+        cache.finish("q")
+        cache.add_sequence("filler", 2 * bs)  # Q demoted: after P
+        cache.remove("filler")
+        cache.finish("y")
+        evict_all()  # P leaves the device, already on the host tier: used now
+        assert cache.stats()["host_cached_blocks"] == 2 and found(p) == found(q) == bs
+        prompt("r", r)
+        cache.finish("r")
+        evict_all()  # R demoted into a full host tier
+        assert (found(p), found(q), found(r)) == (bs, 0, bs)
+        cache.check_invariants()

@@ -317,6 +317,10 @@ NAMED += [
              "rocmforge_raw/cache/transfer/transport.py",
              "if (live := transport()) is not None and not live.closed}", "if True}",
              "tests/test_transfer.py::test_endpoints_of_a_collected_transport_are_not_listed"),
+    _issue44("an evicted prefix on the host tier not refreshed", TIERS + "tiered.py",
+             "                host.touch(host.index[digest])", "                pass",
+             "tests/test_host_tier.py::test_a_device_prefix_evicted_while_on_the_host_tier_"
+             "becomes_its_most_recent"),
     _issue44("an undone operation's events published", "rocmforge_raw/cache/events.py",
              "        del self.pending[mark:]\n", "        pass\n",
              "tests/test_cache_events.py::test_an_undone_operation_announces_only_what_it_"
