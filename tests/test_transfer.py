@@ -153,6 +153,17 @@ def test_a_sequence_the_receiver_holds_whole_reads_nothing(backend):
         assert (done.blocks_shared, done.blocks_moved, done.nbytes) == (2, 0, 0)
         assert list(dst.block_ids("again")) == list(dst.block_ids("s"))
         dst.check_invariants()
+        # its last block is shared with "s": a step's write without a new slot (as after
+        # fork) must not land there
+        before = dst.slab.buffer.to_numpy()
+        plan = dst.batch(["again"])
+        c = dst.config
+        rows = DeviceArray.from_numpy(np.ones((1, c.num_kv_heads, c.head_dim), c.dtype),
+                                      backend=dst.slab.backend)
+        for layer in range(c.num_layers):
+            dst.write(layer, rows, rows, plan)
+        np.testing.assert_array_equal(dst.slab.buffer.to_numpy(), before)
+        rows.buffer.close()
 
 
 @pytest.mark.parametrize("change", [dict(block_size=32), dict(num_kv_heads=4),

@@ -321,6 +321,10 @@ NAMED += [
              "                host.touch(host.index[digest])", "                pass",
              "tests/test_host_tier.py::test_a_device_prefix_evicted_while_on_the_host_tier_"
              "becomes_its_most_recent"),
+    _issue44("a wholly found import's shared last block taken as private",
+             "rocmforge_raw/cache/transfer/sequences.py", "len(hits) == need, now)",
+             "False, now)",
+             "tests/test_transfer.py::test_a_sequence_the_receiver_holds_whole_reads_nothing"),
     _issue44("an undone operation's events published", "rocmforge_raw/cache/events.py",
              "        del self.pending[mark:]\n", "        pass\n",
              "tests/test_cache_events.py::test_an_undone_operation_announces_only_what_it_"
