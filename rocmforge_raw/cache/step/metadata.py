@@ -34,7 +34,6 @@ class BatchMetadata:
     seq_lens: np.ndarray
     slot_mapping: np.ndarray
     stream: Stream | None = None
-    query_lens: np.ndarray | None = None
     _owner: Any = field(default=None, repr=False)
     _epoch: int = field(default=-1, repr=False)
     _staging: Staging | None = field(default=None, repr=False)
@@ -46,6 +45,8 @@ class BatchMetadata:
     _kv_bytes: int = field(default=0, repr=False)  # of a key or value, and of a query:
     _q_bytes: int = field(default=0, repr=False)
     _scale: float = field(default=0.0, repr=False)
+    # (last: the positional order of the fields before it is as it was before it came)
+    query_lens: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         for array in (self.block_tables, self.seq_lens, self.slot_mapping, self.query_lens):
