@@ -22,7 +22,6 @@ from typing import Any
 import numpy as np
 
 from ..common import checks
-from ..kernels import ops
 from ..kernels.planning.work import MAX_TOKENS
 from ..memory.stream import Stream
 from .blocks import prefix
@@ -112,20 +111,7 @@ class ChunkOps(TierOps):
         added = -(-(lens + grow) // self.config.block_size) - blocks
         fresh, cow = new[: int(added.sum())], new[int(added.sum()):]
         if copies.any():  # the only step that can fail (the copy): before any change
-            src = last[copies].astype(np.int64)
-            try:
-                if self._order is not None:
-                    self._order.used(stream)
-                ops.copy_blocks(self.slab, np.stack([src, cow.astype(np.int64)], 1),
-                                stream=stream)
-            except BaseException:
-                if saved is not None:
-                    self._restore(saved)
-                else:
-                    self.pool.undo_allocate(new)
-                raise
-            self.pool.free(src)
-            self.num_cow_copies += int(copies.sum())
+            self._copy_on_write(last[copies], cow, new, saved, stream)
         slots = self._grown(rows, lens, grow, blocks, added, fresh, cow, copies, now)
         if self._chains.count:
             self._name_chunks(rows, lens, grow, ids_of)

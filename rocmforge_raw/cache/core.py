@@ -155,23 +155,31 @@ class CacheCore:
         if copies:  # the only step that can fail (the copy): before any change
             assert new is not None  # total counts the copies
             cow_rows = rows[kinds == COW]
-            src = self._rows.last_block[cow_rows]
-            dst = new[total - cow_rows.size :].astype(np.int64)
-            try:
-                if self._order is not None:
-                    self._order.used(stream)
-                ops.copy_blocks(self.slab, np.stack([src, dst], 1), stream=stream)
-            except BaseException:
-                if saved is not None:
-                    self._restore(saved)
-                else:
-                    self.pool.undo_allocate(new)
-                raise
-            self.pool.free(src)
-            self.num_cow_copies += int(cow_rows.size)
+            self._copy_on_write(self._rows.last_block[cow_rows],
+                                new[total - cow_rows.size :], new, saved, stream)
         slots = self._rows.extend(rows, kinds, new, self.config.block_size, now)
         self._changed()
         return slots
+
+    def _copy_on_write(self, src: np.ndarray, dst: np.ndarray, new: np.ndarray,
+                       saved: tuple[Any, ...] | None, stream: Stream | None) -> None:
+        """Queue the copies of shared last blocks ``src`` into private blocks ``dst`` (of
+        the allocation ``new``), then let go of ``src``. The copy is the only step of a
+        reservation that can fail, and comes before any other change: if it fails, the
+        state ``saved`` is restored (or else the allocation undone) and the error raised."""
+        try:
+            if self._order is not None:
+                self._order.used(stream)
+            ops.copy_blocks(self.slab, np.stack([src, dst], 1).astype(np.int64, copy=False),
+                            stream=stream)
+        except BaseException:
+            if saved is not None:
+                self._restore(saved)
+            else:
+                self.pool.undo_allocate(new)
+            raise
+        self.pool.free(src)
+        self.num_cow_copies += int(src.size)
 
     def _append_plain(self, rows: np.ndarray, now: float) -> np.ndarray | None:
         """``_extend`` of an append's common case in one C call (no copy-on-write, full
