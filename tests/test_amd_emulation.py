@@ -27,7 +27,7 @@ from amd_emu.emulator import (
     find_compiler,
     load,
 )
-from test_ops import POISON, TOLERANCE, random_tables, relative_error
+from test_ops import POISON, TOLERANCE, random_kv, random_tables, relative_error
 
 from rocmforge_raw.kernels import ops, planning, reference
 
@@ -76,19 +76,10 @@ def attention(emulator, rng, dtype, head_dim, block_size, ratio, lens, num_kv_he
     per-tensor scales; ``sms``: the multiprocessors, which pad a short launch's sequences to
     whole pieces): (output as float64, float64 reference, counters after)."""
     num_q_heads, num_seqs = num_kv_heads * ratio, len(lens)
-    num_blocks = sum(math.ceil(n / block_size) for n in lens) + 3
-    shape = (num_blocks, num_kv_heads, block_size, head_dim)
-    k = rng.standard_normal(shape, np.float32).astype(dtype)
-    v = rng.standard_normal(shape, np.float32).astype(dtype)
-    k_scale = v_scale = 1.0
-    if cache_dtype is not None:
-        limit = reference.FP8_LIMITS[cache_dtype]
-        k_scale = float(np.abs(k.astype(np.float32)).max()) / limit
-        v_scale = float(np.abs(v.astype(np.float32)).max()) / limit
-        k = reference.quantize(k, k_scale, cache_dtype)
-        v = reference.quantize(v, v_scale, cache_dtype)
+    k, v, k_scale, v_scale = random_kv(rng, dtype, lens, num_kv_heads, block_size, head_dim,
+                                       cache_dtype)
     q = rng.standard_normal((num_seqs, num_q_heads, head_dim), np.float32).astype(dtype)
-    tables = random_tables(rng, lens, block_size, num_blocks)
+    tables = random_tables(rng, lens, block_size, k.shape[0])
     lens = np.asarray(lens, np.int32)
     out = np.empty_like(q)
     out.view(np.uint8)[...] = POISON

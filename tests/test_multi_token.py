@@ -10,7 +10,7 @@ import math
 import ml_dtypes
 import numpy as np
 import pytest
-from test_ops import POISON, TOLERANCE, random_tables, relative_error
+from test_ops import POISON, TOLERANCE, random_kv, random_tables, relative_error
 
 from rocmforge_raw.kernels import ops, reference
 from rocmforge_raw.kernels.planning import FP8_DTYPES
@@ -25,20 +25,11 @@ def random_inputs(rng, dtype, head_dim, block_size, ratio, q_lens, kv_lens, num_
     """Host arrays of one call: q ``[sum(q_lens), H, D]``, caches (fp8 codes with their
     scales where ``cache_dtype`` is fp8), tables in random page order, lengths."""
     dtype = np.dtype(dtype)
-    num_blocks = sum(math.ceil(n / block_size) for n in kv_lens) + 3
-    shape = (num_blocks, num_kv_heads, block_size, head_dim)
-    k = rng.standard_normal(shape, np.float32).astype(dtype)
-    v = rng.standard_normal(shape, np.float32).astype(dtype)
-    k_scale = v_scale = 1.0
-    if cache_dtype is not None:
-        limit = reference.FP8_LIMITS[np.dtype(cache_dtype)]
-        k_scale = float(np.abs(k.astype(np.float32)).max()) / limit
-        v_scale = float(np.abs(v.astype(np.float32)).max()) / limit
-        k = reference.quantize(k, k_scale, cache_dtype)
-        v = reference.quantize(v, v_scale, cache_dtype)
+    k, v, k_scale, v_scale = random_kv(rng, dtype, kv_lens, num_kv_heads, block_size, head_dim,
+                                       cache_dtype)
     q = rng.standard_normal((sum(q_lens), num_kv_heads * ratio, head_dim),
                             np.float32).astype(dtype)
-    tables = random_tables(rng, kv_lens, block_size, num_blocks)
+    tables = random_tables(rng, kv_lens, block_size, k.shape[0])
     return (q, k, v, tables, np.asarray(kv_lens, np.int32), np.asarray(q_lens, np.int32),
             k_scale, v_scale)
 

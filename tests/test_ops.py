@@ -28,6 +28,23 @@ def random_cache(rng, backend, dtype, num_blocks, num_kv_heads, block_size, head
             DeviceArray.from_numpy(v, backend=backend))
 
 
+def random_kv(rng, dtype, seq_lens, num_kv_heads, block_size, head_dim, cache_dtype=None):
+    """Host K and V caches with room for ``seq_lens`` (and 3 spare blocks): (k, v, k_scale,
+    v_scale). With an fp8 ``cache_dtype`` they hold codes, quantized with per-tensor scales
+    (the largest magnitude at the format's limit); else values of ``dtype``, scales 1."""
+    num_blocks = sum(math.ceil(n / block_size) for n in seq_lens) + 3
+    shape = (num_blocks, num_kv_heads, block_size, head_dim)
+    k = rng.standard_normal(shape, np.float32).astype(dtype)
+    v = rng.standard_normal(shape, np.float32).astype(dtype)
+    if cache_dtype is None:
+        return k, v, 1.0, 1.0
+    limit = reference.FP8_LIMITS[np.dtype(cache_dtype)]
+    k_scale = float(np.abs(k.astype(np.float32)).max()) / limit
+    v_scale = float(np.abs(v.astype(np.float32)).max()) / limit
+    return (reference.quantize(k, k_scale, cache_dtype),
+            reference.quantize(v, v_scale, cache_dtype), k_scale, v_scale)
+
+
 def random_tables(rng, seq_lens, block_size, num_blocks):
     """Block tables in random, non-contiguous order; block 0 (null) pads."""
     need = [math.ceil(n / block_size) for n in seq_lens]
