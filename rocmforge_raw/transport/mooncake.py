@@ -106,9 +106,8 @@ class MooncakeTransport(Transport):
         return MooncakeEndpoint(self.session, buffer.ptr, buffer.nbytes)
 
     def _register(self, buffer: HipBuffer) -> None:
-        """Register ``buffer`` with the engine once; it stays allocated until ``close()``."""
-        if self._engine is None:
-            raise TransferError("this MooncakeTransport was closed")
+        """Register ``buffer`` with the engine once; it stays allocated until ``close()``
+        (callers checked that the transport is open)."""
         if buffer.ptr in self._registered:
             return
         if not self.reaches(buffer.backend.name):

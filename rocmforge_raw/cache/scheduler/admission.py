@@ -136,7 +136,7 @@ class Admission:
         queue to be swapped back in, as if the cache had preempted it; a waiting one whose
         swapped-out sequence was removed lost its KV and computes its context again, as a
         request the cache dropped. (One swapped back in resumes as it is at admission.)"""
-        out = set(self.cache.swapped_ids()) if self._swapped or self._running else set()
+        out = set(self.cache.swapped_ids()) if self._running else set()
         for seq_id in [s for s in self._running if s in out]:
             request = self._running.pop(seq_id)
             set_fields(request, swapped=True)
