@@ -205,3 +205,10 @@ def test_lengths_on_the_device_are_refused(backend, rng):
             _call(backend, rng, lens=q_lens)
     finally:
         q_lens.buffer.close()
+
+
+def test_the_leading_decodes_are_the_runs_of_one_row_before_the_first_longer_one():
+    from rocmforge_raw.kernels.planning.prefill import leading_decodes
+
+    for q_lens, want in (([1, 1, 5, 1], 2), ([4, 1], 0), ([1, 1, 1], 3), ([], 0), ([7], 0)):
+        assert leading_decodes(np.array(q_lens, np.int32)) == want

@@ -24,7 +24,7 @@ import numpy as np
 
 from ..kernels import planning
 from ..kernels.module import load_kernels
-from ..kernels.planning.prefill import WARPS, plan_prefill, prefill_kernel, prefill_wm
+from ..kernels.planning.prefill import WARPS, leading_decodes, prefill_launch
 from ..memory.array import DeviceArray
 from ..runtime import Backend
 from .attention import AttentionLaunch
@@ -82,17 +82,15 @@ class PrefillLaunch:
     def __init__(self, out: DeviceArray, q: DeviceArray, k: DeviceArray, v: DeviceArray,
                  tables: np.ndarray, lens: np.ndarray, q_lens: np.ndarray) -> None:
         backend, device = q.backend, q.device
-        decodes = int(np.argmin(q_lens == 1)) if (q_lens != 1).any() else len(q_lens)
+        decodes = leading_decodes(q_lens)
         self.decode = None
         if decodes:
             self.decode = AttentionLaunch(_leading(out, decodes), _leading(q, decodes), k, v,
                                           tables[:decodes], lens[:decodes])
         ratio = q.shape[1] // k.shape[1]
         rest_q, rest_lens = q_lens[decodes:], lens[decodes:]
-        wm = prefill_wm(backend.name, q.dtype, q.shape[2], int(rest_q.max()) * ratio)
-        found = prefill_kernel(backend, device, q.dtype, q.shape[2], k.dtype, wm)
-        work = plan_prefill(rest_q, rest_lens, k.shape[1], ratio, found.shape.bm,
-                            found.shape.bn, found.slots)
+        found, work = prefill_launch(backend, device, q.dtype, q.shape[2], k.dtype, rest_q,
+                                     rest_lens, k.shape[1], ratio)
         self.arrays = [DeviceArray.from_numpy(a, device, backend)
                        for a in (tables[decodes:], rest_lens, *work.arrays)]
         self.partials = DeviceArray.empty((max(work.partial_bytes(found.shape.bm,
@@ -112,7 +110,7 @@ class PrefillLaunch:
             self.combine = found.combine.prepare(
                 len(work.combines), found.threads, out_at, self.partials.ptr, items,
                 combines[0], starts, i32(q.shape[1]), i32(k.shape[1]), i32(found.shape.bm))
-        self.items, self.wm = len(work.items), wm
+        self.items, self.wm = len(work.items), found.wm
 
     def __call__(self) -> None:
         if self.decode is not None:

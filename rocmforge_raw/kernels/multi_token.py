@@ -27,7 +27,7 @@ from . import reference
 from .decode import launch_decode
 from .oneoff import host_view, metadata, staging
 from .planning import check_disjoint, check_tables, host_ints
-from .planning.prefill import plan_prefill, prefill_kernel, prefill_wm
+from .planning.prefill import leading_decodes, prefill_launch
 from .staging import Workspace
 
 #: The most query rows one launch takes: the kernels index rows as int32.
@@ -102,7 +102,7 @@ def paged_attention_multi(out: DeviceArray, query: DeviceArray, k_cache: DeviceA
                                                  scale, k_scale=k_scale, v_scale=v_scale)
         host_view(out)[...] = result.astype(out.dtype)
         return
-    decodes = int(np.argmin(q_lens == 1)) if (q_lens != 1).any() else num_seqs
+    decodes = leading_decodes(q_lens)
     if decodes:
         launch_decode(rows(out, 0, decodes), rows(query, 0, decodes), k_cache, v_cache,
                       rows(block_tables, 0, decodes) if tables is None else tables[:decodes],
@@ -128,11 +128,9 @@ def launch_prefill(out: DeviceArray, query: DeviceArray, k_cache: DeviceArray,
     backend, device = query.backend, query.device
     _, num_q_heads, head_dim = query.shape
     _, num_kv_heads, block_size, _ = k_cache.shape
-    ratio = num_q_heads // num_kv_heads
-    wm = prefill_wm(backend.name, query.dtype, head_dim, int(q_lens.max()) * ratio)
-    found = prefill_kernel(backend, device, query.dtype, head_dim, k_cache.dtype, wm)
+    found, work = prefill_launch(backend, device, query.dtype, head_dim, k_cache.dtype, q_lens,
+                                 lens, num_kv_heads, num_q_heads // num_kv_heads)
     shape = found.shape
-    work = plan_prefill(q_lens, lens, num_kv_heads, ratio, shape.bm, shape.bn, found.slots)
     source = d_tables if tables is None else tables
     assert source is not None  # one of the two
     width = source.shape[1]

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from ...kernels.planning import SCALE_ARG, plan_work
-from ...kernels.planning.prefill import plan_prefill, prefill_kernel, prefill_wm
+from ...kernels.planning.prefill import leading_decodes, prefill_launch
 from ...kernels.staging import Staging
 from ...memory.stream import Stream
 from ...runtime._launch import Launch
@@ -83,17 +83,14 @@ def plan_multi(planner: Any, staging: Staging, num_q_heads: int, lens: np.ndarra
     i32, f32 = np.int32, np.float32
     _, lens_at, tables_at = addresses
     num_seqs = len(lens)
-    decodes = int(np.argmin(query_lens == 1)) if (query_lens != 1).any() else num_seqs
+    decodes = leading_decodes(query_lens)
     rest_q, rest_lens = query_lens[decodes:], lens[decodes:]
     ratio = num_q_heads // c.num_kv_heads
     act = planner.act
     found_pf, plan = None, None
     if decodes < num_seqs:  # the multi-token part first: its pieces' records sized first
-        wm = prefill_wm(planner.backend.name, act, c.head_dim, int(rest_q.max()) * ratio)
-        found_pf = prefill_kernel(planner.backend, planner.device, act, c.head_dim, c.dtype,
-                                  wm)
-        plan = plan_prefill(rest_q, rest_lens, c.num_kv_heads, ratio, found_pf.shape.bm,
-                            found_pf.shape.bn, found_pf.slots)
+        found_pf, plan = prefill_launch(planner.backend, planner.device, act, c.head_dim,
+                                        c.dtype, rest_q, rest_lens, c.num_kv_heads, ratio)
         staging.workspace.get(plan.partial_bytes(found_pf.shape.bm, c.head_dim), 0,
                               planner.slab, stream)
     decode = None

@@ -194,3 +194,23 @@ def plan_prefill(query_lens: np.ndarray, seq_lens: np.ndarray, num_kv_heads: int
     combines = np.stack([first, counts[split[order]]], axis=1).astype(np.int32).reshape(-1, 2)
     return PrefillWork(np.ascontiguousarray(items), np.ascontiguousarray(combines),
                        q_starts.astype(np.int32), num_pieces)
+
+
+def leading_decodes(query_lens: np.ndarray) -> int:
+    """How many of a step's sequences lead it with one query row each: the decodes, which
+    the decode kernel takes; the multi-token kernel takes the rest."""
+    q_lens = np.asarray(query_lens)
+    return int(np.argmin(q_lens == 1)) if (q_lens != 1).any() else len(q_lens)
+
+
+def prefill_launch(backend: object, device: int, dtype: np.dtype, head_dim: int,
+                   cache_dtype: np.dtype, query_lens: np.ndarray, seq_lens: np.ndarray,
+                   num_kv_heads: int, ratio: int) -> tuple[PrefillKernel, PrefillWork]:
+    """The instance for a multi-token launch over these lengths (``prefill_wm`` by its
+    longest packed-row run), loaded, and the launch's work (``plan_prefill``)."""
+    wm = prefill_wm(backend.name, dtype, head_dim,  # type: ignore[attr-defined]
+                    int(np.max(query_lens)) * ratio)
+    found = prefill_kernel(backend, device, dtype, head_dim, cache_dtype, wm)
+    work = plan_prefill(query_lens, seq_lens, num_kv_heads, ratio, found.shape.bm,
+                        found.shape.bn, found.slots)
+    return found, work
