@@ -27,6 +27,9 @@ MAKEFILE = """\
 \tcp $< $@
 bad.o:
 \tfalse
+%.slow: %.src
+\tsleep 1
+\tcp $< $@
 """
 
 
@@ -60,3 +63,21 @@ def test_the_parent_makes_jobserver_is_not_passed_on_but_its_variables_are():
     env = _tool()._without_jobserver({"MAKEFLAGS": "j -j4 --jobserver-auth=3,4 FOO=1 -s",
                                       "PATH": "/bin"})
     assert env == {"MAKEFLAGS": "FOO=1 -s", "PATH": "/bin"}
+
+
+def test_off_a_terminal_the_build_says_its_count_in_plain_lines(project, capsys, monkeypatch):
+    """In a log (stderr not a terminal) the build is not silent: a line every interval on
+    stderr, then a last one; make's own lines stay on stdout."""
+    from rocmforge_raw.common import progress
+
+    monkeypatch.setattr(progress, "_forced", None)
+    monkeypatch.delenv("RF_PROGRESS", raising=False)
+    monkeypatch.setenv("RF_PROGRESS_EVERY", "0.4")
+    assert _tool().build("objects", ["a.slow", "b.slow"], jobs=1) == 0
+    out, err = capsys.readouterr()
+    lines = err.splitlines()
+    assert "sleep 1" in out and "sleep 1" not in err
+    assert len(lines) >= 3 and all(line.startswith("objects: ") for line in lines), lines
+    assert lines[0].startswith("objects: 0/2 objects, a.slow, b.slow, ")
+    assert any(line.startswith("objects: 1/2 objects, b.slow, ") for line in lines)
+    assert lines[-1].startswith("objects: done in ") and lines[-1].endswith(", 2/2 objects")
