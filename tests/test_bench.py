@@ -167,3 +167,101 @@ def test_the_prefill_bench_times_what_the_op_computes(gpu):
     assert result["matrix_tflops"] > 0 and row["query_rows"] == 129 and row["batch"] == 4
     assert row["tflops"] == pytest.approx(shape.flops() / (row["ms"] * 1e-3) / 1e12)
     assert "pct_copy" not in row  # only P4 and P5 are measured against the copy bandwidth
+
+
+# --- the tables' legends (rocmforge_raw.cli.tables) ---------------------------------------------
+def _row(**extra):
+    return {"ms": 1.0, "host_us": 2.0, **extra}
+
+
+def _tables(iters):
+    """Each table rendered from one made-up row, with its legend."""
+    from rocmforge_raw.bench.step import VARIANTS
+    from rocmforge_raw.cli import tables
+
+    alloc = {"bytes": 256, "bare_us": 1.0, "c_us": 0.5, "raw_us": 1.5, "raw_over_bare": 1.5,
+             "pooled_us": 0.3, "pool_allocate_free_us": 0.2, "cupy_pooled_us": None}
+    attention = _row(name="S1", gb_per_s=3000.0, pct_of_copy=90.0, pct_of_read=88.0,
+                     read_target_pct=93, time_vs_16bit=None)
+    step = {"batch": 64, "context": 2048, "kernels_ms": 1.0, "append_host_us": 3.0,
+            "batch_host_us": 4.0, "write_host_us": 1.0, "attention_host_us": 1.0,
+            **{f"{v}_{k}": 1.0 for v in VARIANTS for k in ("step_ms", "step_over_kernels",
+                                                          "host_us")}}
+    prefill = _row(shape="P4", what="speculative verify", query_rows=256, tflops=100.0,
+                   pct_matrix=40.0, pct_copy=80.0, met_target=False)
+    transfer = {"transport": "ipc", "sender_device": 0, "receiver_device": 0,
+                "peer_access": None, "layout": "consecutive", "bytes": 2**30, "spans": 64,
+                "transfer_gb_per_s": 10.0, "import_gb_per_s": 9.0, "copy_gb_per_s": 11.0,
+                "pct_of_copy": 91.0}
+    offload = {"layout": "scattered", "bytes": 2**29, "copies": 128, "swap_out_gb_per_s": 20.0,
+               "d2h_gb_per_s": 25.0, "swap_out_pct": 80.0, "swap_in_gb_per_s": 20.0,
+               "h2d_gb_per_s": 25.0, "swap_in_pct": 80.0, "verified": True, "met_target": False}
+    return {
+        "alloc": tables.alloc_table([alloc], iters),
+        "attention": tables.attention_table([attention])
+        + tables.legend_lines(tables.attention_legend(iters)),
+        "step": tables.step_table([step]),
+        "prefill": tables.prefill_table([prefill], iters),
+        "transfer": tables.transfer_table([transfer], iters),
+        "offload": tables.offload_table([offload], iters),
+    }
+
+
+@pytest.mark.parametrize("name", ["alloc", "attention", "step", "prefill", "transfer",
+                                  "offload"])
+def test_every_column_of_every_bench_table_is_explained_under_it(name):
+    from rocmforge_raw.cli import tables
+
+    assert set(tables.LEGENDS) == set(_tables(7))  # every table the bench prints is here
+    lines = _tables(7)[name]
+    legend = tables.LEGENDS[name](7)
+    header = lines[0]
+    rest = header
+    for term in sorted({t for names, _ in legend for t in names}, key=len, reverse=True):
+        assert term in header, f"the {name} legend explains {term!r}, not in {header!r}"
+        rest = rest.replace(term, "")
+    assert rest.strip() == "", f"the {name} header's {rest.split()} have no legend"
+    assert lines[-len(legend):] == tables.legend_lines(legend)  # under the table
+    assert all(line.startswith("  ") and ": " in line for line in lines[-len(legend):])
+
+
+def test_the_alloc_legend_counts_the_round_trips_bench_alloc_times(monkeypatch):
+    """``--iters 1``: 40 round trips a size in 20 samples of 2; 64 MiB: 50 in 25 of 2."""
+    from rocmforge_raw.bench import timing
+    from rocmforge_raw.cli import tables
+
+    calls: dict[int, int] = {}
+    real = timing.medians_us
+
+    def counted(fns, iters, batch=None, warmup=10):
+        key = len(calls)
+        calls[key] = 0
+
+        def count(fn):
+            def call():
+                calls[key] += 1
+                return fn()
+            return call
+
+        return real({name: count(fn) for name, fn in fns.items()}, iters, batch, warmup=0)
+
+    monkeypatch.setattr(timing, "medians_us", counted)
+    bench.bench_alloc(rf.get_backend("host"), 0, 40)
+    small, big = tables.alloc_runs(1, False), tables.alloc_runs(1, True)
+    assert (small, big) == ((20, 2), (25, 2))
+    fns = 5  # bare, C, raw, pooled, pool a+f (CuPy never runs on the host backend)
+    assert calls == {0: fns * 40, 1: fns * 40, 2: fns * 50}
+    assert "(64 MiB: 25 samples of 2)" in tables.alloc_legend(1)[0][1]
+
+
+@pytest.mark.parametrize("flag", ["alloc", "offload"])
+def test_the_bench_prints_each_tables_legend_under_it(flag, capsys):
+    from rocmforge_raw.cli import tables
+    from rocmforge_raw.cli.main import main
+
+    assert main(["bench", f"--{flag}", "--iters", "1", "--backend", "host"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    legend = tables.legend_lines(tables.LEGENDS[flag](1))
+    start = out.index(legend[0])
+    assert out[start:start + len(legend)] == legend
+

@@ -2,7 +2,8 @@
 
 Rows a backend cannot run (attention and the decode step need a GPU) are not silently left
 out: ``skipped`` in the result names each and says why. A row that misses its target says so
-(``met_target`` false, MISSED in the text).
+(``met_target`` false, MISSED in the text). Every table has a legend under it (``tables``),
+and each phase shows its progress on stderr (a line every 10 s in a log: ``progress``).
 """
 
 from __future__ import annotations
@@ -11,42 +12,22 @@ import argparse
 from typing import Any
 
 from ..bench import attention, cache, timing
+from ..common import progress
 from ..runtime import Backend
-
-
-def _us(value: float | None) -> str:
-    return "-" if value is None else f"{value:.2f}"
-
-
-def attention_table(rows: list[dict[str, Any]]) -> list[str]:
-    """One line per attention row: time, bandwidth, % of copy and of read (with targets; an
-    fp8 row gives its time over its 16-bit shape's instead)."""
-    width = max(len(r["name"]) for r in rows)
-    lines = [f"{'shape':{width}} {'ms':>8} {'GB/s':>8} {'% copy':>7} {'% read':>7} "
-             f"{'target':>7} {'host us':>8}"]
-    for r in rows:
-        target = (f"{r['read_target_pct']:6}%" if r["read_target_pct"] is not None else
-                  f"x{r['time_vs_16bit']:.2f}t" if r.get("time_vs_16bit") else "      -")
-        lines.append(f"{r['name']:{width}} {r['ms']:8.3f} {r['gb_per_s']:8.0f} "
-                     f"{r['pct_of_copy']:6.1f}% {r['pct_of_read']:6.1f}% {target:>7} "
-                     f"{r['host_us']:8.1f}")
-    return lines
+from . import tables
+from .tables import attention_table
 
 
 def _alloc(backend: Backend, device: int, iters: int, result: dict[str, Any]) -> list[str]:
     rows = result["alloc"] = timing.bench_alloc(backend, device, iters * 40)
-    lines = [f"{'bytes':>10} {'bare us':>9} {'C us':>9} {'raw us':>9} {'raw/bare':>9} "
-             f"{'pooled us':>10} {'pool a+f us':>12} {'cupy pool us':>13}"]
-    return lines + [f"{r['bytes']:>10} {r['bare_us']:9.2f} {r['c_us']:9.2f} {r['raw_us']:9.2f} "
-                    f"{r['raw_over_bare']:9.2f} {r['pooled_us']:10.2f} "
-                    f"{r['pool_allocate_free_us']:12.2f} {_us(r['cupy_pooled_us']):>13}"
-                    for r in rows]
+    return tables.alloc_table(rows, iters)
 
 
 def _attention(backend: Backend, device: int, iters: int, sweep: bool,
                result: dict[str, Any]) -> list[str]:
-    copy = result["copy_gb_per_s"] = timing.copy_bandwidth(backend, device)
-    read = result["read_gb_per_s"] = timing.read_bandwidth(backend, device)
+    with progress.ticking("bench --attention: copy and read bandwidth", leave=False):
+        copy = result["copy_gb_per_s"] = timing.copy_bandwidth(backend, device)
+        read = result["read_gb_per_s"] = timing.read_bandwidth(backend, device)
     rows = result["attention"] = attention.bench_attention(
         backend, device, copy, iters, attention.SHAPES + attention.FP8_SHAPES, read_gbs=read)
     lines = [f"copy bandwidth: {copy:.0f} GB/s (read + write, 1 GiB device copy); "
@@ -56,48 +37,35 @@ def _attention(backend: Backend, device: int, iters: int, sweep: bool,
             backend, device, copy, iters, attention.sweep_shapes(), read_gbs=read)
         lines.append("sweep: bf16, 8 kv heads, q heads = 8 x GQA ratio")
         lines += attention_table(rows)
-    return lines
+    return lines + tables.legend_lines(tables.attention_legend(iters))
 
 
 def _step(backend: Backend, device: int, result: dict[str, Any]) -> list[str]:
-    from ..bench.step import STEP_SHAPES, VARIANTS, bench_step
-    from ..common import progress
+    from ..bench.step import STEP_SHAPES, bench_step
 
     rows = result["step"] = [bench_step(backend, device, shape) for shape in
-                             progress.track(STEP_SHAPES, "bench --step", unit="shape")]
+                             progress.track(STEP_SHAPES, "bench --step", unit="shapes")]
     lines = [f"decode step, {STEP_SHAPES[0].layers} layers, bf16, 32/8 heads, head_dim "
              f"128, block 16 (targets: plain step <= 1.05 x kernels, the best variant "
              f"<= 1.03, <= 10 us host per call); ahead: the next step planned while the "
-             f"device runs this one; graph: ahead, the launches replayed as a graph",
-             f"{'batch x ctx':>12} {'kernels ms':>10}"
-             + "".join(f" {v + ' ms':>9} {'ratio':>6} {'host us':>8}" for v in VARIANTS)
-             + f" {'append us':>9} {'batch us':>8} {'write us':>8} {'attn us':>8}"]
-    return lines + [f"{r['batch']:>5} x {r['context']:<5} {r['kernels_ms']:10.3f}"
-                    + "".join(f" {r[v + '_step_ms']:9.3f} {r[v + '_step_over_kernels']:6.3f} "
-                              f"{r[v + '_host_us']:8.1f}" for v in VARIANTS)
-                    + f" {r['append_host_us']:9.1f} {r['batch_host_us']:8.1f} "
-                    f"{r['write_host_us']:8.2f} {r['attention_host_us']:8.2f}" for r in rows]
+             f"device runs this one; graph: ahead, the launches replayed as a graph"]
+    return lines + tables.step_table(rows)
 
 
 def _prefill(backend: Backend, device: int, iters: int, result: dict[str, Any]) -> list[str]:
     from ..bench.prefill import BANDWIDTH_TARGET_PCT, bench_mixed_step, bench_prefill
 
-    copy = result.get("copy_gb_per_s") or timing.copy_bandwidth(backend, device)
-    result["copy_gb_per_s"] = copy
-    found = bench_prefill(backend, device, copy, min(iters, 20))
-    step = bench_mixed_step(backend, device)
+    with progress.ticking("bench --prefill", leave=False):
+        copy = result.get("copy_gb_per_s") or timing.copy_bandwidth(backend, device)
+        result["copy_gb_per_s"] = copy
+        found = bench_prefill(backend, device, copy, min(iters, 20))
+        step = bench_mixed_step(backend, device)
     result["prefill"] = {**found, "mixed_step": step}
     lines = [f"attention over many query tokens, bf16, 32/8 heads, head_dim 128, block 16: "
              f"TFLOP/s over causal FLOPs; % of the matrix units' rate measured now "
              f"({found['matrix_tflops']:.0f} TFLOP/s); P4/P5 also % of copy bandwidth "
              f"({copy:.0f} GB/s; target {BANDWIDTH_TARGET_PCT:.0f} %)",
-             f"{'shape':>5} {'what':<22} {'rows':>6} {'ms':>8} {'TFLOP/s':>8} {'% matrix':>8} "
-             f"{'% copy':>7}"]
-    for r in found["rows"]:
-        pct = f"{r['pct_copy']:6.1f}%" if "pct_copy" in r else f"{'-':>7}"
-        mark = "  MISSED" if r.get("met_target") is False else ""
-        lines.append(f"{r['shape']:>5} {r['what']:<22} {r['query_rows']:6} {r['ms']:8.3f} "
-                     f"{r['tflops']:8.1f} {r['pct_matrix']:7.1f}% {pct}{mark}")
+             *tables.prefill_table(found["rows"], min(iters, 20))]
     lines.append(f"mixed step through the cache ({step['layers']} layers of P5): kernels "
                  f"{step['kernels_ms']:.3f} ms; plain {step['step_ms']:.3f} ms (ratio "
                  f"{step['step_over_kernels']:.3f}, batch {step['batch_host_us']:.0f} us "
@@ -108,7 +76,8 @@ def _prefill(backend: Backend, device: int, iters: int, result: dict[str, Any]) 
 
 
 def _cache(result: dict[str, Any]) -> list[str]:
-    row = result["cache"] = cache.bench_cache()
+    with progress.ticking("bench --cache", leave=False):
+        row = result["cache"] = cache.bench_cache()
     verdict = ("met" if row["met_target"] else
                f"MISSED: {row['median_us'] / row['target_us']:.1f}x the target")
     return [f"cache decode step ({row['num_seqs']} seqs x ~{row['context']} tokens, "
@@ -124,38 +93,24 @@ def _transfer(backend: Backend, device: int, transport: str, iters: int,
               sender_device: int | None, result: dict[str, Any]) -> list[str]:
     from ..bench.transfer import bench_transfer
 
-    rows = result["transfer"] = bench_transfer(backend, device, transport, min(iters, 20),
-                                               sender_device)
-    lines = [f"a sequence's KV between two processes over {transport}, or two caches of one "
-             "process (peer) (median; copy: the same bytes through the same copy engine, a "
-             "peer copy across devices)",
-             f"{'transport':>9} {'devices':>7} {'peer':>5} {'blocks':>11} {'MiB':>7} "
-             f"{'spans':>6} {'transfer GB/s':>14} {'import GB/s':>12} {'copy GB/s':>10} "
-             f"{'% copy':>7}"]
-    peer = {None: "-", True: "on", False: "off"}
-    return lines + [f"{r['transport']:>9} {r['sender_device']:>3}->{r['receiver_device']:<2} "
-                    f"{peer[r['peer_access']]:>5} {r['layout']:>11} "
-                    f"{r['bytes'] / 2**20:7.0f} {r['spans']:6} "
-                    f"{r['transfer_gb_per_s']:14.2f} {r['import_gb_per_s']:12.2f} "
-                    f"{r['copy_gb_per_s']:10.2f} {r['pct_of_copy']:6.1f}%" for r in rows]
+    with progress.ticking(f"bench --transfer over {transport}", leave=False):
+        rows = result["transfer"] = bench_transfer(backend, device, transport, min(iters, 20),
+                                                   sender_device)
+    return [f"a sequence's KV between two processes over {transport}, or two caches of one "
+            "process (peer) (median; copy: the same bytes through the same copy engine, a "
+            "peer copy across devices)", *tables.transfer_table(rows, min(iters, 20))]
 
 
 def _offload(backend: Backend, device: int, iters: int, result: dict[str, Any]) -> list[str]:
     from ..bench.offload import TARGET_PCT, bench_offload
 
-    rows = result["offload"] = bench_offload(backend, device, min(iters, 20))
+    with progress.ticking("bench --offload", leave=False):
+        rows = result["offload"] = bench_offload(backend, device, min(iters, 20))
     what = ("memcpy between host buffers (the host backend has no copy engine)"
             if backend.name == "host" else "pinned host <-> device copies of the same bytes")
     lines = [f"a sequence's KV swapped to the host tier and back (median; copy: {what}; "
-             f"target {TARGET_PCT:.0f} % each way)",
-             f"{'blocks':>11} {'MiB':>6} {'copies':>6} {'out GB/s':>9} {'d2h GB/s':>9} "
-             f"{'% d2h':>6} {'in GB/s':>8} {'h2d GB/s':>9} {'% h2d':>6} {'exact':>5}"]
-    return lines + [f"{r['layout']:>11} {r['bytes'] / 2**20:6.0f} {r['copies']:6} "
-                    f"{r['swap_out_gb_per_s']:9.2f} {r['d2h_gb_per_s']:9.2f} "
-                    f"{r['swap_out_pct']:5.1f}% {r['swap_in_gb_per_s']:8.2f} "
-                    f"{r['h2d_gb_per_s']:9.2f} {r['swap_in_pct']:5.1f}% "
-                    f"{'yes' if r['verified'] else 'NO':>5}"
-                    + ("" if r["met_target"] else "  MISSED") for r in rows]
+             f"target {TARGET_PCT:.0f} % each way)"]
+    return lines + tables.offload_table(rows, min(iters, 20))
 
 
 def run(args: argparse.Namespace, backend: Backend, device: int, where: str
