@@ -1,16 +1,23 @@
-"""StepGraph: one decode step's launches (every layer's K/V write and attention) captured
-once as a CUDA/HIP graph and replayed as one launch for later steps of the same shape.
+"""StepGraph: one step's launches (every layer's K/V write and attention) captured once as a
+CUDA/HIP graph and replayed as one launch for later steps of the same shape.
 
 A graph fixes every kernel argument as captured, so what changes per step lives at fixed
 device addresses that each ``run`` updates in place: block tables (``width`` blocks per
-sequence, padded with the null block), lengths, slots and the attention's work split. The
-split's numbers (CTAs, tokens per CTA, total) are fixed too: the graph is captured for the
-step's lengths plus ``headroom`` tokens, and each replay lays its real work out over that
-same total (``graph_layout.padded_work``: every sequence's own work plus an even share of
-the slack, which the kernel skips past each sequence's length, so the device time stays
-that of the real work). A step whose members (ids, order), activations, table width or work outgrow
-the capture re-captures (``GraphShape.admits``); a plan that is not current is refused as
-by ``write``/``attention``, so a replay never reads stale metadata.
+sequence, padded with the null block), lengths, slots and the decode attention's work split.
+The split's numbers (CTAs, tokens per CTA, total) are fixed too: the graph is captured for
+the step's lengths plus ``headroom`` tokens, and each replay lays its real work out over
+that same total (``graph_layout.padded_work``: every sequence's own work plus an even share
+of the slack, which the kernel skips past each sequence's length, so the device time stays
+that of the real work).
+
+A step of many query tokens per sequence (``batch(seq_ids, query_lens=...)``: prefill chunks
+and drafted tokens after the decodes) is captured for its token count: its ``query_lens``
+are fixed, and so are the multi-token kernel's work items (uploaded once, at the capture),
+since each item's KV range is computed on the device from the step's lengths; a replay
+uploads tables, lengths, slots and the decodes' split, as a decode step's does. A step whose
+members (ids, order), query lengths, activations, table width or decode work outgrow the
+capture re-captures (``GraphShape.admits``); a plan that is not current is refused as by
+``write``/``attention``, so a replay never reads stale metadata.
 
 Stream order: a run queues its upload (pinned host memory to the fixed addresses) and then
 the graph on the plan's stream, so the upload waits for the previous replay to finish
@@ -45,19 +52,33 @@ from ...kernels.planning import (
     write_kernel,
 )
 from ...kernels.planning._worksplit import prefix_sums
+from ...kernels.planning.prefill import leading_decodes, prefill_launch
 from ...kernels.staging import ALIGN, Fence
 from ...memory.buffer import HipBuffer
 from ...memory.stream import Stream
 from .graph_layout import Activations, GraphShape, Layer, PinnedUploads, activations_of
 from .metadata import BatchMetadata
+from .multi import MultiLaunch, prefill_launches
+
+
+def _layout(arrays: list[tuple[Any, tuple[int, ...]]]) -> tuple[list[tuple[int, tuple[int, ...]]],
+                                                                  int]:
+    """Each array's (offset, shape) when arrays of these (dtype, shape) lie one after
+    another, each at an ALIGN boundary, and the bytes they span."""
+    layout, offset = [], 0
+    for dtype, dims in arrays:
+        layout.append((offset, tuple(dims)))
+        offset += -(-int(np.prod(dims)) * np.dtype(dtype).itemsize // ALIGN) * ALIGN
+    return layout, offset
 
 
 class StepGraph:
-    """A decode step of ``cache`` as one graph (see the module docstring): ``run(meta,
-    layers)`` queues the step of the current plan ``meta`` for ``layers`` (per layer: the
-    new tokens' key and value ``[n, num_kv_heads, head_dim]``, the query and the output
-    ``[n, num_q_heads, head_dim]``, at the same addresses while the graph is replayed), on
-    the cache's stream. ``headroom``: tokens each sequence may grow by before a re-capture.
+    """A step of ``cache`` as one graph (see the module docstring): ``run(meta, layers)``
+    queues the step of the current plan ``meta`` for ``layers`` (per layer: the new tokens'
+    key and value ``[rows, num_kv_heads, head_dim]``, the query and the output ``[rows,
+    num_q_heads, head_dim]``, at the same addresses while the graph is replayed; ``rows``
+    is the step's sequences, or its query tokens for a step of ``query_lens``), on the
+    cache's stream. ``headroom``: tokens each sequence may grow by before a re-capture.
     ``captures``/``replays`` count runs of each kind. Close it (or use ``with``)."""
 
     def __init__(self, cache: Any, headroom: int = 128, scale: float | None = None) -> None:
@@ -104,8 +125,9 @@ class StepGraph:
                 raise ValueError(f"layers must be {cache.config.num_layers} tuples (key, "
                                  "value, query, out), one a layer")
             members, activations = tuple(meta.seq_ids), activations_of(layers)
+            q_lens = None if meta.query_lens is None else tuple(meta.query_lens.tolist())
             work = None if self.shape is None else self.shape.admits(
-                members, activations, meta.block_tables.shape[1], meta.seq_lens)
+                members, activations, meta.block_tables.shape[1], meta.seq_lens, q_lens)
             replay = work is not None
             if work is None:
                 work = self._capture(meta, layers, members, activations)
@@ -118,60 +140,75 @@ class StepGraph:
             return replay
 
     def _capture(self, meta: BatchMetadata, layers: list[Layer], members: tuple[Any, ...],
-                 activations: Activations) -> tuple[np.ndarray, np.ndarray]:
+                 activations: Activations) -> tuple[np.ndarray, ...]:
         """Capture the step for ``layers`` with room for ``headroom`` more tokens a
         sequence; the previous graph is retired only once the new one is made."""
         c, steps = self.cache.config, self.cache._steps
-        n, lens = len(members), meta.seq_lens
+        n, lens, rows = len(members), meta.seq_lens, meta._kv_shape[0]
         q_shape: tuple[int, ...] = getattr(layers[0][2], "shape", ())
         q_heads = q_shape[1] if len(q_shape) == 3 else 0
         for key, value, query, out in layers:
             for name, array, want in (("key", key, meta._kv_shape), ("value", value,
-                                      meta._kv_shape), ("query", query, (n, q_heads,
-                                      c.head_dim)), ("out", out, (n, q_heads, c.head_dim))):
+                                      meta._kv_shape), ("query", query, (rows, q_heads,
+                                      c.head_dim)), ("out", out, (rows, q_heads, c.head_dim))):
                 steps._check(name, array, want)
         if q_heads < 1 or q_heads % c.num_kv_heads:
             raise ValueError(f"num_q_heads {q_heads} is not a multiple of num_kv_heads "
                              f"{c.num_kv_heads}")
-        found = attention_kernel(self.backend, self.device, steps.act, c.head_dim,
-                                 q_heads // c.num_kv_heads, c.dtype)
+        q_lens = meta.query_lens
+        decodes = n if q_lens is None else leading_decodes(q_lens)
         room = (lens.astype(np.int64) + self.headroom).astype(np.int32)
         width = max(meta.block_tables.shape[1], -(-int(room.max()) // c.block_size))
-        split = plan_work(c.num_kv_heads * found.groups, found.slots, n, room, sms=found.sms,
-                          rule=found.rule)
-        bound = prefix_sums(room, WORK_GRANULE, np.empty(n + 1, np.int64))  # (unpadded)
-        shape = GraphShape(members, activations, width, c.num_kv_heads * found.groups,
-                           split.total, split.per_cta, split.num_ctas, bound)
-        work = shape.admits(members, activations, width, lens)
+        shape, decode = self._decode_part(members, activations, meta, q_heads, decodes, room,
+                                          width)
+        work = shape.admits(members, activations, width, lens, shape.query_lens)
         assert work is not None  # the room holds these lengths
-        layout: list[tuple[int, tuple[int, ...]]] = []
-        offset = 0
-        for dtype, dims in ((np.int32, (n, width)), (np.int32, (n,)), (np.int64, (n,)),
-                            (np.int64, (n + 1,)), (np.int32, (split.num_ctas,))):
-            layout.append((offset, dims))
-            offset += -(-int(np.prod(dims)) * np.dtype(dtype).itemsize // ALIGN) * ALIGN
-        plan = AttentionPlan(found.kernel, found.group, split, found.shared_for(split), n,
-                             q_heads, c.num_kv_heads, c.head_dim, c.block_size, width)
+        multi = None
+        if decodes < n:
+            assert q_lens is not None  # (only a multi-token step has non-decodes)
+            multi = prefill_launch(self.backend, self.device, steps.act, c.head_dim, c.dtype,
+                                   q_lens[decodes:], lens[decodes:], c.num_kv_heads,
+                                   q_heads // c.num_kv_heads)
+        layout, offset = _layout([(np.int32, (n, width)), (np.int32, (n,)),
+                                  (np.int64, (rows,))] + [(a.dtype, a.shape) for a in work])
+        fixed = [] if multi is None else multi[1].arrays  # the multi-token work: uploaded once
+        fixed_layout, fixed_bytes = _layout([(a.dtype, a.shape) for a in fixed])
         # partials for every CTA even of a whole-unit capture: a replay's lengths may be laid
         # out with slack shared out (graph_layout.padded_work), which cuts units
-        partial_bytes, counters = split_workspace(split.num_ctas, found.group, c.head_dim,
-                                                  n * split.groups)
+        decode_bytes, counters = (0, 0) if decode is None else split_workspace(
+            decode.work.num_ctas, decode.group, c.head_dim, decodes * decode.work.groups)
+        decode_bytes = -(-decode_bytes // ALIGN) * ALIGN
+        piece_bytes = 0 if multi is None else multi[1].partial_bytes(multi[0].shape.bm,
+                                                                     c.head_dim)
         graph = None
         try:
-            buffers = self._room((offset, max(partial_bytes, 4), 4 * max(counters, 1)))
-            tables, lens_at, slots, cum16, first_seq = (buffers[0].ptr + o for o, _ in layout)
+            buffers = self._room((offset + fixed_bytes, max(decode_bytes + piece_bytes, 4),
+                                  4 * max(counters, 1)))
+            base = buffers[0].ptr
+            tables, lens_at, slots, *work_at = (base + o for o, _ in layout)
+            if fixed:
+                self._uploads.upload(fixed, fixed_layout, base + offset, self.stream)
             if self._capture_stream is None:
                 self._capture_stream = Stream(self.device, self.backend)
             capture = self._capture_stream
             write = write_kernel(self.backend, self.device, steps.act, c.dtype).prepare(
-                n, WRITE_THREADS, *write_arguments(0, 0, 0, 0, slots, c.num_kv_heads,
-                                                   c.block_size, c.head_dim * steps.act.itemsize,
-                                                   c.dtype), stream=capture, patch=WRITE_PATCH)
-            attention = plan.kernel.prepare(
-                plan.grid, THREADS, *plan.arguments(0, 0, 0, 0, tables, lens_at, self.scale,
-                                                    buffers[1].ptr, buffers[2].ptr, cum16,
-                                                    first_seq),
-                shared_bytes=plan.shared_bytes, stream=capture, patch=ATTENTION_PATCH)
+                rows, WRITE_THREADS, *write_arguments(
+                    0, 0, 0, 0, slots, c.num_kv_heads, c.block_size,
+                    c.head_dim * steps.act.itemsize, c.dtype), stream=capture, patch=WRITE_PATCH)
+            attention: Any = None if decode is None else decode.kernel.prepare(
+                decode.grid, THREADS, *decode.arguments(
+                    0, 0, 0, 0, tables, lens_at, self.scale, buffers[1].ptr, buffers[2].ptr,
+                    *work_at), shared_bytes=decode.shared_bytes, stream=capture,
+                patch=ATTENTION_PATCH)
+            if multi is not None:
+                starts_at, items_at, *combines_at = (base + offset + o for o, _ in fixed_layout)
+                prefill, combine = prefill_launches(
+                    multi[0], multi[1], buffers[1].ptr + decode_bytes,
+                    tables + 4 * decodes * width, lens_at + 4 * decodes, starts_at, items_at,
+                    combines_at[0] if combines_at else 0, self.scale, q_heads,
+                    c.num_kv_heads, width, c.block_size, capture)
+                attention = MultiLaunch(attention, prefill, combine,
+                                        decodes * q_heads * c.head_dim * steps.act.itemsize)
             graph = self._record(capture, write, attention, layers)
             executable = self.backend.graph_instantiate(graph, self.device)
         except BaseException:
@@ -179,10 +216,31 @@ class StepGraph:
             raise
         self._retire(self._graph, self._exec)
         self._graph, self._exec, self._layout = graph, executable, layout
-        self._target = buffers[0].ptr
+        self._target = base
         self.shape = shape
         self.captures += 1
         return work
+
+    def _decode_part(self, members: tuple[Any, ...], activations: Activations,
+                     meta: BatchMetadata, q_heads: int, decodes: int, room: np.ndarray,
+                     width: int) -> tuple[GraphShape, AttentionPlan | None]:
+        """The capture's shape and the plan of its decode launch over the ``decodes``
+        leading sequences (None without), split for their ``room``."""
+        c = self.cache.config
+        q_lens = None if meta.query_lens is None else tuple(meta.query_lens.tolist())
+        if not decodes:
+            return GraphShape(members, activations, width, 0, 0, 0, 0, None, q_lens, 0), None
+        found = attention_kernel(self.backend, self.device, self.cache._steps.act,
+                                 c.head_dim, q_heads // c.num_kv_heads, c.dtype)
+        split = plan_work(c.num_kv_heads * found.groups, found.slots, decodes, room[:decodes],
+                          sms=found.sms, rule=found.rule)
+        bound = prefix_sums(room[:decodes], WORK_GRANULE, np.empty(decodes + 1, np.int64))
+        shape = GraphShape(members, activations, width, c.num_kv_heads * found.groups,
+                           split.total, split.per_cta, split.num_ctas, bound, q_lens,
+                           None if q_lens is None else decodes)
+        return shape, AttentionPlan(found.kernel, found.group, split, found.shared_for(split),
+                                    decodes, q_heads, c.num_kv_heads, c.head_dim, c.block_size,
+                                    width)
 
     def _record(self, capture: Stream, write: Any, attention: Any, layers: list[Layer]) -> Any:
         """Every layer's write and attention, captured on ``capture``; the graph."""

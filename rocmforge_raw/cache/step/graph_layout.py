@@ -63,10 +63,13 @@ def padded_work(lens: np.ndarray, groups: int, total: int, per_cta: int, num_cta
 @dataclass(frozen=True)
 class GraphShape:
     """What a captured graph fixed: its members in order, their activations' addresses and
-    shapes, the block tables' width and the attention's split (``total`` work tokens in
-    ``num_ctas`` CTAs of ``per_cta``, ``groups`` units per sequence), and the work tokens a
-    group the members' lengths may need before a re-capture (``bound``: their room, rounded
-    as their work is; None: ``total // groups``)."""
+    shapes, the block tables' width and the decode attention's split (``total`` work tokens
+    in ``num_ctas`` CTAs of ``per_cta``, ``groups`` units per sequence), and the work tokens
+    a group the members' lengths may need before a re-capture (``bound``: their room,
+    rounded as their work is; None: ``total // groups``). A step of many query tokens per
+    sequence also fixes its ``query_lens`` (so its token count and the multi-token kernel's
+    work items); its split covers the ``decodes`` leading sequences (None: all of them;
+    0: no decode launch, ``total`` 0)."""
 
     members: tuple[Hashable, ...]
     activations: Activations
@@ -76,15 +79,22 @@ class GraphShape:
     per_cta: int
     num_ctas: int
     bound: int | None = None
+    query_lens: tuple[int, ...] | None = None
+    decodes: int | None = None
 
     def admits(self, members: tuple[Hashable, ...], activations: Activations, width: int,
-               lens: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
-        """The work layout (``padded_work``) of a step of these members, activations, table
-        width and lengths if it replays this capture; None if it must re-capture."""
-        if members != self.members or activations != self.activations or width > self.width:
+               lens: np.ndarray, query_lens: tuple[int, ...] | None = None
+               ) -> tuple[np.ndarray, ...] | None:
+        """The decode launch's work layout (``padded_work``: ``cum16``, ``first_seq``; none
+        without decodes) of a step of these members, activations, table width, lengths and
+        query lengths if it replays this capture; None if it must re-capture."""
+        if (members != self.members or activations != self.activations
+                or width > self.width or query_lens != self.query_lens):
             return None
-        return padded_work(lens, self.groups, self.total, self.per_cta, self.num_ctas,
-                           self.bound)
+        if self.decodes == 0:
+            return ()
+        return padded_work(lens if self.decodes is None else lens[:self.decodes], self.groups,
+                           self.total, self.per_cta, self.num_ctas, self.bound)
 
 
 def activations_of(layers: Sequence[Layer]) -> Activations:

@@ -132,9 +132,11 @@ class StepLaunches(TierOps):
             self._steps.attention(self._current(batch, stream), layer, out, query, scale)
 
     def step_graph(self, headroom: int = 128, scale: float | None = None) -> StepGraph:
-        """A ``StepGraph`` of this cache: a decode step's launches captured once as a
+        """A ``StepGraph`` of this cache: a step's launches (decodes, or decodes mixed with
+        prefill chunks and drafted tokens: ``batch(..., query_lens=)``) captured once as a
         CUDA/HIP graph and replayed per step (``graph.run(batch, layers)``), on the cache's
-        stream; a step that outgrows it by ``headroom`` tokens a sequence re-captures."""
+        stream; a step that outgrows it by ``headroom`` tokens a sequence, or whose members
+        or query lengths differ, re-captures."""
         self._check_open()
         return StepGraph(self, headroom, scale)
 

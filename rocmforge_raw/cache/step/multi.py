@@ -17,7 +17,12 @@ from typing import Any
 import numpy as np
 
 from ...kernels.planning import SCALE_ARG, plan_work
-from ...kernels.planning.prefill import leading_decodes, prefill_launch
+from ...kernels.planning.prefill import (
+    PrefillKernel,
+    PrefillWork,
+    leading_decodes,
+    prefill_launch,
+)
 from ...kernels.staging import Staging
 from ...memory.stream import Stream
 from ...runtime._launch import Launch
@@ -80,7 +85,6 @@ def plan_multi(planner: Any, staging: Staging, num_q_heads: int, lens: np.ndarra
     uploaded slots, lengths and tables; the work arrays are appended to ``staging``'s
     upload. ``planner`` is the cache's ``StepPlanner``."""
     c = planner.config
-    i32, f32 = np.int32, np.float32
     _, lens_at, tables_at = addresses
     num_seqs = len(lens)
     decodes = leading_decodes(query_lens)
@@ -106,21 +110,35 @@ def plan_multi(planner: Any, staging: Staging, num_q_heads: int, lens: np.ndarra
     if found_pf is None or plan is None:  # decodes only
         assert decode is not None
         return MultiLaunch(decode, None, None, 0)
-    shape = found_pf.shape
     starts_at, items_at, *combines_at = staging.put(plan.arrays, stream, append=True)
-    partials = staging.workspace.get(plan.partial_bytes(shape.bm, c.head_dim), 0, planner.slab,
-                                     stream)[0].ptr
-    prefill = found_pf.kernel.prepare(
-        len(plan.items), found_pf.threads, 0, partials, 0, 0, 0, tables_at + 4 * decodes * width,
-        lens_at + 4 * decodes, starts_at, items_at, f32(planner.default_scale),
-        i32(num_q_heads), i32(c.num_kv_heads), i32(width), i32(c.block_size.bit_length() - 1),
-        f32(1.0), shared_bytes=shape.shared_bytes, stream=stream, patch=PREFILL_PATCH)
-    combine = None
-    if len(plan.combines):
-        combine = found_pf.combine.prepare(
-            len(plan.combines), found_pf.threads, 0, partials, items_at, combines_at[0],
-            starts_at, i32(num_q_heads), i32(c.num_kv_heads), i32(shape.bm), stream=stream,
-            patch=(0,))
+    partials = staging.workspace.get(plan.partial_bytes(found_pf.shape.bm, c.head_dim), 0,
+                                     planner.slab, stream)[0].ptr
+    prefill, combine = prefill_launches(
+        found_pf, plan, partials, tables_at + 4 * decodes * width, lens_at + 4 * decodes,
+        starts_at, items_at, combines_at[0] if combines_at else 0, planner.default_scale,
+        num_q_heads, c.num_kv_heads, width, c.block_size, stream)
     offset = decodes * num_q_heads * c.head_dim * act.itemsize
     return MultiLaunch(decode, prefill, combine, offset)
 
+
+def prefill_launches(found: PrefillKernel, work: PrefillWork, partials: int, tables_at: int,
+                     lens_at: int, starts_at: int, items_at: int, combines_at: int,
+                     scale: float, num_q_heads: int, num_kv_heads: int, width: int,
+                     block_size: int, stream: Stream | None) -> tuple[Launch, Launch | None]:
+    """The multi-token launch of ``work`` and its combine (None without pieces), every
+    argument packed but the per-layer pointers: the tables and lengths of its sequences
+    (at ``tables_at``/``lens_at``, ``width`` blocks a row), their query starts, items and
+    combines where uploaded, and ``partials`` for the pieces' records."""
+    i32, f32 = np.int32, np.float32
+    shape = found.shape
+    prefill = found.kernel.prepare(
+        len(work.items), found.threads, 0, partials, 0, 0, 0, tables_at, lens_at, starts_at,
+        items_at, f32(scale), i32(num_q_heads), i32(num_kv_heads), i32(width),
+        i32(block_size.bit_length() - 1), f32(1.0), shared_bytes=shape.shared_bytes,
+        stream=stream, patch=PREFILL_PATCH)
+    combine = None
+    if len(work.combines):
+        combine = found.combine.prepare(
+            len(work.combines), found.threads, 0, partials, items_at, combines_at, starts_at,
+            i32(num_q_heads), i32(num_kv_heads), i32(shape.bm), stream=stream, patch=(0,))
+    return prefill, combine
