@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""The README's torch-free example (its first ``python`` block), as a user copies it.
+"""The README's first example (the ``python`` block under "## A first example"), as a user
+copies it.
 
     python tools/readme_example.py --mypy              # against this source tree
     python tools/readme_example.py --mypy --installed  # against the installed package
@@ -24,13 +25,16 @@ import tempfile
 from pathlib import Path
 
 README = Path(__file__).resolve().parents[1] / "README.md"
+HEADING = "## A first example"
 
 
 def example() -> str:
-    """The first ```python block of the README."""
-    found = re.search(r"```python\n(.*?)```", README.read_text(), re.S)
-    if found is None:
-        raise SystemExit(f"no ```python block in {README}")
+    """The first ```python block after the README's ``HEADING``."""
+    text = README.read_text()
+    start = text.find(HEADING)
+    found = re.compile(r"^```python\n(.*?)^```", re.M | re.S).search(text, max(start, 0))
+    if start < 0 or found is None:
+        raise SystemExit(f"no ```python block under {HEADING!r} in {README}")
     return found.group(1)
 
 
