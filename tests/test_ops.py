@@ -440,7 +440,7 @@ def _ceil16(tokens: int) -> int:
     ([1024] * 8, 8, 256, 256)])       # a share that divides the units: no padding
 def test_a_short_launch_pads_each_sequence_to_whole_pieces(lens, groups, per_cta, num_ctas):
     """With the device's multiprocessors known (132, three CTAs each), a short launch pads
-    each sequence's work up to whole shares (chosen as NOTES.md v27 says): every CTA holds
+    each sequence's work up to whole shares (chosen as docs/kernels.md v27 says): every CTA holds
     one piece of one unit, the padding past a sequence's length is empty, and every token is
     covered once."""
     lens = np.asarray(lens, np.int32)

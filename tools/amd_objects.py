@@ -4,7 +4,7 @@ registers, spills, scratch and LDS from each object's AMDGPU metadata note, the 
 each launch adds, and the occupancy those allow; and a kernel's innermost loop from its
 disassembly.
 
-    python tools/amd_objects.py --markdown   # the table native/NOTES.md carries
+    python tools/amd_objects.py --markdown   # the table docs/kernels.md carries
     python tools/amd_objects.py --json
 
 The metadata note (NT_AMDGPU_METADATA, msgpack) is decoded here, with no tool and no new

@@ -4,7 +4,7 @@ Loads each ``.variants/NAME.cubin`` (see tools/build_variants.sh) in place of th
 object and runs the reference shapes (or ``--shapes`` by name, sweep rows included); prints
 one row per variant and shape. A name with ``_sSTAGESxBYTES`` sets the pipeline (so the
 launch's shared memory) to match, ``_cN`` caps the CTAs per SM, and ``_pad`` sizes padded
-rows (builds before native/NOTES.md v29, and RF_USE_BULK builds). Usage:
+rows (builds before docs/kernels.md v29, and RF_USE_BULK builds). Usage:
     python3 tools/attention_variants.py [--iters 30] [--partitions 1 2 4] [--shapes S1 ...]
 """
 
@@ -35,7 +35,7 @@ PACKAGED_SHARED_BYTES = planning.attention_shared_bytes
 
 def _padded(shared_bytes):
     """attention_shared_bytes of a build whose 16-bit rows and codes are padded as f32 rows
-    are (every build before native/NOTES.md v29)."""
+    are (every build before docs/kernels.md v29)."""
     return lambda backend, row_bytes, group, fp8=False, *, itemsize: shared_bytes(
         backend, row_bytes, group, fp8, itemsize=4)
 

@@ -3,7 +3,7 @@
 Each kernel runs back to back for ``--seconds`` while ``nvidia-smi`` samples the SM clock and
 the board's power every 50 ms: the medians of the samples after the first 0.5 s, with the
 mean device time of a launch (events around the whole run). A board held at its power limit
-gives a kernel that spends more energy per byte a lower SM clock (native/NOTES.md v28, which
+gives a kernel that spends more energy per byte a lower SM clock (docs/kernels.md v28, which
 this reproduces: there FlashInfer's kernels kept 1875-1965 MHz and ours 1508-1800 on an H200).
 
 Shapes by ``bench`` name (S1..S6, S1-fp8.., sweep rows); ``--dtype bf16|f16`` overrides the

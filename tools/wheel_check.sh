@@ -2,7 +2,7 @@
 # Installs the package two ways, each into a fresh virtual environment in a temporary folder
 # outside the source tree (dependencies from the package index, the cuda extra, no hip extra):
 #   1. the newest wheel in dist/ (or the one named): tagged manylinux, LICENSE in its metadata,
-#      no native/NOTES.md, every target's code objects;
+#      no kernels' notebook (docs/kernels.md), every target's code objects;
 #   2. `pip install .` of a fresh `git clone` of this tree (its committed HEAD): no code objects.
 # In each: `rocmforge-raw --version`, every command on the host backend (info, demo, bench
 # --cache, soak) and tools/wheel_smoke.py, from that folder; then the two installs must hold the

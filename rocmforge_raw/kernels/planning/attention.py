@@ -191,7 +191,7 @@ def split_rule_of(backend: str, dtype: np.dtype, head_dim: int, fp8: bool
     LONE_CTA_FILL of the multiprocessors only for NVIDIA's 16-bit head_dim 128 instances,
     whose one CTA (two 32 KiB stages of 64 tokens) streams at the copy's rate alone; a lean
     occupancy (one CTA a multiprocessor fewer, LEAN_UNIT_TOKENS) only for NVIDIA's 16-bit
-    head_dim 128 and 256 instances. Measured on H100s (native/NOTES.md v30): fp8 and head_dim
+    head_dim 128 and 256 instances. Measured on H100s (docs/kernels.md v30): fp8 and head_dim
     64 were slower lean (S1-fp8 1.3 %, 128 x 2048 d64 G = 8 1.2 %) and alone; AMD never."""
     waves = WHOLE_UNIT_WAVES_WIDE if head_dim > 128 else WHOLE_UNIT_WAVES
     wide16 = backend == "cuda" and not fp8 and dtype.itemsize == 2 and head_dim >= 128
@@ -236,7 +236,7 @@ def attention_kernel(backend: Backend, device: int, dtype: np.dtype, head_dim: i
     ctas = kernel.max_active_blocks(THREADS, shared)
     waves, lone_fill, may_lean = split_rule_of(backend.name, dtype, head_dim,
                                                cache_dtype in FP8_DTYPES)
-    # the lean occupancy: three CTAs a multiprocessor down to two (measured, NOTES.md v30)
+    # the lean occupancy: three CTAs a multiprocessor down to two (measured, docs/kernels.md v30)
     lean = lean_shared_bytes(kernel, shared, ctas) if may_lean and ctas == 3 else 0
     lean_slots = kernel.max_active_blocks(THREADS, lean) * multiprocessors if lean else 0
     rule = (waves, lone_fill, lean_slots, LEAN_UNIT_TOKENS if lean else 0)

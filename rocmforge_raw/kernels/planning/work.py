@@ -25,7 +25,7 @@ MIN_TOKENS_PER_CTA = 64
 #: least share, up to ALIGNED_STRETCH times the balanced one, that divides that length or
 #: that the length divides: each CTA then holds one piece of one unit or whole units, with
 #: no piece end inside a unit's share and fewer pieces for each unit's combine (H200,
-#: native/NOTES.md v21: 1 x 32768 57 -> 52 us on 256 CTAs instead of 391, 1 x 8192 27 ->
+#: docs/kernels.md v21: 1 x 32768 57 -> 52 us on 256 CTAs instead of 391, 1 x 8192 27 ->
 #: 22; measured up to 1.52 times the balanced share, so at least 5/8 of the slots stay busy).
 ALIGNED_SHARE_TOKENS = 1024
 ALIGNED_STRETCH = 1.6
@@ -34,7 +34,7 @@ ALIGNED_STRETCH = 1.6
 #: every CTA then holds one piece of one unit, whatever the lengths. The share is the one
 #: whose busiest multiprocessor does least, each piece counted in whole PIECE_QUANTUM_TOKENS
 #: (a tile of the 16-bit head_dim 128 NVIDIA instances) plus PIECE_COST_TOKENS for its fixed
-#: work (H200, NOTES.md v27: 8 x 976 tokens 22.3 -> 17.5 us a launch, 16 x 8192 with 64/8
+#: work (H200, docs/kernels.md v27: 8 x 976 tokens 22.3 -> 17.5 us a launch, 16 x 8192 with 64/8
 #: heads 148.7 -> 144.7 us).
 PIECE_COST_TOKENS = 32
 PIECE_QUANTUM_TOKENS = 64
@@ -46,7 +46,7 @@ PAD_MARGIN = 1.15
 #: there are at least this many waves of units (and the longest unit is at most this
 #: fraction's inverse of a slot's work): the hardware starts a CTA wherever one ends, which
 #: evens out the multiprocessors' uneven speeds that a wave of equal shares leaves as its
-#: tail, and no unit is split (H100, native/NOTES.md v30: 256 x 512 3.6 % faster, ragged
+#: tail, and no unit is split (H100, docs/kernels.md v30: 256 x 512 3.6 % faster, ragged
 #: 512 x U[1, 2048] 3-14 %; 64 x 4096, at 1.3 waves, 1 % slower, its fp8 14 %). The
 #: instance's own (``split_rule_of``): head_dim 256 takes 4 (at 2.6 waves 0.5-2.6 % slower).
 WHOLE_UNIT_WAVES = 2.0
