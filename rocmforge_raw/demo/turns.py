@@ -119,10 +119,11 @@ def multi_turn(backend: Backend, device: int, cfg: Any, dtype: Any, rng: np.rand
 def _run_step(cache: KvCache, tables: list[np.ndarray], plan: Any, q_heads: int,
               rng: np.random.Generator, check: Callable[..., None] | None, index: int) -> None:
     """One step of ``plan`` through the cache: ``batch(seq_ids, query_lens=...)``, then per
-    layer the K/V of every query token (decodes' last ids, then the chunks' ids) written at
-    their slots and attention with random queries; ``check`` (if given) on the last layer
-    for sequence ``index``."""
-    tokens = [r.output_tokens[-1:] for r in plan.decode]
+    layer the K/V of every query token (each decode's newest token, then the chunks' ids)
+    written at their slots and attention with random queries; ``check`` (if given) on the
+    last layer for sequence ``index``. A decode's newest token is the last of its computed
+    context: its last output, or, where a budget left one prompt token over, that token."""
+    tokens = [_ids(r)[r.num_computed_tokens - 1: r.num_computed_tokens] for r in plan.decode]
     tokens += [_ids(c.request)[c.start: c.end] for c in plan.chunks]
     meta = cache.batch(plan.seq_ids, query_lens=plan.query_lens)
     _attend(cache, tables, meta, np.concatenate(tokens), q_heads, rng, check, index)
