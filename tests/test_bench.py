@@ -265,3 +265,18 @@ def test_the_bench_prints_each_tables_legend_under_it(flag, capsys):
     start = out.index(legend[0])
     assert out[start:start + len(legend)] == legend
 
+
+def test_a_bench_phase_off_a_terminal_reports_progress_on_stderr_and_json_stays_whole(
+        capsys, monkeypatch):
+    import json
+
+    from rocmforge_raw.cli.main import main
+
+    monkeypatch.setenv("RF_PROGRESS_EVERY", "0.02")
+    monkeypatch.delenv("RF_PROGRESS", raising=False)
+    assert main(["bench", "--cache", "--backend", "host", "--json"]) == 0
+    out, err = capsys.readouterr()
+    assert json.loads(out)["cache"]["median_us"] > 0
+    lines = err.splitlines()
+    assert lines and all(line.startswith("bench --cache: ") for line in lines), lines
+    assert lines[-1].startswith("bench --cache: done in ")

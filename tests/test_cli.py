@@ -96,16 +96,21 @@ def test_bench_on_the_host_says_why_gpu_rows_are_absent(capsys):
                for why in result["skipped"].values())
 
 
-def soak(tmp_path, *flags):
-    """The soak in a fresh process, as users run it, so the RSS it samples is its own."""
+def soak(tmp_path, *flags, env=None):
+    """The soak in a fresh process, as users run it, so the RSS it samples is its own: its
+    exit status, its JSON (stdout, which must be nothing else) and its stderr."""
     result = subprocess.run(
         [sys.executable, "-m", "rocmforge_raw.cli", "soak", "--backend", "host", "--json",
-         "--out", str(tmp_path), *flags], capture_output=True, text=True, timeout=300)
-    return result.returncode, json.loads(result.stdout)
+         "--out", str(tmp_path), *flags], capture_output=True, text=True, timeout=300,
+        env={**os.environ, **(env or {})})
+    return result.returncode, json.loads(result.stdout), result.stderr
 
 
-def test_soak_with_a_planted_buffer_leak_fails_and_names_it(tmp_path):
-    code, result = soak(tmp_path, "--seconds", "10", "--inject-leak")
+def test_soak_with_a_planted_buffer_leak_says_so_first_fails_and_names_it(tmp_path):
+    code, result, err = soak(tmp_path, "--seconds", "10", "--inject-leak")
+    assert err.splitlines()[0] == (
+        "soak: --inject-leak plants a leak: one 64 KiB buffer of host memory kept every cycle "
+        "until the verdict (the progress says how many MiB a second): this run must FAIL")
     assert code == 1 and not result["passed"] and result["verdict"] == "FAIL"
     assert any(r.startswith("live buffers:") and "leaked" in r for r in result["reasons"])
 

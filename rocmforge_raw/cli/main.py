@@ -11,19 +11,20 @@ early (``soak --json | head -5``) ends the command quietly with status 141 (128 
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import sys
-from importlib import metadata
 from typing import Any, NoReturn
 
 from .._version import version
 from ..common import progress
 from ..errors import BackendUnavailableError, KernelNotAvailableError
 from ..kernels import module
-from ..runtime import BACKEND_NAMES, Backend, available_backends, get_backend
+from ..runtime import BACKEND_NAMES
 from . import flags
+from .info import cmd_info
+from .runs import cmd_demo, cmd_soak
+from .shared import emit, target, where
 
 #: The bounds of the flags: a run of at most a week, drift thresholds up to 1 TiB, a planted
 #: leak of at most 1 GiB/s, devices and seeds as the runtime and NumPy take them, at most
@@ -38,6 +39,15 @@ MAX_LEAK_MIB_PER_S = 1024.0
 DESCRIPTION = """\
 Torch-free GPU memory and a paged KV cache on the hip (AMD), cuda (NVIDIA) or host (CPU)
 backend. Run `rocmforge-raw COMMAND --help` for a command's flags and examples."""
+
+#: Each command and what it does (its help, and the list a bare `rocmforge-raw` shows).
+COMMANDS = {
+    "info": "backends, devices, code objects, versions, and the next step for this install",
+    "demo": "a serving simulation on the best backend, checked against the NumPy reference",
+    "bench": "allocation, attention, decode-step and cache benchmarks (all of them without a "
+             "selection)",
+    "soak": "memory-leak soak: churn, sample, judge the drift",
+}
 
 EXAMPLES = {
     "info": "examples:\n  rocmforge-raw info\n  rocmforge-raw info --backend cuda --json",
@@ -74,7 +84,8 @@ class _Parser(argparse.ArgumentParser):
 
 def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true",
-                        help="print one JSON document (and no progress bars)")
+                        help="print one JSON document on stdout (progress goes to stderr as plain "
+                             "lines, no bars)")
     parser.add_argument("--backend", choices=BACKEND_NAMES,
                         help="force a backend (default: hip, else cuda, else host: the first "
                              "that answers; RF_BACKEND sets it too)")
@@ -84,137 +95,6 @@ def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-v", "--verbose", action="count", default=0,
                         help="log what happens on stderr (-v: info, -vv: debug; default: "
                              "warnings only)")
-
-
-def _target(args: argparse.Namespace) -> tuple[Backend, int]:
-    """The backend and device the flags name (``BackendUnavailableError`` if absent)."""
-    backend = get_backend(args.backend)
-    return backend, backend.resolve_device(args.device)
-
-
-def where(backend: Backend, device: int, forced: str | None) -> str:
-    """The target as output names it: ``cuda:0``, or the host backend and why it runs (no GPU
-    answered, or what forced it), so that host figures are never read as a GPU's."""
-    if backend.name != "host":
-        return f"{backend.name}:{device}"
-    if forced == "host":
-        return "host backend (--backend host)"
-    chosen = os.environ.get("RF_BACKEND", "").strip()
-    return f"host backend (RF_BACKEND={chosen})" if chosen else "host backend (no GPU answered)"
-
-
-def _emit(args: argparse.Namespace, result: dict[str, Any], text: str) -> None:
-    print(json.dumps(result, indent=2, default=str) if args.json else text)
-    sys.stdout.flush()  # a reader that went away is found here, inside main's handler
-
-
-def _versions() -> dict[str, str]:
-    found = {}
-    for name in ("rocmforge_raw", "numpy", "ml_dtypes", "cffi", "tqdm", "hip-python",
-                 "cuda-bindings"):
-        try:
-            found[name] = metadata.version(name)
-        except metadata.PackageNotFoundError:
-            found[name] = "not installed"
-    return found
-
-
-def _code_objects(pattern: str = "*") -> list[str]:
-    """Names of the packaged code objects matching ``pattern`` (none in a source install
-    that was not built with `make kernels`)."""
-    return sorted(p.name for p in module.KERNEL_DIR.glob(pattern)
-                  if p.suffix in (".hsaco", ".cubin", ".ptx"))
-
-
-def cmd_info(args: argparse.Namespace) -> int:
-    from .hipinfo import hip_runtime
-
-    backends = available_backends()
-    chosen = _target(args) if args.device is not None else None  # checks --device
-    devices: list[dict[str, Any]] = []
-    for name, status in backends.items():
-        if status != "ok" or (args.backend and name != args.backend):
-            continue
-        backend = get_backend(name)
-        for i in range(backend.device_count()):
-            if chosen is not None and (backend, i) != chosen:
-                continue
-            props = backend.properties(i)
-            devices.append({"backend": name, "index": i, "name": props.name,
-                            "arch": props.arch, "total_bytes": props.total_bytes,
-                            "multiprocessors": props.multiprocessors,
-                            "code_objects": _code_objects(f"*.{props.arch}.*")})
-    all_objects = _code_objects()
-    versions = _versions()
-    hip, warnings = hip_runtime(versions["hip-python"])
-    default = get_backend(args.backend)
-    result = {"backends": backends, "default": default.name,
-              "default_where": where(default, 0, args.backend), "devices": devices,
-              "code_objects": all_objects, "code_objects_note": module.missing_objects_note(),
-              "versions": versions, "hip_runtime": hip, "warnings": warnings}
-    lines = ["backends:"] + [f"  {n:5} {s}" for n, s in backends.items()]
-    lines += [f"default backend: {result['default_where']}", "devices:"]
-    lines += [f"  {d['backend']}:{d['index']} {d['name']} ({d['arch']}, "
-              f"{d['total_bytes'] / 2**30:.1f} GiB, {d['multiprocessors']} units), "
-              f"{len(d['code_objects'])} code objects" for d in devices]
-    lines.append(f"code objects built: {len(all_objects)} in {module.KERNEL_DIR}")
-    if result["code_objects_note"]:
-        lines.append(f"  {result['code_objects_note']}")
-    lines += ["versions:"] + [f"  {k} {v}" for k, v in versions.items()]
-    lines.append(f"HIP runtime {hip['runtime'] or 'not loaded'} (driver "
-                 f"{hip['driver'] or '-'}), hip-python bindings for HIP {hip['bindings'] or '-'}"
-                 + (f": {hip['error']}" if hip["error"] else ""))
-    lines += [f"warning: {w}" for w in warnings]
-    _emit(args, result, "\n".join(lines))
-    return 0
-
-
-def cmd_demo(args: argparse.Namespace) -> int:
-    from ..demo.run import DemoConfig, run_demo
-
-    backend, device = _target(args)
-    config = DemoConfig.for_backend(backend, args.scale)
-    result = {"where": where(backend, device, args.backend),
-              **run_demo(backend, device, config, args.seed)}
-    lines = [f"{k:28} {v:.3f}" if isinstance(v, float) else f"{k:28} {v}"
-             for k, v in result.items()]
-    _emit(args, result, "\n".join(lines))
-    return 0 if result["live_buffers_after_teardown"] == 0 else 1
-
-
-def cmd_soak(args: argparse.Namespace) -> int:
-    from dataclasses import asdict
-
-    from ..soak.run import UNSETTLED, SoakConfig, run_soak
-
-    seconds = args.seconds if args.minutes is None else 60 * args.minutes
-    try:
-        config = SoakConfig(seconds=seconds, inject_leak=args.inject_leak, out_dir=args.out,
-                            leak_bytes_per_s=int((args.inject_rss_leak_mib or 0) * 2**20),
-                            workloads=tuple(args.workloads),
-                            max_device_drift_bytes=int(args.max_device_drift_mib * 2**20),
-                            max_rss_drift_bytes=int(args.max_rss_drift_mib * 2**20))
-    except (TypeError, ValueError) as exc:  # a run too short to judge
-        args.parser.error(str(exc))
-    backend, device = _target(args)
-    result = run_soak(backend, device, config, args.seed)
-    verdict = "not judged" if result.verdict == UNSETTLED else result.verdict
-    judged = (f"warm-up {result.warmup_s:.0f} s (until memory settled), then "
-              if result.warmup_s is not None else "")
-    lines = [f"soak on {where(backend, device, args.backend)} for {seconds:.0f} s: {verdict}",
-             f"  cycles {result.cycles}, samples {result.samples}, live buffers "
-             f"{result.baseline_live_buffers} -> {result.final_live_buffers}"]
-    if result.rss_drift_bytes is not None:
-        lines.append(f"  {judged}RSS drift {result.rss_drift_bytes / 2**20:.2f} MiB" + (
-            f", device drift {result.device_drift_bytes / 2**20:.2f} MiB"
-            if result.device_drift_bytes is not None else ""))
-    word = "not judged" if result.verdict == UNSETTLED else "FAIL"
-    lines += [*[f"  {word}: {reason}" for reason in result.reasons],
-              *[f"  {note}" for note in result.notes],
-              *[f"  wrote {path}" for path in result.files.values()]]
-    _emit(args, {"where": where(backend, device, args.backend), **asdict(result)},
-          "\n".join(lines))
-    return {"PASS": 0, "FAIL": 1}.get(result.verdict, 2)
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -230,11 +110,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
         from ..transport.mooncake import engine_class
 
         engine_class()
-    backend, device = _target(args)
+    backend, device = target(args)
     if args.from_device is not None:  # a device of the backend, before anything runs
         backend.resolve_device(args.from_device)
     result, lines = cli_bench.run(args, backend, device, where(backend, device, args.backend))
-    _emit(args, result, "\n".join(lines))
+    emit(args, result, "\n".join(lines))
     return 0
 
 
@@ -249,16 +129,16 @@ def _subcommand(commands: Any, name: str, help: str) -> argparse.ArgumentParser:
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="rocmforge-raw", description=DESCRIPTION, formatter_class=_Formatter)
     parser.add_argument("--version", action="version", version=f"%(prog)s {version()}")
-    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    info = _subcommand(commands, "info", "backends, devices, code objects, versions")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND")  # none: _bare
+    info = _subcommand(commands, "info", COMMANDS["info"])
     info.set_defaults(run=cmd_info)
-    demo = _subcommand(commands, "demo", "a serving simulation on the best backend")
+    demo = _subcommand(commands, "demo", COMMANDS["demo"])
     demo.add_argument("--scale", type=flags.real(above=0.0, at_most=1000.0), default=1.0,
                       help="multiply the request count (in (0, 1000])")
     demo.add_argument("--seed", type=flags.count(0, MAX_SEED), default=None,
                       help="random seed (default: a fresh one each run)")
     demo.set_defaults(run=cmd_demo)
-    soak = _subcommand(commands, "soak", "memory-leak soak: churn, sample, judge the drift")
+    soak = _subcommand(commands, "soak", COMMANDS["soak"])
     soak.add_argument("--seconds", type=flags.real(above=0.0, at_most=MAX_SECONDS),
                       default=60.0,
                       help="how long to churn (10 at least: the drift fit needs 10 samples "
@@ -287,8 +167,7 @@ def build_parser() -> argparse.ArgumentParser:
     soak.add_argument("--seed", type=flags.count(0, MAX_SEED), default=None,
                       help="random seed (default: a fresh one each run)")
     soak.set_defaults(run=cmd_soak)
-    bench = _subcommand(commands, "bench", "allocation, attention, decode-step and cache "
-                        "benchmarks (all of them without a selection)")
+    bench = _subcommand(commands, "bench", COMMANDS["bench"])
     bench.add_argument("--alloc", action="store_true", help="alloc+free round trips")
     bench.add_argument("--attention", action="store_true", help="paged attention vs copy BW "
                        "(GPU)")
@@ -336,11 +215,25 @@ def _reader_gone() -> int:
     return 128 + 13
 
 
+def _bare(parser: argparse.ArgumentParser) -> int:
+    """A bare `rocmforge-raw`: a short usage on stderr that points to --help; status 2, as
+    argparse gives any other usage error."""
+    width = max(map(len, COMMANDS))
+    print(parser.format_usage().rstrip("\n"), "commands:",
+          *[f"  {name:{width}}  {what}" for name, what in COMMANDS.items()],
+          f"{parser.prog}: no command given: run `{parser.prog} --help` for more, "
+          f"`{parser.prog} COMMAND --help` for a command's flags and examples",
+          sep="\n", file=sys.stderr)
+    return 2
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.command is None:
+        return _bare(parser)
     _setup_logging(args.verbose)
-    progress.set_enabled(False if args.json else None)
+    progress.set_mode("lines" if args.json else None)  # progress on stderr, never a bar
     try:
         module.kernel_mode()  # RF_KERNELS, checked before any work
     except ValueError as exc:

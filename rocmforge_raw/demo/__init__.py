@@ -4,6 +4,6 @@ NumPy reference (``run``), and conversations of several turns over a host tier (
 An application: imports any layer of the library; nothing in the library imports it.
 """
 
-from .run import DemoConfig, run_demo
+from .run import TIMINGS, DemoConfig, failures, outcome, run_demo
 
-__all__ = ["DemoConfig", "run_demo"]
+__all__ = ["TIMINGS", "DemoConfig", "failures", "outcome", "run_demo"]

@@ -15,7 +15,9 @@ checked against the reference over the dequantized codes. Last, multi-turn conve
 run on a cache with a host tier (``demo.turns``), prefilled in chunks through the
 multi-token attention mixed with decodes: the prefill tokens computed and those the prefix
 cache served, the time a prefix hit saved (measured), host-tier hits and swap traffic. The
-summary ends with the live buffers left after teardown (must be 0).
+summary ends with the live buffers left after teardown (must be 0); ``failures`` says what
+the run required and did not get, the verdict the CLI prints. One seed gives one run: two
+runs of a seed report the same figures but the wall-clock ones (``TIMINGS``).
 """
 
 from __future__ import annotations
@@ -152,6 +154,47 @@ def run_demo(backend: Backend, device: int = 0, config: DemoConfig | None = None
         "reference_checks_passed": stats["checks"], **shared, **turns,
         "live_buffers_after_teardown": memory_stats()["live_buffers"],
     }
+
+
+#: The summary's wall-clock figures: all that differs between two runs of one seed.
+TIMINGS = frozenset({"seconds", "steps_per_s", "decode_step_ms_median",
+                     "decode_device_ms_median", "decode_host_share_median", "prefill_whole_ms",
+                     "prefill_past_hit_ms", "prefix_hit_saved_ms"})
+
+
+def failures(summary: dict[str, Any]) -> list[str]:
+    """What the demo requires of its summary and did not get (empty: OK). A reference check
+    that failed has raised already (``AssertionError``, as the cache's invariant checks do);
+    here: every request finished, each part checked attention against the reference at
+    least once, the prefix cache served the shared system prompt and the multi-turn
+    follow-ups, and nothing stayed live after teardown."""
+    found = []
+    if summary["finished"] != summary["requests"]:
+        found.append(f"{summary['requests'] - summary['finished']} of {summary['requests']} "
+                     f"requests did not finish")
+    for key, part in (("reference_checks_passed", "the decode steps"),
+                      ("fp8_checks_passed", "the fp8 cache"),
+                      ("turn_checks_passed", "the multi-turn conversations")):
+        if summary[key] == 0:
+            found.append(f"no attention result of {part} was checked against the reference")
+    if summary["prefill_tokens_saved"] == 0:
+        found.append("the prefix cache served none of the shared system prompt")
+    if summary["turn_cached_prompt_tokens"] == 0:
+        found.append("the prefix cache served none of the multi-turn follow-ups")
+    if summary["live_buffers_after_teardown"]:
+        found.append(f"{summary['live_buffers_after_teardown']} buffers were still live after "
+                     f"teardown")
+    return found
+
+
+def outcome(summary: dict[str, Any]) -> str:
+    """The words of an OK verdict: what was checked and found."""
+    checks = sum(summary[k] for k in ("reference_checks_passed", "fp8_checks_passed",
+                                      "turn_checks_passed"))
+    return (f"{summary['finished']}/{summary['requests']} requests finished, {checks} attention "
+            f"results matched the NumPy reference, the prefix cache served "
+            f"{summary['prefill_tokens_saved'] + summary['turn_cached_prompt_tokens']} prompt "
+            f"tokens, no buffer live after teardown")
 
 
 def _shared_prompts_on_fp8(backend: Backend, device: int, cfg: DemoConfig,

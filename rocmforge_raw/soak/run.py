@@ -37,6 +37,9 @@ from . import drift
 from . import report as soak_report
 from .results import FAIL, MIN_SECONDS, PASS, UNSETTLED, MiB, Row, SoakConfig, SoakResult
 
+#: Bytes ``inject_leak`` keeps every cycle (one buffer of the backend's memory).
+LEAK_BYTES = 64 * 1024
+
 
 def _rss() -> int:
     with open("/proc/self/statm") as f:
@@ -77,7 +80,7 @@ class _Workload:
                 mod.function("rf_fill_f32")(4, 256, buf, 1.0, 1024)
                 self.backend.synchronize(self.device)
         if leak_into is not None:  # the planted leak: a buffer kept past the workload's life
-            leak_into.append(HipBuffer(64 * 1024, self.device, self.backend))
+            leak_into.append(HipBuffer(LEAK_BYTES, self.device, self.backend))
 
     def _cache_step(self) -> None:
         rng, sched, cache = self.rng, self.sched, self.cache
@@ -147,9 +150,9 @@ class _PlantedLeak:
 
 def run_soak(backend: Backend, device: int, config: SoakConfig,
              seed: int | None = None) -> SoakResult:
-    """Run the soak (a progress bar on a terminal, ``progress``), judge it and write
-    ``soak.csv``, ``soak.json`` and ``soak.png`` (if matplotlib is installed; else a note says
-    why not) into ``config.out_dir``."""
+    """Run the soak (a bar on a terminal, a line every 10 s elsewhere: ``progress``), judge
+    it and write ``soak.csv``, ``soak.json`` and ``soak.png`` (if matplotlib is installed;
+    else a note says why not) into ``config.out_dir``."""
     out = Path(config.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     gc.collect()
@@ -183,8 +186,8 @@ def run_soak(backend: Backend, device: int, config: SoakConfig,
                     gc.collect()
                     sample()
                     next_sample += 1.0
-                    shown.set_postfix_str(f"{cycles} cycles, RSS {rows[-1][4] / MiB:.0f} MiB",
-                                          refresh=False)
+                    kept = len(leaked) * LEAK_BYTES + planted.held
+                    shown.set_postfix_str(_status(rows, cycles, kept), refresh=False)
                     shown.update(min(elapsed, config.seconds) - shown.n)
     finally:
         workload.close()
@@ -202,6 +205,17 @@ def run_soak(backend: Backend, device: int, config: SoakConfig,
                "planted_bytes": planted.held, "fits": fits}
     soak_report.write(out, rows, gpu, result, fits, summary)
     return result
+
+
+def _status(rows: list[Row], cycles: int, kept: int) -> str:
+    """The progress display's words: cycles so far, RSS growth since the first sample, and
+    the ``kept`` bytes of a planted leak (and their rate), if any."""
+    rss = (rows[-1][4] - rows[0][4]) / MiB
+    words = f"{cycles} cycles, RSS {rss:+.1f} MiB"
+    if kept:
+        rate = kept / MiB / max(rows[-1][0], 1e-3)
+        words += f", planted leak {kept / MiB:.0f} MiB ({rate:.1f} MiB/s)"
+    return words
 
 
 def _judge(rows: list[Row], gpu: bool, config: SoakConfig, cycles: int, baseline: int,
@@ -254,4 +268,5 @@ def _unsettled(name: str, times: np.ndarray, values: np.ndarray, seconds: float)
             f"default is 60 s)")
 
 
-__all__ = ["FAIL", "MIN_SECONDS", "PASS", "UNSETTLED", "SoakConfig", "SoakResult", "run_soak"]
+__all__ = ["FAIL", "LEAK_BYTES", "MIN_SECONDS", "PASS", "UNSETTLED", "SoakConfig", "SoakResult",
+           "run_soak"]
