@@ -1,5 +1,5 @@
 """``rocmforge-raw info``: backends (and why one does not answer), devices, code objects,
-versions and the HIP runtime."""
+versions, the HIP runtime, and the next step for this install (``nextstep``)."""
 
 from __future__ import annotations
 
@@ -7,10 +7,15 @@ import argparse
 from importlib import metadata
 from typing import Any
 
-from ..kernels import module
+from ..errors import BackendUnavailableError, KernelNotAvailableError
+from ..kernels import jit, module
 from ..runtime import available_backends, get_backend
+from . import nextstep
 from .hipinfo import hip_runtime
 from .shared import emit, target, where
+
+#: The kernels (packaged sources) a device needs a code object or a compiler for.
+KERNELS = tuple(sorted(p.stem for p in module.SOURCE_DIR.glob("*.cu")))
 
 
 def _versions() -> dict[str, str]:
@@ -29,6 +34,31 @@ def _code_objects(pattern: str = "*") -> list[str]:
     that was not built with `make kernels`)."""
     return sorted(p.name for p in module.KERNEL_DIR.glob(pattern)
                   if p.suffix in (".hsaco", ".cubin", ".ptx"))
+
+
+def missing_objects_note() -> str | None:
+    """What to do when this install carries no prebuilt code object (a source install of a
+    fresh clone builds none), or None when it carries some. No wheel is published: a clone
+    builds one."""
+    if _code_objects():
+        return None
+    return ("no prebuilt code objects in this install: each kernel is compiled at run time "
+            "on first use (NVRTC from the cuda extra, hiprtc from ROCm; minutes for "
+            "paged_attention, then cached); in a clone, `make kernels` builds them before "
+            "`pip install .`, and `make wheel` builds a wheel that carries every target's")
+
+
+def _missing(arch: str) -> list[str]:
+    """The kernels with no packaged code object that runs on ``arch``."""
+    return [k for k in KERNELS if not any(p.exists() for p in module.kernel_candidates(k, arch))]
+
+
+def _compiler_error(backend: str) -> str | None:
+    try:
+        jit.compiler_for(backend)
+    except (BackendUnavailableError, KernelNotAvailableError) as exc:
+        return str(exc)
+    return None
 
 
 def _devices(backends: dict[str, str], names: list[str], chosen: Any) -> list[dict[str, Any]]:
@@ -57,10 +87,14 @@ def cmd_info(args: argparse.Namespace) -> int:
     versions = _versions()
     hip, warnings = hip_runtime(versions["hip-python"])
     default = get_backend(args.backend)
+    gpus = _devices(backends, ["hip", "cuda"], None)  # every GPU, whatever the flags chose
+    steps = nextstep.next_steps(backends, gpus, nextstep.probe(), versions, _missing,
+                                _compiler_error)
     result = {"backends": backends, "default": default.name,
               "default_where": where(default, 0, args.backend), "devices": devices,
-              "code_objects": all_objects, "code_objects_note": module.missing_objects_note(),
-              "versions": versions, "hip_runtime": hip, "warnings": warnings}
+              "code_objects": all_objects, "code_objects_note": missing_objects_note(),
+              "versions": versions, "hip_runtime": hip, "warnings": warnings,
+              "next_steps": steps}
     lines = ["backends:"] + [f"  {n:5} {s}" for n, s in backends.items()]
     lines += [f"default backend: {result['default_where']}", "devices:"]
     lines += [f"  {d['backend']}:{d['index']} {d['name']} ({d['arch']}, "
@@ -74,5 +108,6 @@ def cmd_info(args: argparse.Namespace) -> int:
                  f"{hip['driver'] or '-'}), hip-python bindings for HIP {hip['bindings'] or '-'}"
                  + (f": {hip['error']}" if hip["error"] else ""))
     lines += [f"warning: {w}" for w in warnings]
+    lines += ["next step:", *[f"  {step}" for step in steps]]
     emit(args, result, "\n".join(lines))
     return 0
