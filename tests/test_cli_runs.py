@@ -144,3 +144,17 @@ def test_the_soaks_progress_names_a_planted_leaks_rate():
     assert _status(rows, 1234, 0) == "1234 cycles, RSS +1.5 MiB"
     assert _status(rows, 1234, 160 << 20) == ("1234 cycles, RSS +1.5 MiB, planted leak 160 MiB "
                                               "(40.0 MiB/s)")
+
+
+def test_the_demo_off_a_terminal_reports_progress_on_stderr(capsys, monkeypatch):
+    monkeypatch.setenv("RF_PROGRESS_EVERY", "0.01")
+    monkeypatch.delenv("RF_PROGRESS", raising=False)
+    assert main([*DEMO, "--seed", "5", "--json"]) == 0
+    out, err = capsys.readouterr()
+    assert json.loads(out)["verdict"] == "OK"
+    lines = err.splitlines()
+    assert lines[0] == "seed 5 (rerun with --seed 5)"
+    assert any(re.fullmatch(r"demo: \d+/12 req, blocks \d+/\d+, preemptions \d+, \d+ s", line)
+               for line in lines), lines
+    assert any(line.startswith("demo: done in ") for line in lines)
+    assert any(line.startswith("demo: multi-turn conversations: done in ") for line in lines)

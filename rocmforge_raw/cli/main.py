@@ -51,7 +51,8 @@ COMMANDS = {
 
 EXAMPLES = {
     "info": "examples:\n  rocmforge-raw info\n  rocmforge-raw info --backend cuda --json",
-    "demo": "examples:\n  rocmforge-raw demo\n  rocmforge-raw demo --scale 0.3 --seed 3",
+    "demo": "examples:\n  rocmforge-raw demo\n  rocmforge-raw demo --scale 0.3 --seed 3\n\n"
+            "exit status: 0 OK, 1 FAILED (the last line says why)",
     "bench": "examples:\n  rocmforge-raw bench --cache\n  rocmforge-raw bench --attention "
              "--sweep --json > sweep.json\n  rocmforge-raw bench --step --iters 20\n"
              "  rocmforge-raw bench --prefill --json\n"
@@ -136,7 +137,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--scale", type=flags.real(above=0.0, at_most=1000.0), default=1.0,
                       help="multiply the request count (in (0, 1000])")
     demo.add_argument("--seed", type=flags.count(0, MAX_SEED), default=None,
-                      help="random seed (default: a fresh one each run)")
+                      help="random seed (default: a fresh one each run, printed first: "
+                           "--seed N repeats that run)")
     demo.set_defaults(run=cmd_demo)
     soak = _subcommand(commands, "soak", COMMANDS["soak"])
     soak.add_argument("--seconds", type=flags.real(above=0.0, at_most=MAX_SECONDS),

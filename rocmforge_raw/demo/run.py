@@ -74,9 +74,9 @@ def _random(rng: np.random.Generator, shape: tuple[int, ...], dtype: Any) -> np.
 
 def run_demo(backend: Backend, device: int = 0, config: DemoConfig | None = None,
              seed: int | None = None) -> dict[str, Any]:
-    """Run the simulation (a progress bar on a terminal, ``progress``) and return its
-    summary. On the host backend there is no device: the summary has no device time and
-    says so (``device_time``)."""
+    """Run the simulation (a bar on a terminal, a line every 10 s elsewhere: ``progress``)
+    and return its summary. On the host backend there is no device: the summary has no
+    device time and says so (``device_time``)."""
     cfg = config or DemoConfig.for_backend(backend)
     rng = np.random.default_rng(seed)
     dtype = np.dtype(np.float32 if backend.name == "host" else ml_dtypes.bfloat16)
@@ -134,8 +134,10 @@ def run_demo(backend: Backend, device: int = 0, config: DemoConfig | None = None
         start_ev.close()
         end_ev.close()
     elapsed = time.perf_counter() - started
-    shared = _shared_prompts_on_fp8(backend, device, cfg, rng)
-    turns = multi_turn(backend, device, cfg, dtype, rng, check=_check)
+    with progress.ticking("demo: shared prompts on an fp8 cache", leave=False):
+        shared = _shared_prompts_on_fp8(backend, device, cfg, rng)
+    with progress.ticking("demo: multi-turn conversations", leave=False):
+        turns = multi_turn(backend, device, cfg, dtype, rng, check=_check)
     ops.release_staging()  # the one-off writes' staging memory, kept per device until now
     gc.collect()
     steps_ms = stats["step_ms"] or [0.0]
