@@ -25,6 +25,7 @@ from .memory.buffer import (
 )
 from .memory.pool import MemoryPool
 from .memory.stream import Event, Stream
+from .memory.waiting import free_waiting
 from .runtime import available_backends, default_backend, devices, get_backend
 
 __version__ = _version()  # pyproject.toml's, through the installed metadata
@@ -33,6 +34,6 @@ __all__ = [
     "BackendUnavailableError", "BufferClosedError", "DeviceArray", "DeviceError", "Event",
     "HipBuffer", "Kernel", "KernelNotAvailableError", "LaunchConfig", "MemoryPool", "Module",
     "OutOfMemoryError", "RocmforgeError", "Stream", "available_backends", "default_backend",
-    "devices", "get_backend", "live_allocations", "load_kernels", "memory_stats", "reset_peak",
-    "set_allocator", "track_stacks",
+    "devices", "free_waiting", "get_backend", "live_allocations", "load_kernels", "memory_stats",
+    "reset_peak", "set_allocator", "track_stacks",
 ]

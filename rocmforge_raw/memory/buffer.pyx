@@ -9,7 +9,8 @@ never raises during interpreter shutdown. A view (``buf.view(offset, nbytes)``) 
 parent alive and frees nothing. Every copy is bounds-checked here, before any binding call.
 Sizes and offsets are in bytes. A buffer exported through DLPack counts its consumers:
 ``close()`` while one is alive marks the buffer closed at once but frees the memory only when
-the last consumer lets go (``_export``).
+the last consumer lets go (``_export``). ``release_after(after)`` closes a root at once and
+hands its memory to the registry until the device has passed ``after`` (``waiting``).
 
 Compiled (Cython) because it is the path every allocation takes: ``bench --alloc`` holds a
 raw buffer to 1.10 x the bare binding calls and a pooled one to under a microsecond. It is
@@ -34,6 +35,7 @@ from ..errors import BufferClosedError, OutOfMemoryError
 from .pool import MemoryPool, StreamAllocator
 from ..runtime import get_backend
 from .stream import stream_handle
+from .waiting import event_after, free_entry
 
 #: The type of ``HipBuffer.typed``'s views: ``DeviceArray``, registered by ``array`` when it is
 #: imported (the package ``memory`` imports it), so this module never imports the one above it.
@@ -91,6 +93,8 @@ cdef class HipBuffer:
     cdef bint closing  # a root closed while exported: freed when the last export ends
     cdef Py_ssize_t exports  # live DLPack consumers of a root
     cdef object ref  # the registry's key while a root is open; None for views and once closed
+    cdef object waiting  # the registry's entry after release_after, until close() frees it
+    cdef object after  # release_after's event while DLPack consumers hold the memory
     cdef object __weakref__
 
     def __init__(self, nbytes, device=None, backend=None, *, pool=None, shareable=False):
@@ -177,8 +181,13 @@ cdef class HipBuffer:
 
     def close(self):
         """Free the memory now (root) or stop using it (view). Idempotent. A root with live
-        DLPack consumers is closed at once but freed when the last of them lets go."""
+        DLPack consumers is closed at once but freed when the last of them lets go; one
+        handed over with ``release_after`` is freed now, once the device has passed it."""
         if self._parent is None:
+            if self.waiting is not None:
+                entry, self.waiting = self.waiting, None
+                free_entry(entry)
+                return
             if self.exports:
                 self.closing = True
                 return
@@ -187,6 +196,27 @@ cdef class HipBuffer:
                 _registry.release(ref)
         else:
             self.view_closed = True
+
+    def release_after(self, after=None):
+        """Close this root buffer now and free its memory once the device has passed
+        ``after``: an ``Event`` recorded after the memory's last use on the device, or the
+        ``Stream`` (None: the default stream) where all that use was queued (an event is
+        recorded on it now). Until then the memory counts as waiting in ``memory_stats()``,
+        not live; ``rocmforge_raw.free_waiting()``, this buffer's ``close()`` or interpreter
+        exit frees it (each waits for that event), never a call that would not wait anyway.
+        Using the buffer or a view of it raises ``BufferClosedError`` from now on. Nothing
+        happens to a buffer closed already."""
+        if self._parent is not None:
+            raise ValueError(f"{self!r} is a view, which frees nothing: release_after its "
+                             "root (.root) once no view of it is used")
+        if self.ref is None or self.closing:
+            return
+        event = event_after(after, self.backend, self.device)
+        if self.exports:  # handed over when the last consumer lets go
+            self.closing, self.after = True, event
+            return
+        ref, self.ref = self.ref, None
+        self.waiting = _registry.retire(ref, event)
 
     def _export(self):
         """Count one more outside consumer (a DLPack capsule) of this memory; returns the
@@ -202,7 +232,10 @@ cdef class HipBuffer:
         if self.exports == 0 and self.closing:
             self.closing = False
             ref, self.ref = self.ref, None
-            if ref is not None:
+            after, self.after = self.after, None
+            if ref is not None and after is not None:
+                self.waiting = _registry.retire(ref, after)
+            elif ref is not None:
                 _registry.release(ref)
 
     def __enter__(self):
