@@ -103,15 +103,15 @@ def rng(request):
 
 @pytest.fixture(autouse=True)
 def no_leaked_buffers():
-    """Each test leaves exactly as many live buffers as it found."""
+    """Each test leaves exactly as many live buffers as it found, once the device has passed
+    what is waiting and it is freed (``free_waiting``: also the one-off ops' staging
+    memory, which is kept per device, not leaked)."""
     import gc
-
-    from rocmforge_raw.kernels import ops
 
     before = rf.memory_stats()["live_buffers"]
     yield
     gc.collect()
-    ops.release_staging()  # the one-off ops' staging memory is kept per device, not leaked
+    rf.free_waiting()
     after = rf.memory_stats()["live_buffers"]
     if after > before:  # name the newest live allocations (the registry keeps creation order)
         leaked = rf.live_allocations()[before - after:]

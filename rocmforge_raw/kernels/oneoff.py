@@ -1,10 +1,12 @@
 """What the one-off ops share: a staging ring per device (pinned memory for their metadata,
-reused once the device has passed it), host views of host-backend arrays and the checks of
-integer metadata given on the host or the device."""
+reused once the device has passed it, given back by ``release_staging``, which
+``rocmforge_raw.free_waiting()`` and interpreter exit call), host views of host-backend arrays
+and the checks of integer metadata given on the host or the device."""
 
 from __future__ import annotations
 
 import ctypes
+import os
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -15,6 +17,7 @@ import numpy as np
 from ..common import checks
 from ..memory.array import DeviceArray
 from ..memory.stream import Stream
+from ..memory.waiting import add_holder
 from ..runtime import Backend
 from .planning import device_ints, host_ints
 from .staging import Staging, StagingRing
@@ -36,13 +39,25 @@ _rings_lock = threading.Lock()
 
 def release_staging() -> None:
     """Free the staging memory the one-off ops keep per device (pinned and device buffers,
-    once the device has passed their last use); the next op allocates it again."""
+    once the device has passed their last use); the next op allocates it again.
+    ``rocmforge_raw.free_waiting()`` calls this first, as does interpreter exit."""
     with _rings_lock:
         rings = list(_rings.values())
         _rings.clear()
     for lock, ring in rings:
         with lock:
             ring.close()
+
+
+def _forget_rings() -> None:
+    """In a forked child: the rings are the parent's (its memory, its device contexts)."""
+    global _rings_lock
+    _rings.clear()
+    _rings_lock = threading.Lock()  # a thread of the parent may have held it
+
+
+add_holder(release_staging)
+os.register_at_fork(after_in_child=_forget_rings)
 
 
 class Place(NamedTuple):

@@ -5,7 +5,9 @@ recorded after its last use has completed (DESIGN.md, stream order). Each reusab
 memory here carries a ``Fence``: the event of its last use. Reuse checks the fence; the host
 waits on it (an event, never the whole device) only when the device is that far behind.
 Freeing device or pinned memory waits for the whole device (cuMemFree, cuMemFreeHost,
-hipFree), so memory outgrown here is kept until ``close()`` rather than freed mid-stream.
+hipFree), so memory outgrown here is never freed mid-stream: it is handed to the registry
+(``release_after``) with an event after its last use, and waits there (``memory_stats()``)
+until ``free_waiting()``, interpreter exit or its owner's ``close()`` frees it.
 
 - ``PinnedBuffer``: page-locked host memory, which asynchronous host-to-device copies read
   when the device gets to them (so it must not change before then).
@@ -20,6 +22,7 @@ Sizes are bytes. None of these is locked: their owner's lock (an op, a cache) co
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 import sys
 import weakref
@@ -32,6 +35,7 @@ from ..common import checks
 from ..memory.array import DeviceArray
 from ..memory.buffer import HipBuffer
 from ..memory.stream import Event, Stream, stream_handle
+from ..memory.waiting import defer_free, event_after, free_entry
 from ..runtime import Backend, get_backend
 from ._pack import pack_host, pack_step
 
@@ -49,7 +53,8 @@ def _free_pinned(backend: Backend, ptr: int, device: int, pid: int) -> None:
 
 class PinnedBuffer:
     """``nbytes`` (> 0) of page-locked host memory for ``device``; freed by ``close()`` or
-    garbage collection (a finalizer that holds no reference to the buffer)."""
+    garbage collection (a finalizer that holds no reference to the buffer), or handed over
+    with ``release_after``."""
 
     def __init__(self, nbytes: int, device: int, backend: Backend) -> None:
         self.nbytes, self.device, self.backend = nbytes, device, backend
@@ -57,6 +62,7 @@ class PinnedBuffer:
         self._finalizer = weakref.finalize(self, _free_pinned, backend, self.ptr, device,
                                            os.getpid())
         self._finalizer.atexit = False
+        self._waiting: Any = None  # the registry's entry after release_after
 
     def array(self, dtype: Any, count: int, offset: int = 0) -> np.ndarray:
         """``count`` elements of ``dtype`` at ``offset``, as a NumPy view (no copy)."""
@@ -68,17 +74,36 @@ class PinnedBuffer:
         return np.frombuffer(raw, dtype, count)
 
     def close(self) -> None:
-        self._finalizer()
+        """Free the memory now (once the device has passed it, if handed over). Idempotent."""
+        if self._waiting is not None:
+            entry, self._waiting = self._waiting, None
+            free_entry(entry)
+        else:
+            self._finalizer()
+
+    def release_after(self, after: Event | Stream | None = None) -> None:
+        """Close now and free the memory once the device has passed ``after``, as
+        ``HipBuffer.release_after`` does: until then it counts as ``waiting_other`` in
+        ``memory_stats()``. Nothing happens once closed."""
+        if not self._finalizer.alive:
+            return
+        event = event_after(after, self.backend, self.device)
+        detached = self._finalizer.detach()
+        if detached is not None:
+            _, free, args, _ = detached
+            self._waiting = defer_free(functools.partial(free, *args), self.nbytes, event)
 
 
 class Fence:
     """The last use of some memory on the device: an event recorded on the stream that used
-    it. ``passed()`` asks without waiting; ``wait()`` waits for that event alone."""
+    it. ``passed()`` asks without waiting; ``wait()`` waits for that event alone. Memory
+    given to ``retire`` is handed to the registry at the next mark."""
 
     def __init__(self, device: int, backend: Backend) -> None:
         self.device, self.backend = device, backend
         self._event: Event | None = None
         self._pending = False
+        self._handover: list[HipBuffer | PinnedBuffer] = []
 
     def mark(self, stream: Stream | None) -> None:
         """The memory's last use so far was queued on ``stream`` just now."""
@@ -86,6 +111,17 @@ class Fence:
             self._event = Event(self.device, self.backend)
         self._event.record(stream)
         self._pending = True
+        if self._handover:  # an event of their own: this fence records its own again
+            after = Event(self.device, self.backend).record(stream)
+            handover, self._handover = self._handover, []
+            for memory in handover:
+                memory.release_after(after)
+
+    def retire(self, memory: HipBuffer | PinnedBuffer) -> None:
+        """Hand ``memory``, which launches up to this fence's next ``mark`` may use, to the
+        registry at that mark (``release_after``): it waits there until the device has
+        passed it. Its owner keeps it to ``close()`` (which frees it then) at its own end."""
+        self._handover.append(memory)
 
     def passed(self) -> bool:
         if self._pending and self.backend.event_query(self._event.handle):
@@ -102,22 +138,24 @@ class Fence:
             self._event.close()
             self._event = None
         self._pending = False
+        self._handover = []  # their owner closes them
 
 
 class Workspace:
     """Split-K scratch that lives across launches: partial outputs and the per-group
     counters through which the last CTA of a group finds out it is last (zero between
-    launches: each launch resets the counters it uses). Grows on demand; outgrown buffers are
-    kept until ``close()`` (a free waits for the whole device), which frees them once the
-    fence of their last use has passed. Pass one to ``ops.paged_attention`` to
-    avoid allocations per call; one per stream. Its first ``get`` binds it to that
-    device (of that backend) until ``close()``: another device's launch is refused."""
+    launches: each launch resets the counters it uses). Grows on demand; an outgrown buffer
+    is handed to the registry with an event on the stream of the ``get`` that outgrew it
+    (it waits there, or until ``close()``: a free waits for the whole device), so use one
+    per stream. Pass one to ``ops.paged_attention`` to avoid allocations per call. Its
+    first ``get`` binds it to that device (of that backend) until ``close()``: another
+    device's launch is refused."""
 
     def __init__(self) -> None:
         self._partials: HipBuffer | None = None
         self._counters: HipBuffer | None = None
         self._fence: Fence | None = None
-        self._outgrown: list[HipBuffer] = []  # freed by close(): a free waits for the device
+        self._outgrown: list[HipBuffer] = []  # handed over; close() frees them
 
     def get(self, nbytes: int, counters: int, like: Any, stream: Stream | None = None
             ) -> tuple[HipBuffer, HipBuffer]:
@@ -131,9 +169,9 @@ class Workspace:
         if self._fence is None:
             self._fence = Fence(like.device, like.backend)
         if self._partials is None or self._partials.nbytes < nbytes:
-            self._partials = self._replace(self._partials, nbytes, like)
+            self._partials = self._replace(self._partials, nbytes, like, stream)
         if self._counters is None or self._counters.nbytes < 4 * counters:
-            self._counters = self._replace(self._counters, 4 * counters, like)
+            self._counters = self._replace(self._counters, 4 * counters, like, stream)
             self._counters.fill(0, stream=stream)
         return self._partials, self._counters
 
@@ -159,14 +197,19 @@ class Workspace:
         if self._fence is not None:  # else nothing was handed out yet
             self._fence.mark(stream)
 
-    def _replace(self, old: HipBuffer | None, nbytes: int, like: Any) -> HipBuffer:
+    def _replace(self, old: HipBuffer | None, nbytes: int, like: Any,
+                 stream: Stream | None) -> HipBuffer:
+        """A new buffer of at least ``nbytes``; ``old`` is handed over after the work queued
+        on ``stream`` so far (every earlier use of a workspace of one stream)."""
+        new = HipBuffer(max(nbytes, 0 if old is None else 2 * old.nbytes, 1), like.device,
+                        like.backend)
         if old is not None:
+            old.release_after(stream)
             self._outgrown.append(old)
-            nbytes = max(nbytes, 2 * old.nbytes)
-        return HipBuffer(max(nbytes, 1), like.device, like.backend)
+        return new
 
     def close(self) -> None:
-        """Free the buffers (after the device has passed their last use)."""
+        """Free the buffers, outgrown ones too (after the device has passed their last use)."""
         if self._fence is not None:
             self._fence.wait()
             self._fence.close()
@@ -244,11 +287,22 @@ class Staging:
         """Room for ``nbytes``; True when that took new buffers."""
         if self.buffer is not None and self.buffer.nbytes >= nbytes:
             return False
-        if self.buffer is not None:  # outgrown: kept until close (a free waits)
-            self._outgrown += [self.host, self.buffer]
+        if self.buffer is not None:
             nbytes = max(nbytes, 2 * self.buffer.nbytes)
-        self.host = PinnedBuffer(nbytes, self.device, self.backend)
-        self.buffer = HipBuffer(nbytes, self.device, self.backend)
+        host = PinnedBuffer(nbytes, self.device, self.backend)
+        try:
+            buffer = HipBuffer(nbytes, self.device, self.backend)
+        except BaseException:
+            host.close()
+            raise
+        if self.buffer is not None:
+            # outgrown: launches of the puts since the fence's last mark may still read it,
+            # so it is handed over at the next mark
+            assert self.host is not None
+            for old in (self.host, self.buffer):
+                self.fence.retire(old)
+                self._outgrown.append(old)
+        self.host, self.buffer = host, buffer
         self.launches.clear()
         return True
 
