@@ -243,8 +243,9 @@ def free_waiting():
     """Free every memory waiting on the device, each once the device has passed its event,
     after the holders (``add_holder``) gave back what they keep: this waits for the device
     (an event at a time), so call it where a wait is wanted (tests, teardown, the end of a
-    phase). Returns the bytes freed (buffers and other memory). A failed wait raises, leaving
-    that memory and what follows it waiting."""
+    phase). Returns the bytes of waiting memory freed (buffers and other memory; what the
+    holders free themselves is not counted). A failed wait raises, leaving that memory and
+    what follows it waiting."""
     for release in list(_holders):
         release()
     cdef size_t freed = 0
