@@ -49,8 +49,8 @@ def alloc_legend(iters: int) -> Legend:
         (("pooled us",), "HipBuffer(bytes, pool=pool) and its close(): a block from a "
                          "MemoryPool's cache"),
         (("pool a+f us",), "the pool's own allocate and free, no HipBuffer around them"),
-        (("cupy pool us",), "CuPy's memory pool for the same size, as a reference (-: CuPy is "
-                            "not installed for this GPU)"),
+        (("cupy pool us",), "CuPy's memory pool for the same size, as a reference (-: no CuPy "
+                            "drives this backend)"),
     ]
 
 
