@@ -25,7 +25,7 @@ listing=$(unzip -l "$wheel")
 grep -q 'dist-info/licenses/LICENSE$' <<<"$listing" || fail "no LICENSE in the wheel's metadata"
 unzip -p "$wheel" '*.dist-info/METADATA' | grep -q '^License-Expression: MIT$' \
   || fail "no License-Expression in the wheel's metadata"
-! grep -q 'NOTES.md' <<<"$listing" || fail "native/NOTES.md is in the wheel"
+! grep -q 'docs/' <<<"$listing" || fail "the docs are in the wheel"
 
 # Each command of the CLI, as a new user runs it; the status a soak may end with: 0 PASS, 2 not
 # judged (a 10-second run may not settle), never 1 (FAIL) or a traceback.
