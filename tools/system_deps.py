@@ -130,7 +130,7 @@ def _run_as_root(commands: list[list[str]], shown: str, goal: str, why: str) -> 
     if None in runnable:
         reason = "not root, and no sudo here"
     else:
-        print(f"[make] {why}{'' if os.geteuid() == 0 else ' (sudo)'}", flush=True)
+        print(f"[make] {why}{'' if os.geteuid() == 0 else ' through sudo'}", flush=True)
         status = next((s for c in runnable
                        if (s := subprocess.run(c, stdout=subprocess.DEVNULL).returncode)), 0)
         if status == 0:
@@ -185,7 +185,7 @@ def check(needs: list[str], goal: str, quiet: bool, name_hiprtc: bool) -> int:
         install = [[*env, "apt-get", "update", "-qq"],
                    [*env, "apt-get", "install", "-y", "-qq", *missing]]
         shown = f"apt-get update && apt-get install -y {' '.join(missing)}"
-        if not _run_as_root(install, shown, goal, f"installing {' '.join(missing)} (apt-get)"):
+        if not _run_as_root(install, shown, goal, f"installing {' '.join(missing)} with apt-get"):
             return 1
         still = _missing(parsed)
         if still:
