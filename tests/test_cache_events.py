@@ -76,6 +76,27 @@ def test_demotion_and_promotion_move_a_prefix_between_the_tiers():
         assert events[0] == BlockStored(h0, None, tuple(range(BS)), "device")
 
 
+def test_without_a_host_tier_a_reused_prefix_block_is_announced_removed_and_forgotten():
+    """A cached-free block that an allocation reuses leaves the device tier: announced, and
+    no longer remembered (a cache without a host tier once kept every hash it ever stored:
+    its events' memory grew with every distinct prompt)."""
+    tokens = np.arange(BS + 1)
+    (h0,) = block_hashes(tokens, BS)
+    with cache_of(num_blocks=4, host_blocks=0) as cache:
+        prompt(cache, "a", tokens)
+        cache.finish("a")
+        cache.events()
+        cache.add_sequence("filler", 3 * BS)  # reuses a's cached-free block
+        assert kinds(cache.events()) == [("BlockRemoved", h0, "device")]
+        cache.finish("filler")
+        rng = np.random.default_rng(0)
+        for i in range(50):  # distinct prompts through a 3-block pool
+            prompt(cache, i, rng.integers(0, 1 << 30, 2 * BS))
+            cache.finish(i)
+        cache.events()
+        assert len(cache._events._known) <= cache.config.num_blocks
+
+
 def test_the_queue_is_bounded_drops_the_oldest_and_counts_them():
     with cache_of(num_blocks=40, max_events=3) as cache:
         prompt(cache, "a", np.arange(5 * BS))

@@ -30,7 +30,7 @@ from .blocks.block_pool import BlockPool
 from .blocks.chains import TokenChains
 from .blocks.rows import SequenceRows
 from .config import CacheConfig
-from .events import EventQueue
+from .events import DEVICE, EventQueue
 from .tiers.host_tier import HostTier
 from .tiers.order import StreamOrder
 
@@ -230,11 +230,14 @@ class CacheCore:
 
     def _allocate(self, count: int, stream: Stream | None, taking: Sequence[int] = (),
                   fill: list[int] | None = None) -> np.ndarray:
-        """``pool.take(taking)``, then ``count`` fresh blocks (see ``PrefixTiers``)."""
+        """``pool.take(taking)``, then ``count`` fresh blocks (see ``PrefixTiers``); the
+        prefixes of the cached-free blocks reused leave the device tier (announced)."""
         if taking:
             self.pool.take(list(taking))
         ids = self.pool.allocate(count)
         assert ids is not None  # the caller counted them free
+        for _, digest in self.pool.evicted:
+            self._events.removed(digest, DEVICE)
         return ids
 
     def _save(self) -> tuple[Any, ...]:
