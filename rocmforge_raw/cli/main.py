@@ -21,6 +21,7 @@ from ..common import progress
 from ..errors import BackendUnavailableError, KernelNotAvailableError
 from ..kernels import module
 from ..runtime import BACKEND_NAMES
+from ..soak.results import DEFAULT_WORKLOADS, WORKLOADS
 from . import flags
 from .info import cmd_info
 from .runs import cmd_demo, cmd_soak
@@ -157,9 +158,11 @@ def build_parser() -> argparse.ArgumentParser:
                       metavar="MIB_PER_S",
                       help="keep this many MiB of host memory per second, unknown to the "
                            "library (only the RSS drift can find it: a calibration)")
-    soak.add_argument("--workloads", nargs="+", default=["buffers", "cache", "modules"],
-                      choices=["buffers", "cache", "modules"],
-                      help="which churn to run (default: all three)")
+    soak.add_argument("--workloads", nargs="+", default=list(DEFAULT_WORKLOADS),
+                      choices=list(WORKLOADS),
+                      help="which churn to run: buffers, the cache under a Scheduler, module "
+                           "loads (the default), the host tier's swaps and prefixes, sequence "
+                           "transfers between caches, graph replays of mixed steps (a GPU's)")
     soak.add_argument("--max-device-drift-mib", default=1.0,
                       type=flags.real(at_least=0.0, at_most=MAX_DRIFT_MIB),
                       help="FAIL above this drift of the device's used memory after warm-up")

@@ -10,7 +10,11 @@ from ..common import checks
 from . import drift
 
 MiB = 1 << 20
-WORKLOADS = ("buffers", "cache", "modules")
+#: The churn a soak may run: buffers, the cache under a Scheduler and module loads by default
+#: (``DEFAULT_WORKLOADS``), and on demand the host tier, sequence transfers and graph
+#: replays (``churn``).
+WORKLOADS = ("buffers", "cache", "modules", "tier", "transfer", "graph")
+DEFAULT_WORKLOADS = ("buffers", "cache", "modules")
 #: Samples are taken once a second; the steadiness test and the fit need this many seconds
 #: after the warm-up, so no shorter run can be judged.
 MIN_SECONDS = 2 * drift.MIN_HALF
@@ -28,7 +32,7 @@ class SoakConfig:
     inject_leak: bool = False
     leak_bytes_per_s: int = 0
     out_dir: str = "soak-out"
-    workloads: tuple[str, ...] = WORKLOADS
+    workloads: tuple[str, ...] = DEFAULT_WORKLOADS
 
     def __post_init__(self) -> None:
         seconds = checks.real(self.seconds, "seconds", 0.0)

@@ -35,6 +35,7 @@ from ..memory.pool import MemoryPool
 from ..runtime import Backend
 from . import drift
 from . import report as soak_report
+from .churn import CHURN, Churn
 from .results import FAIL, MIN_SECONDS, PASS, UNSETTLED, MiB, Row, SoakConfig, SoakResult
 
 #: Bytes ``inject_leak`` keeps every cycle (one buffer of the backend's memory).
@@ -62,6 +63,8 @@ class _Workload:
         module = next((p for p in kernel_candidates("basic", backend.properties(device).arch)
                        if p.exists()), None) if backend.name != "host" else None
         self.module_image = module.read_bytes() if module else None
+        churn = tuple(name for name in workloads if name in CHURN)
+        self.churn = Churn(backend, device, rng, churn) if churn else None
 
     def cycle(self, leak_into: list[HipBuffer] | None) -> None:
         rng = self.rng
@@ -79,6 +82,8 @@ class _Workload:
                     HipBuffer(4096, self.device, self.backend) as buf:
                 mod.function("rf_fill_f32")(4, 256, buf, 1.0, 1024)
                 self.backend.synchronize(self.device)
+        if self.churn is not None:  # (d) host tier, transfers, graph replays
+            self.churn.cycle()
         if leak_into is not None:  # the planted leak: a buffer kept past the workload's life
             leak_into.append(HipBuffer(LEAK_BYTES, self.device, self.backend))
 
@@ -116,6 +121,8 @@ class _Workload:
         sched.advance(plan)
 
     def close(self) -> None:
+        if self.churn is not None:
+            self.churn.close()
         self.cache.close()
         self.pool.free_all()
         ops.release_staging()
