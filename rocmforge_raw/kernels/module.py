@@ -264,17 +264,6 @@ def kernel_candidates(stem: str, arch: str) -> list[Path]:
     return []
 
 
-def missing_objects_note() -> str | None:
-    """What to do when this install carries no prebuilt code object (a source install of a
-    fresh clone builds none; a wheel carries every target's), or None when it carries some."""
-    if any(p.suffix in (".hsaco", ".cubin", ".ptx") for p in KERNEL_DIR.glob("*.*")):
-        return None
-    return ("no prebuilt code objects in this install: each kernel is compiled at run time "
-            "on first use (NVRTC from the cuda extra, hiprtc from ROCm; minutes for "
-            "paged_attention, then cached), or build them with `make kernels` in a source "
-            "checkout before installing it, or install the wheel, which carries them all")
-
-
 #: RF_KERNELS values: where ``load_kernels`` takes code objects from.
 KERNEL_MODES = ("auto", "prebuilt", "jit")
 
