@@ -91,8 +91,8 @@ class StepGraph:
         self._graph: Any = None
         self._exec: Any = None
         # the metadata, split-K partials and counters (zero between launches), reused by
-        # every capture that fits them; outgrown ones are kept until close() (a free waits
-        # for the whole device)
+        # every capture that fits them; outgrown ones wait (``memory_stats``) until close()
+        # or ``free_waiting()`` (a free waits for the whole device)
         self._buffers: list[HipBuffer] = []
         self._outgrown: list[HipBuffer] = []
         self._layout: list[tuple[int, tuple[int, ...]]] = []
@@ -215,6 +215,8 @@ class StepGraph:
             self._retire(graph, None)
             raise
         self._retire(self._graph, self._exec)
+        for old in self._outgrown:  # the new graph reads none of them: freed once passed
+            old.release_after(self.stream)
         self._graph, self._exec, self._layout = graph, executable, layout
         self._target = base
         self.shape = shape

@@ -141,7 +141,8 @@ class PinnedUploads:
             self.buffers.append(self._new(nbytes))
         pinned, fence = self.buffers[self._next]
         fence.wait()
-        if pinned.nbytes < nbytes:  # outgrown: kept until close()
+        if pinned.nbytes < nbytes:  # outgrown: waits until close() or free_waiting()
+            fence.retire(pinned)
             self._outgrown.append(pinned)
             pinned = PinnedBuffer(max(nbytes, 2 * pinned.nbytes), self.device, self.backend)
             self.buffers[self._next] = pinned, fence
