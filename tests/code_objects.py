@@ -1,5 +1,5 @@
 """The kernels each packaged source must define, and a check that a code object for a target
-defines them (read with ``rocmforge_raw.codeobject``, no tool needed)."""
+defines them (read with ``rocmforge_raw.kernels.codeobject``, no tool needed)."""
 
 from __future__ import annotations
 

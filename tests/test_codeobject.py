@@ -1,4 +1,4 @@
-"""Code objects read in Python (rocmforge_raw.codeobject): descriptors, wave sizes, symbol
+"""Code objects read in Python (rocmforge_raw.kernels.codeobject): descriptors, wave sizes, symbol
 bytes; the loader refuses an AMD object whose wave size is not the device's, before any
 driver call. Runs on the objects `make kernels-amd` builds, with no GPU."""
 

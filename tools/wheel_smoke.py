@@ -5,7 +5,7 @@ Python from a folder outside the source tree (RF_BACKEND=host, no GPU needed), f
 Checks: the package comes from site-packages; `rocmforge-raw info --json` lists every prebuilt
 code object (the wheel) or none and says how to get them (a source install), and names the
 ``hip`` extra that brings hip-python (installed without it); a host buffer round-trips; a
-small KV cache's write and decode attention match ``rocmforge_raw.reference``; the packaged
+small KV cache's write and decode attention match ``rocmforge_raw.kernels.reference``; the packaged
 sources compile at run time with NVRTC (the ``cuda`` extra). Exits non-zero, naming the check,
 on the first failure.
 """

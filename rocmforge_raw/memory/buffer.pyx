@@ -78,10 +78,11 @@ cdef class HipBuffer:
 
     ``HipBuffer(nbytes, device=None, backend=None, *, pool=None, shareable=False)``
     allocates through ``pool``, the pool ``set_allocator`` installed for that backend and
-    device (``device=None``: the thread's device), or the backend's raw malloc; ``shareable=True`` allocates memory that other
-    processes can map (``ipc_handle()``, ``from_ipc``; see ``rocmforge_raw.ipc``), never from a
-    pool. ``ptr`` is the device address as an ``int``; ``nbytes`` is fixed; ``device`` and
-    ``backend`` say where the memory lives. Using a closed buffer, or a view of one, raises
+    device (``device=None``: the thread's device), or the backend's raw malloc;
+    ``shareable=True`` allocates memory that other processes can map (``ipc_handle()``,
+    ``from_ipc``; see ``rocmforge_raw.memory.ipc``), never from a pool. ``ptr`` is the
+    device address as an ``int``; ``nbytes`` is fixed; ``device`` and ``backend`` say where
+    the memory lives. Using a closed buffer, or a view of one, raises
     ``BufferClosedError``.
     """
     cdef readonly object backend
@@ -248,7 +249,7 @@ cdef class HipBuffer:
         raise TypeError("a HipBuffer owns its device memory and cannot be copied or pickled: "
                         "copy its bytes instead (to_numpy, from_numpy, copy_from)")
 
-    # --- sharing with other processes (rocmforge_raw.ipc) ----------------------------------
+    # --- sharing with other processes (rocmforge_raw.memory.ipc) -------------------------
     def ipc_handle(self) -> IpcHandle:
         """A picklable handle that ``HipBuffer.from_ipc`` opens in another process of this
         host. Only a root buffer allocated with ``shareable=True`` has one; while another

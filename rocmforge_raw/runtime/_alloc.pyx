@@ -72,7 +72,7 @@ cdef class BackendAllocator(Allocator):
 
 
 cdef class HookAllocator(Allocator):
-    """Memory whose bookkeeping lives in Python (``rocmforge_raw.ipc``): ``alloc(nbytes,
+    """Memory whose bookkeeping lives in Python (``rocmforge_raw.memory.ipc``): ``alloc(nbytes,
     device) -> ptr`` and ``free(ptr, nbytes, device)``; ``alloc`` None for memory this
     process only maps (another process's, imported), which it can release but never make."""
 

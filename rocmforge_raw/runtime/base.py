@@ -136,7 +136,7 @@ class Backend(ABC):
         (a stream of ``dst_device``); the runtime stages through host memory where the two
         devices have no peer access."""
 
-    # memory shared with other processes (``rocmforge_raw.ipc`` holds the lifetime protocol)
+    # memory shared with other processes (``rocmforge_raw.memory.ipc`` holds the lifetime protocol)
     def malloc_shareable(self, nbytes: int, device: int) -> int:
         """``nbytes`` > 0 that ``ipc_handle`` can name for another process. GPU allocations
         all are; the host backend makes a POSIX shared memory segment."""

@@ -1,4 +1,5 @@
-"""IpcTransport: caches in processes of one host, through IPC handles (``rocmforge_raw.ipc``).
+"""IpcTransport: caches in processes of one host, through IPC handles
+(``rocmforge_raw.memory.ipc``).
 
 The sender's slab must be shareable (``KvCache(..., shareable=True)``); its endpoint is the
 slab's ``IpcHandle``. The receiver maps the sender's slab once (kept until ``close()``) and

@@ -10,7 +10,7 @@ of kernel names or signatures. Libraries are cached in ``build/amd_emu/`` under 
 the source, the headers beside it, the emulator's files, the options and the compiler
 version: a changed input builds anew, an unchanged one never rebuilds.
 
-Arguments are packed by ``rocmforge_raw.module.pack_args`` (ints as 64-bit values, NumPy
+Arguments are packed by ``rocmforge_raw.kernels.module.pack_args`` (ints as 64-bit values, NumPy
 scalars as their own type, floats as float32), exactly as a GPU launch packs them, and
 checked against the kernel's signature before the launch.
 """
@@ -279,7 +279,7 @@ class Emulator:
         return self.kernels[name]
 
     def kernel(self, name: str, seed: int = 0) -> EmulatedKernel:
-        """``name`` as an object launched like ``rocmforge_raw.module.Kernel`` (with
+        """``name`` as an object launched like ``rocmforge_raw.kernels.module.Kernel`` (with
         ``seed`` for every launch)."""
         self.info(name)
         return EmulatedKernel(self, name, seed)
