@@ -52,7 +52,9 @@ COMMANDS = {
 
 EXAMPLES = {
     "info": "examples:\n  rocmforge-raw info\n  rocmforge-raw info --backend cuda --json",
-    "demo": "examples:\n  rocmforge-raw demo\n  rocmforge-raw demo --scale 0.3 --seed 3\n\n"
+    "demo": "examples:\n  rocmforge-raw demo\n  rocmforge-raw demo --scale 0.3 --seed 3\n"
+            "  rocmforge-raw demo --disaggregated\n"
+            "  rocmforge-raw demo --disaggregated --transport mooncake --json\n\n"
             "exit status: 0 OK, 1 FAILED (the last line says why)",
     "bench": "examples:\n  rocmforge-raw bench --cache\n  rocmforge-raw bench --attention "
              "--sweep --json > sweep.json\n  rocmforge-raw bench --step --iters 20\n"
@@ -140,6 +142,13 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--seed", type=flags.count(0, MAX_SEED), default=None,
                       help="random seed (default: a fresh one each run, printed first: "
                            "--seed N repeats that run)")
+    demo.add_argument("--disaggregated", action="store_true",
+                      help="instead: a spawned process prefills a small Llama's prompts and "
+                           "hands each sequence to this one, which decodes it; logits checked "
+                           "against one process, transfer time beside prefill time")
+    demo.add_argument("--transport", choices=["ipc", "mooncake"], default=None,
+                      help="with --disaggregated: IPC handles (the default) or Mooncake's "
+                           "engine (TCP loopback, as between hosts)")
     demo.set_defaults(run=cmd_demo)
     soak = _subcommand(commands, "soak", COMMANDS["soak"])
     soak.add_argument("--seconds", type=flags.real(above=0.0, at_most=MAX_SECONDS),

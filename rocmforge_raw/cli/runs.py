@@ -23,13 +23,12 @@ def cmd_demo(args: argparse.Namespace) -> int:
     or ``demo: FAILED: <why>`` (exit status 1)."""
     from ..demo.run import DemoConfig, failures, outcome, run_demo
 
+    if args.transport is not None and not args.disaggregated:
+        args.parser.error("--transport goes with --disaggregated, which was not given")
+    if args.disaggregated:
+        return cmd_demo_disaggregated(args)
     backend, device = target(args)
-    seed = args.seed if args.seed is not None else secrets.randbits(SEED_BITS)
-    said = f"seed {seed} (rerun with --seed {seed})"
-    if args.json:
-        note(said)
-    else:
-        print(said, flush=True)
+    seed = _seed(args)
     config = DemoConfig.for_backend(backend, args.scale)
     summary: dict[str, Any] = {}
     try:
@@ -43,6 +42,52 @@ def cmd_demo(args: argparse.Namespace) -> int:
               "verdict": "FAILED" if found else "OK", "failures": found}
     lines = [f"{k:28} {v:.3f}" if isinstance(v, float) else f"{k:28} {v}"
              for k, v in result.items() if k not in ("seed", "verdict", "failures")]
+    emit(args, result, "\n".join([*lines, verdict]))
+    return 1 if found else 0
+
+
+def _seed(args: argparse.Namespace) -> int:
+    """``--seed``, or one drawn now; said first (on stderr under ``--json``)."""
+    seed: int = args.seed if args.seed is not None else secrets.randbits(SEED_BITS)
+    said = f"seed {seed} (rerun with --seed {seed})"
+    if args.json:
+        note(said)
+    else:
+        print(said, flush=True)
+    return seed
+
+
+def cmd_demo_disaggregated(args: argparse.Namespace) -> int:
+    """``demo --disaggregated``: the seed first, the per-request table, the handoff line,
+    then ``demo: OK (...)`` or ``demo: FAILED: <why>`` (exit status 1). A transport that
+    cannot run here ends it before anything starts (one line, status 2)."""
+    from ..demo.disagg import (
+        DisaggConfig,
+        check_transport,
+        failures,
+        outcome,
+        report_lines,
+        run_disaggregated,
+    )
+    from ..demo.handoff import HandoffError
+    from ..errors import IpcError, TransferError
+
+    transport = args.transport or "ipc"
+    backend, device = target(args)
+    check_transport(transport, backend)
+    seed = _seed(args)
+    summary: dict[str, Any] = {}
+    try:
+        summary = run_disaggregated(backend, device, DisaggConfig.scaled(args.scale), seed,
+                                    transport)
+    except (HandoffError, TransferError, IpcError) as exc:  # the handoff itself failed
+        found = [str(exc)]
+    else:
+        found = failures(summary)
+    verdict = f"demo: FAILED: {'; '.join(found)}" if found else f"demo: OK ({outcome(summary)})"
+    result = {"where": where(backend, device, args.backend), "seed": seed, **summary,
+              "verdict": "FAILED" if found else "OK", "failures": found}
+    lines = [*report_lines(summary), summary["handoff"]] if summary else []
     emit(args, result, "\n".join([*lines, verdict]))
     return 1 if found else 0
 
