@@ -46,7 +46,7 @@ class MixedSteps:
     replays at fixed addresses) refilled with random values before each step."""
 
     def __init__(self, backend, rng, config, decodes, prompts, chunk):
-        self.backend, self.rng, self.chunk = backend, rng, chunk
+        self.backend, self.rng = backend, rng
         self.cache = KvCache(config, backend=backend)
         c = config
         self.ids = [f"d{i}" for i in range(len(decodes))] + [f"p{i}" for i in
@@ -68,7 +68,7 @@ class MixedSteps:
         if decoding:
             self.cache.append(decoding)
         if prefilling:
-            self.cache.extend(prefilling, [self.chunk] * len(prefilling))
+            self.cache.extend(prefilling, self.q_lens[self.decodes:].tolist())
         for key, value, query, _ in self.layers:
             for array in (key, value, query):
                 values = self.rng.standard_normal(array.shape, np.float32).astype(self.act)
@@ -146,8 +146,7 @@ def test_other_query_lengths_or_members_recapture(gpu, rng):
     with steps.cache.step_graph() as graph:
         assert graph.run(steps.next(), steps.layers) is False
         assert graph.run(steps.next(), steps.layers) is True
-        steps.chunk = 4  # the same members, another token count: other activations
-        old = steps.layers
+        old = steps.layers  # the same members, another token count: other activations
         steps.q_lens[-1] = 4
         steps.layers = [tuple(DeviceArray.empty((5, *a.shape[1:]), a.dtype, backend=gpu)
                               for a in layer) for layer in old]
@@ -159,4 +158,31 @@ def test_other_query_lengths_or_members_recapture(gpu, rng):
     for layer in old:
         for array in layer:
             array.buffer.close()
+    steps.close()
+
+
+def test_a_capture_that_fails_after_its_upload_leaves_no_stale_graph(gpu, rng, monkeypatch):
+    """A mixed capture uploads its work items before it records: if it then fails, the
+    current graph's metadata may be overwritten, so the next step captures again (and is
+    right) instead of replaying it."""
+    config = CacheConfig(1, 2, 64, 16, 100, np.float16, num_q_heads=4)
+    steps = MixedSteps(gpu, rng, config, decodes=(10,), prompts=(5, 30), chunk=8)
+    with steps.cache.step_graph() as graph:
+        assert graph.run(steps.next(), steps.layers) is False
+        steps.q_lens[-1] = 4  # another composition (same rows: its layers fit as they are)
+        steps.q_lens[-2] = 12
+        meta = steps.next()
+
+        def failing(*args):
+            raise RuntimeError("instantiate failed")
+
+        with monkeypatch.context() as patch:
+            patch.setattr(gpu, "graph_instantiate", failing)
+            with pytest.raises(RuntimeError, match="instantiate failed"):
+                graph.run(meta, steps.layers)
+        assert graph.shape is None
+        steps.q_lens[-1], steps.q_lens[-2] = 8, 8
+        meta = steps.next()
+        assert graph.run(meta, steps.layers) is False  # captured again, not replayed
+        steps.check_against_the_reference(meta)
     steps.close()

@@ -180,13 +180,14 @@ class StepGraph:
         decode_bytes = -(-decode_bytes // ALIGN) * ALIGN
         piece_bytes = 0 if multi is None else multi[1].partial_bytes(multi[0].shape.bm,
                                                                      c.head_dim)
-        graph = None
+        graph, uploaded = None, False
         try:
             buffers = self._room((offset + fixed_bytes, max(decode_bytes + piece_bytes, 4),
                                   4 * max(counters, 1)))
             base = buffers[0].ptr
             tables, lens_at, slots, *work_at = (base + o for o, _ in layout)
             if fixed:
+                uploaded = True  # (where the current graph's metadata may lie)
                 self._uploads.upload(fixed, fixed_layout, base + offset, self.stream)
             if self._capture_stream is None:
                 self._capture_stream = Stream(self.device, self.backend)
@@ -213,6 +214,9 @@ class StepGraph:
             executable = self.backend.graph_instantiate(graph, self.device)
         except BaseException:
             self._retire(graph, None)
+            if uploaded:  # the current graph's metadata may be overwritten: no more replays
+                self._retire(self._graph, self._exec)
+                self._graph = self._exec = self.shape = None
             raise
         self._retire(self._graph, self._exec)
         for old in self._outgrown:  # the new graph reads none of them: freed once passed
