@@ -70,6 +70,15 @@ def test_over_ipc_the_decode_process_gets_the_one_process_logits(capsys):
     assert result["live_buffers_after_teardown"] == 0
 
 
+def test_on_a_gpu_too(gpu, capsys):
+    """The same run with both caches, the transfer and the attention on a GPU backend."""
+    assert main([*DEMO, "--backend", gpu.name, "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["verdict"] == "OK" and result["backend"] == gpu.name, result["failures"]
+    assert result["max_logits_relative_difference"] <= disagg.TOLERANCE
+    assert result["per_request"][2]["blocks_shared"] == 3
+
+
 def cache_bytes_per_block():
     shape = LlamaShape()
     return 2 * shape.layers * shape.kv_heads * 16 * shape.head_dim * 4  # float32 K and V
