@@ -1,5 +1,7 @@
 """``rocmforge-raw demo``: the KV cache under a scheduler, attention checked against the
-NumPy reference (``run``), and conversations of several turns over a host tier (``turns``).
+NumPy reference (``run``), conversations of several turns over a host tier (``turns``), and
+prefill in one process handed to decode in another (``--disaggregated``: ``handoff``,
+``disagg``, over the tiny Llama of ``llama``).
 
 An application: imports any layer of the library; nothing in the library imports it.
 """
