@@ -1,0 +1,110 @@
+"""StreamOrder, the order of a cache's copies between tiers and its other device work, pinned
+down by the survivors of mutation testing (issue 44): which stream waits for what, on the
+device, and when the device is synchronized instead. ``Log`` is the host backend with a log of
+those calls and an event that the device has not passed until ``passed`` says so."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import rocmforge_raw as rf
+from rocmforge_raw.cache.tiers.order import MAX_STREAMS, StreamOrder
+from rocmforge_raw.runtime.host import HostBackend
+
+
+class Log(HostBackend):
+    name = "host"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.log: list[tuple[Any, ...]] = []
+        self.passed = False
+
+    def synchronize(self, device: int) -> None:
+        self.log.append(("synchronize", device))
+        super().synchronize(device)
+
+    def stream_wait_event(self, stream: Any, event: Any) -> None:
+        self.log.append(("wait", stream))
+
+    def event_query(self, event: Any) -> bool:
+        self.log.append(("query",))
+        return self.passed
+
+    def event_synchronize(self, event: Any) -> None:
+        self.log.append(("event synchronize",))
+
+
+def copied_on(backend: Log, stream: Any) -> StreamOrder:
+    order = StreamOrder(backend, 0)
+    order.before_copies(stream)
+    order.after_copies(stream)
+    backend.log.clear()
+    return order
+
+
+def test_nothing_waits_before_any_copies():
+    backend = Log()
+    with rf.Stream(backend=backend) as s1:
+        order = StreamOrder(backend, 0)
+        order.used(s1)
+        order.used(None)
+        assert backend.log == []
+
+
+def test_each_other_stream_waits_for_the_copies_on_the_device_once():
+    backend = Log()
+    with rf.Stream(backend=backend) as s1, rf.Stream(backend=backend) as s2:
+        order = copied_on(backend, s1)
+        order.used(s1)  # the copies' own stream
+        order.used(s2)
+        order.used(s2)
+        order.used(None)  # the default stream is another stream
+        assert backend.log == [("query",), ("wait", s2.handle), ("query",), ("wait", None)]
+
+
+def test_once_the_device_has_passed_the_copies_no_stream_waits_or_asks_again():
+    backend = Log()
+    with rf.Stream(backend=backend) as s1, rf.Stream(backend=backend) as s2:
+        order = copied_on(backend, s1)
+        backend.passed = True
+        order.used(s2)
+        order.used(None)
+        assert backend.log == [("query",)]
+
+
+def test_past_max_streams_the_device_is_synchronized_once_and_nothing_waits():
+    backend = Log()
+    streams = [rf.Stream(backend=backend) for _ in range(MAX_STREAMS + 1)]
+    try:
+        order = copied_on(backend, streams[0])
+        for stream in streams[1:MAX_STREAMS]:  # MAX_STREAMS streams remembered
+            order.used(stream)
+        assert ("synchronize", 0) not in backend.log
+        backend.log.clear()
+        order.used(streams[MAX_STREAMS])
+        assert backend.log == [("synchronize", 0)]
+    finally:
+        for stream in streams:
+            stream.close()
+
+
+def test_copies_wait_for_every_other_stream_and_synchronize_for_a_closed_one():
+    backend = Log()
+    with rf.Stream(backend=backend) as s2, rf.Stream(backend=backend) as s3:
+        s1 = rf.Stream(backend=backend)
+        order = StreamOrder(backend, 0)
+        for stream in (None, s1, s2):
+            order.used(stream)
+        s1.close()
+        order.before_copies(s3)
+        assert backend.log == [("wait", s3.handle), ("synchronize", 0), ("wait", s3.handle)]
+
+
+def test_waiting_for_the_copies_synchronizes_them_once():
+    backend = Log()
+    with rf.Stream(backend=backend) as s1:
+        order = copied_on(backend, s1)
+        order.wait()
+        order.wait()
+        assert backend.log == [("event synchronize",)]
