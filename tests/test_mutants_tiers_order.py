@@ -108,3 +108,21 @@ def test_waiting_for_the_copies_synchronizes_them_once():
         order.wait()
         order.wait()
         assert backend.log == [("event synchronize",)]
+
+
+def test_a_caches_swap_waits_for_its_default_stream_work_and_that_work_for_the_swap():
+    from rocmforge_raw.cache import CacheConfig, KvCache
+
+    backend = Log()
+    config = CacheConfig(1, 1, 64, 8, 8, "float32", host_blocks=8)
+    with KvCache(config, backend=backend) as cache, rf.Stream(backend=backend) as s:
+        cache.add_sequence("a", 9)
+        cache.fork("a", "b")
+        cache.append(["b"])  # a copy-on-write copy on the default stream
+        backend.log.clear()
+        cache.swap_out(["a"], stream=s)
+        assert backend.log == [("wait", s.handle)]
+        backend.log.clear()
+        cache.fork("b", "c")
+        cache.append(["c"])  # the default stream's next copy waits for the swap's
+        assert backend.log == [("query",), ("wait", None)]

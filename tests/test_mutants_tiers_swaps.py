@@ -325,8 +325,76 @@ def test_preemption_copies_run_on_the_caches_stream():
         cache.finish("a")
         prompt(cache, "c", tokens)  # and promoted
         added(cache, "d", 5 * BS, 1.0)
-        added(cache, "e", 3 * BS, 1.0)  # a victim swapped out to make room
+        prompt(cache, "e", np.arange(900, 900 + 3 * BS))  # a victim swapped out for it
         stats = cache.stats()
         assert stats["demoted_blocks"] == stats["promoted_blocks"] == 1
         assert stats["swapped_out_blocks"] > 0
         assert {s for *_, s in backend.copies} == {stream.handle}
+
+
+def test_an_undone_prompt_that_preempted_puts_its_victim_back():
+    backend = FlakyHost()
+    with cache_of(num_blocks=8, host_blocks=4, backend=backend) as cache:
+        prompt(cache, "old", np.arange(700, 700 + 2 * BS))
+        cache.swap_out(["old"])
+        cache.finish("old")
+        prompt(cache, "x", np.arange(500, 500 + BS + 1))
+        cache.finish("x")
+        p = prompt(cache, "p", np.arange(2 * BS + 1))
+        backend.fail_in = 2  # after p's swap-out, the demotion of x's prefix fails
+        with pytest.raises(DeviceError):
+            cache.add_sequence("big", tokens=np.arange(3000, 3000 + 6 * BS))
+        assert not cache.is_swapped("p") and cache.stats()["preemptions"] == 0
+        np.testing.assert_array_equal(read(cache, "p"), p)
+        remembered_as_held(cache)
+        cache.check_invariants()
+
+
+def test_a_prompt_swaps_its_victim_out_at_the_time_of_the_preemption():
+    clock = Clock()
+    with cache_of(num_blocks=8, clock=clock) as cache:
+        added(cache, "a", 3 * BS, 1.0)
+        added(cache, "b", 3 * BS, 1.0)
+        clock.now = 5.0
+        reservation = cache.add_sequence("c", tokens=np.arange(3 * BS))
+        assert reservation.swapped == ["a"] and cache.times("a") == (1.0, 5.0)
+
+
+def test_a_victim_too_large_for_the_host_tier_is_dropped_and_the_next_still_swapped():
+    with cache_of(num_blocks=8, host_blocks=2) as cache:
+        added(cache, "a", 3 * BS, 1.0)
+        b = added(cache, "b", BS, 50.0)
+        reservation = cache.add_sequence("c", 7 * BS)
+        assert reservation.preempted == ["a", "b"] and reservation.swapped == ["b"]
+        assert "a" not in cache and cache.is_swapped("b")
+        np.testing.assert_array_equal(read(cache, "b"), b)
+
+
+# --- a prompt's hits among the blocks it needs -----------------------------------------------
+def test_a_prompt_counts_its_cached_free_hit_among_the_blocks_it_preempts_for():
+    tokens = np.arange(2 * BS + 1)
+    with cache_of(num_blocks=7, host_blocks=8) as cache:
+        prompt(cache, "a", tokens)
+        cache.finish("a")  # 2 cached-free prefix blocks, 4 free
+        added(cache, "v", 2 * BS, 5.0)
+        reservation = cache.add_sequence(
+            "b", tokens=np.concatenate([tokens[:BS], np.arange(100, 100 + 3 * BS + 1)]))
+        assert reservation.num_cached_tokens == BS  # the hit, and 4 fresh blocks: 5 > 4
+        assert reservation.preempted == reservation.swapped == ["v"]
+        cache.check_invariants()
+
+
+def test_a_prompt_that_must_preempt_computes_the_blocks_only_the_host_tier_holds():
+    tokens = np.arange(2 * BS + 1)
+    with cache_of(num_blocks=7, host_blocks=8) as cache:
+        prompt(cache, "a", tokens)
+        cache.finish("a")
+        cache.add_sequence("x", 5 * BS)  # a's second block is demoted, its first stays
+        cache.finish("x")
+        added(cache, "v", 2 * BS, 5.0)
+        reservation = cache.add_sequence(
+            "b", tokens=np.concatenate([tokens[: 2 * BS], np.arange(100, 100 + 2 * BS + 1)]))
+        assert reservation.preempted == ["v"]
+        assert reservation.num_cached_tokens == BS  # the device's hit only: no promotion
+        assert cache.stats()["promoted_blocks"] == 0
+        cache.check_invariants()
