@@ -5,15 +5,21 @@ scheduler's abort and multi-turn paths. Each test names what a user would see ch
 from __future__ import annotations
 
 import dataclasses
+import gc
+import os
 import re
 
 import numpy as np
 import pytest
 from test_atomicity import cache_state
 
+import rocmforge_raw as rf
 from rocmforge_raw.cache import CacheConfig, CacheFullError, KvCache
+from rocmforge_raw.cache.step.graph_layout import GraphShape, PinnedUploads, padded_work
 from rocmforge_raw.cache.transfer.sequences import block_spans, fingerprint, layout
-from rocmforge_raw.transport import PeerTransport
+from rocmforge_raw.kernels.staging import Fence
+from rocmforge_raw.runtime import get_backend
+from rocmforge_raw.transport import IpcTransport, PeerEndpoint, PeerTransport, peer
 
 CONFIG = dict(num_layers=2, num_kv_heads=2, head_dim=64, block_size=16, num_q_heads=4)
 
@@ -164,3 +170,175 @@ def test_an_import_reports_the_sequence_its_tokens_and_a_duration():
         done = dst.import_sequence(exported(src, link), link, "copy")
         assert (done.seq_id, done.num_tokens, done.blocks_moved) == ("copy", 40, 3)
         assert isinstance(done.seconds, float) and 0 <= done.seconds < 60
+
+
+def test_a_layout_that_is_not_a_dict_is_refused_naming_every_field():
+    with KvCache(config()) as src, KvCache(config()) as dst, PeerTransport() as link:
+        desc = dataclasses.replace(exported(src, link), layout=None)
+        with pytest.raises(ValueError, match=re.escape(
+                "another layout: num_layers None (this cache: 2), num_kv_heads None")):
+            dst.import_sequence(desc, link)
+
+
+def test_a_layout_mismatch_shows_the_sender_s_value_beside_the_receiver_s():
+    with KvCache(config()) as src, KvCache(config(num_kv_heads=4)) as dst, \
+            PeerTransport() as link, pytest.raises(ValueError, match=re.escape(
+            "another layout: num_kv_heads 2 (this cache: 4)")):
+        dst.import_sequence(exported(src, link), link)
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("num_tokens", 0, "desc.num_tokens must be >= 1, got 0"),
+    ("num_blocks", 1, "desc.num_blocks must be >= 2, got 1")])
+def test_counts_below_their_least_are_refused_by_name(field, value, message):
+    with KvCache(config()) as src, KvCache(config()) as dst, PeerTransport() as link:
+        desc = dataclasses.replace(exported(src, link), **{field: value})
+        with pytest.raises(ValueError, match=re.escape(message)):
+            dst.import_sequence(desc, link)
+
+
+def test_a_sequence_of_one_token_moves():
+    with KvCache(config()) as src, KvCache(config()) as dst, PeerTransport() as link:
+        done = dst.import_sequence(exported(src, link, num_tokens=1), link)
+        assert (done.num_tokens, done.blocks_moved) == (1, 1) and dst.seq_len("s") == 1
+
+
+def test_a_block_id_one_past_the_sender_s_slab_is_refused():
+    with KvCache(config()) as src, KvCache(config()) as dst, PeerTransport() as link:
+        desc = dataclasses.replace(exported(src, link), block_ids=(1, 2, 32))
+        before = cache_state(dst)
+        with pytest.raises(ValueError, match=re.escape("block ids [1, 2, 32] leave 1..31")):
+            dst.import_sequence(desc, link)
+        assert cache_state(dst) == before
+
+
+@pytest.mark.parametrize("hashes, message", [
+    ((b"x",), "of 16 bytes, got (b'x',)"),
+    ((b"p" * 16, b"p" * 16), "prefix_hashes repeat a hash: (b'pppppppppppppppp', b'ppp")])
+def test_bad_prefix_hashes_are_shown_in_the_refusal(hashes, message):
+    with KvCache(config()) as src, KvCache(config()) as dst, PeerTransport() as link:
+        desc = dataclasses.replace(exported(src, link), prefix_hashes=hashes)
+        with pytest.raises(ValueError, match=re.escape(message)):
+            dst.import_sequence(desc, link)
+
+
+# --- graph_layout.py: PinnedUploads on the host backend ------------------------------------
+def _uploads_and_target(nbytes=4096, **kw):
+    return PinnedUploads(0, get_backend("host"), **kw), rf.HipBuffer(nbytes, backend="host")
+
+
+def test_an_upload_lays_each_array_at_its_offset_zero_padded_to_its_shape():
+    uploads, target = _uploads_and_target()
+    with target:
+        rows = np.arange(6, dtype=np.int32).reshape(2, 3)
+        lens = np.array([10, 11, 12], np.int64)
+        uploads.upload([rows, lens], [(0, (2, 4)), (32, (5,))], target.ptr, None)
+        assert target.to_numpy(np.int32, 8).tolist() == [0, 1, 2, 0, 3, 4, 5, 0]
+        assert target.to_numpy(np.uint8, 72)[32:].view(np.int64).tolist() == [10, 11, 12, 0, 0]
+        uploads.close()
+
+
+def test_an_upload_past_the_pinned_buffer_grows_it_and_still_lands_whole():
+    uploads, target = _uploads_and_target(1 << 16)
+    with target:
+        small = np.arange(4, dtype=np.int64)
+        uploads.upload([small], [(0, (4,))], target.ptr, None)
+        first = uploads.buffers[0][0]
+        big = np.arange(5000, dtype=np.int64)
+        uploads.upload([big], [(0, (5000,))], target.ptr, None)
+        assert target.to_numpy(np.int64, 5000).tolist() == big.tolist()
+        grown = uploads.buffers[0][0]
+        assert grown is not first and grown.nbytes >= big.nbytes
+        uploads.close()
+
+
+def test_while_the_device_lags_uploads_take_new_buffers_up_to_max_depth(monkeypatch):
+    monkeypatch.setattr(Fence, "passed", lambda self: False)  # the device never catches up
+    monkeypatch.setattr(Fence, "wait", lambda self: None)
+    uploads, target = _uploads_and_target()
+    with target:
+        for value in range(20):
+            uploads.upload([np.full(4, value, np.int64)], [(0, (4,))], target.ptr, None)
+            assert len(uploads.buffers) == min(value + 1, 16)
+        assert target.to_numpy(np.int64, 4).tolist() == [19] * 4
+        monkeypatch.undo()
+        uploads.close()
+
+
+# --- graph_layout.py: padded_work and GraphShape --------------------------------------------
+def test_padded_work_takes_lengths_of_any_integer_dtype():
+    lens = np.array([100, 20], np.int64)
+    cum16, first_seq = padded_work(lens, 1, 192, 64, 3)
+    assert cum16.tolist() == [0, 128, 192] and first_seq.tolist() == [0, 0, 1]
+
+
+@pytest.mark.parametrize("lens, total, cum16", [
+    ([100, 100], 320, [0, 128, 320]),  # whole pieces of 64, the last takes the rest
+    ([100, 20], 192, [0, 128, 192]),  # whole pieces filling the total exactly
+    ([100, 100], 288, [0, 144, 288])])  # 288 is no whole count of pieces: slack shared
+def test_padded_work_gives_whole_pieces_where_the_total_is_whole_pieces(lens, total, cum16):
+    got, _ = padded_work(np.array(lens, np.int32), 1, total, 64, -(-total // 64))
+    assert got.tolist() == cum16
+
+
+def test_a_shape_s_bound_refuses_lengths_within_the_total_but_past_the_bound():
+    shape = GraphShape(("a", "b"), (), 4, 1, 320, 64, 5, bound=240)  # 224 fit, 256 do not
+    assert shape.admits(("a", "b"), (), 4, np.array([100, 100], np.int32)) is not None
+    assert shape.admits(("a", "b"), (), 4, np.array([100, 130], np.int32)) is None
+    assert GraphShape(("a", "b"), (), 4, 1, 320, 64, 5).admits(
+        ("a", "b"), (), 4, np.array([100, 130], np.int32)) is not None
+
+
+# --- transport/peer.py ----------------------------------------------------------------------
+def test_each_published_slab_has_its_own_endpoint():
+    with KvCache(config()) as one, KvCache(config(num_blocks=20)) as two, \
+            PeerTransport() as link:
+        ends = link.publish(one.slab), link.publish(two.slab)
+        assert ends[0] != ends[1]
+        assert [link.endpoint_nbytes(end) for end in ends] == [one.slab.buffer.nbytes,
+                                                               two.slab.buffer.nbytes]
+
+
+def test_a_slab_collected_leaves_no_entry_behind():
+    with PeerTransport() as link:
+        buffer = rf.HipBuffer(1024, backend="host")
+        number = link.publish(buffer).number
+        assert number in peer._buffers
+        del buffer
+        gc.collect()
+        assert number not in peer._buffers
+
+
+def test_a_peer_read_refuses_what_is_no_peer_endpoint_or_names_no_live_slab():
+    spans = np.zeros((0, 3), np.int64)
+    with KvCache(config()) as dst, PeerTransport() as link:
+        with pytest.raises(TypeError, match="a peer endpoint is a PeerEndpoint, got 'x'"):
+            link.read("x", dst.slab.buffer, spans)
+        with pytest.raises(ValueError, match=re.escape(
+                "names memory of process 1, and peer copies stay in one process: use "
+                "IpcTransport across processes")):
+            link.read(PeerEndpoint(pid=1, number=1), dst.slab.buffer, spans)
+        with pytest.raises(rf.BufferClosedError, match=r"^the sender's slab was closed$"):
+            link.read(PeerEndpoint(os.getpid(), 10**9), dst.slab.buffer, spans)
+
+
+# --- cache/transfer/transport.py, transport/ipc.py ------------------------------------------
+def test_publishing_what_is_no_buffer_is_refused_showing_it():
+    with PeerTransport() as link, pytest.raises(TypeError, match=re.escape(
+            "buffer must be a HipBuffer or a DeviceArray, got 'slab'")):
+        link.publish("slab")
+
+
+def test_a_slab_published_nowhere_exports_no_endpoint():
+    with KvCache(config()) as src, KvCache(config()) as dst, PeerTransport() as link:
+        src.add_sequence("s", num_tokens=20)
+        desc = src.export_sequence("s")
+        assert desc.endpoints == {}
+        with pytest.raises(ValueError, match="published through no transport"):
+            dst.import_sequence(desc, link)
+
+
+def test_an_ipc_transport_refuses_an_endpoint_that_is_no_handle_showing_it():
+    with IpcTransport() as link, pytest.raises(
+            TypeError, match="an ipc endpoint is an IpcHandle, got 'x'"):
+        link.endpoint_nbytes("x")
