@@ -7,7 +7,10 @@ from __future__ import annotations
 import dataclasses
 import gc
 import os
+import pickle
 import re
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -15,9 +18,16 @@ from test_atomicity import cache_state
 
 import rocmforge_raw as rf
 from rocmforge_raw.cache import CacheConfig, CacheFullError, KvCache
-from rocmforge_raw.cache.step.graph_layout import GraphShape, PinnedUploads, padded_work
+from rocmforge_raw.cache.step.graph_layout import (
+    GraphShape,
+    PinnedUploads,
+    activations_of,
+    padded_work,
+)
 from rocmforge_raw.cache.transfer.sequences import block_spans, fingerprint, layout
+from rocmforge_raw.common import procs
 from rocmforge_raw.kernels.staging import Fence
+from rocmforge_raw.memory.array import DeviceArray
 from rocmforge_raw.runtime import get_backend
 from rocmforge_raw.transport import IpcTransport, PeerEndpoint, PeerTransport, peer
 
@@ -342,3 +352,47 @@ def test_an_ipc_transport_refuses_an_endpoint_that_is_no_handle_showing_it():
     with IpcTransport() as link, pytest.raises(
             TypeError, match="an ipc endpoint is an IpcHandle, got 'x'"):
         link.endpoint_nbytes("x")
+
+
+def test_a_transport_cannot_be_pickled_and_says_what_to_send_instead():
+    with PeerTransport() as link, pytest.raises(TypeError, match=re.escape(
+            "a PeerTransport holds mappings or an engine and cannot be pickled: send its "
+            "endpoints (they are plain values)")):
+        pickle.dumps(link)
+
+
+def test_activations_are_each_array_s_address_and_shape_in_order():
+    arrays = [DeviceArray.empty((2, 8), np.float16, backend="host") for _ in range(3)]
+    try:
+        assert activations_of([(*arrays, "out")]) == (
+            *((a.ptr, (2, 8)) for a in arrays), (None, None))
+    finally:
+        for array in arrays:
+            array.buffer.close()
+
+
+# --- memory/ipc.py: the leases go with their process ----------------------------------------
+_EXPORTER = """
+import pickle, sys
+from rocmforge_raw import HipBuffer
+from rocmforge_raw.memory import ipc
+kept, closed = (HipBuffer(4096, backend="host", shareable=True) for _ in range(2))
+print(pickle.dumps((kept.ipc_handle(), closed.ipc_handle())).hex(), flush=True)
+sys.stdin.readline()  # the test maps `closed`
+closed.close()  # its free is deferred: the test maps it
+print(ipc.pending()["deferred"], flush=True)
+"""  # then exits with `kept` open and `closed` deferred
+
+
+def test_a_process_that_exits_takes_its_leases_with_it():
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with subprocess.Popen([sys.executable, "-c", _EXPORTER], cwd=root, text=True,
+                          stdin=subprocess.PIPE, stdout=subprocess.PIPE) as child:
+        kept, closed = pickle.loads(bytes.fromhex(child.stdout.readline()))
+        leases = [procs.shm_path(handle.lease) for handle in (kept, closed)]
+        with rf.HipBuffer.from_ipc(closed):
+            child.stdin.write("mapped\n")
+            child.stdin.flush()
+            assert child.stdout.readline().strip() == "1"
+            assert child.wait(60) == 0
+            assert not any(os.path.exists(path) for path in leases)
