@@ -398,3 +398,31 @@ def test_a_prompt_that_must_preempt_computes_the_blocks_only_the_host_tier_holds
         assert reservation.num_cached_tokens == BS  # the device's hit only: no promotion
         assert cache.stats()["promoted_blocks"] == 0
         cache.check_invariants()
+
+
+@pytest.mark.parametrize("on_host", [False, True], ids=["demoting", "held-by-the-host-too"])
+def test_an_undone_copy_on_write_leaves_the_event_memory_as_the_tiers_hold(monkeypatch,
+                                                                           on_host):
+    from rocmforge_raw.kernels import ops
+
+    def failing_copy(*args, **kwargs):
+        raise DeviceError("cuLaunchKernel", 719, "CUDA_ERROR_LAUNCH_FAILED", "injected")
+
+    with cache_of(num_blocks=12, host_blocks=16) as cache:
+        cache.add_sequence("parent", 12)  # 2 blocks, the second shared by both forks
+        cache.fork("parent", "a")
+        cache.fork("parent", "b")
+        prompt(cache, "w", np.arange(72))
+        if on_host:
+            cache.swap_out(["w"])  # its prefixes on both tiers
+        cache.finish("w")  # 9 cached-free blocks: the private copies evict two
+        cache.events()
+        monkeypatch.setattr(ops, "copy_blocks", failing_copy)
+        with pytest.raises(DeviceError, match="injected"):
+            cache.append(["a", "b"])
+        assert list(cache.events()) == []
+        remembered_as_held(cache)
+        monkeypatch.undo()
+        cache.append(["a", "b"])
+        remembered_as_held(cache)
+        cache.check_invariants()
