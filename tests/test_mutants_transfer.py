@@ -396,3 +396,13 @@ def test_a_process_that_exits_takes_its_leases_with_it():
             assert child.stdout.readline().strip() == "1"
             assert child.wait(60) == 0
             assert not any(os.path.exists(path) for path in leases)
+
+
+def test_peer_copies_between_two_backends_are_refused_naming_both(gpu):
+    with KvCache(config()) as src, KvCache(config(), backend=gpu) as dst, \
+            PeerTransport() as link:
+        desc = exported(src, link)
+        with pytest.raises(ValueError, match=r"^the sender's slab is host memory, the "
+                                             r"receiver's \w+: peer copies stay within one "
+                                             r"backend$"):
+            dst.import_sequence(desc, link)
