@@ -148,3 +148,23 @@ def test_a_request_with_nothing_left_to_generate_says_so():
     with cache, pytest.raises(ValueError, match=re.escape(
             "request 'r': generated 3 of 3 new tokens already: nothing is left to do")):
         sched.submit(Request("r", prompt_tokens=4, max_new_tokens=3, generated=3))
+
+
+def test_an_id_aborted_while_swapped_out_clashes_like_any_other_when_submitted_again():
+    bs = 8
+    with KvCache(CacheConfig(1, 1, 64, bs, 6, "float32", host_blocks=8),
+                 backend="host") as cache:
+        sched = Scheduler(cache)
+        for start, name in enumerate("ab"):
+            sched.submit(Request(name, tokens=np.arange(2 * bs - 1) + 100 * start,
+                                 max_new_tokens=10))
+        while not cache.swapped_ids():
+            plan = sched.step()
+            ran = [r for r, _ in plan.prefill] + plan.decode
+            sched.advance(plan, [1000 + r.generated for r in ran])
+        (swapped,) = cache.swapped_ids()
+        sched.abort(swapped)
+        sched.submit(Request(swapped, prompt_tokens=4, max_new_tokens=2))
+        cache.add_sequence(swapped, num_tokens=3)  # outside the scheduler
+        with pytest.raises(ValueError, match="is waiting but the cache already holds"):
+            sched.step()
