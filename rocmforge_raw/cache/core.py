@@ -87,6 +87,7 @@ class CacheCore:
     _order: StreamOrder | None
     # (device, host) blocks this operation's copies wrote: a restore forgets the cached ones
     _reached: tuple[list[int], list[int]]
+    _allocation_mark: int = 0  # the pending events before the last ``_allocate``
 
     @property
     def _tier(self) -> HostTier:
@@ -175,8 +176,9 @@ class CacheCore:
         except BaseException:
             if saved is not None:
                 self._restore(saved)
-            else:
+            else:  # the reused cached-free blocks hold their prefixes again: unannounced
                 self.pool.undo_allocate(new)
+                self._events.truncate(self._allocation_mark)
             raise
         self.pool.free(src)
         self.num_cow_copies += int(src.size)
@@ -234,6 +236,7 @@ class CacheCore:
         prefixes of the cached-free blocks reused leave the device tier (announced)."""
         if taking:
             self.pool.take(list(taking))
+        self._allocation_mark = self._events.mark()  # an undone allocation's events end here
         ids = self.pool.allocate(count)
         assert ids is not None  # the caller counted them free
         for _, digest in self.pool.evicted:
