@@ -15,6 +15,7 @@ import sys
 import numpy as np
 import pytest
 from test_atomicity import cache_state
+from workers import map_and_map_again, spawned, try_map
 
 import rocmforge_raw as rf
 from rocmforge_raw.cache import CacheConfig, CacheFullError, KvCache
@@ -27,6 +28,7 @@ from rocmforge_raw.cache.step.graph_layout import (
 from rocmforge_raw.cache.transfer.sequences import block_spans, fingerprint, layout
 from rocmforge_raw.common import procs
 from rocmforge_raw.kernels.staging import Fence
+from rocmforge_raw.memory import ipc
 from rocmforge_raw.memory.array import DeviceArray
 from rocmforge_raw.runtime import get_backend
 from rocmforge_raw.transport import IpcTransport, PeerEndpoint, PeerTransport, peer
@@ -406,3 +408,52 @@ def test_peer_copies_between_two_backends_are_refused_naming_both(gpu):
                                              r"receiver's \w+: peer copies stay within one "
                                              r"backend$"):
             dst.import_sequence(desc, link)
+
+
+def test_an_upload_that_fills_its_pinned_buffer_exactly_keeps_it():
+    uploads, target = _uploads_and_target()
+    with target:
+        uploads.upload([np.arange(32, dtype=np.int64)], [(0, (32,))], target.ptr, None)
+        first = uploads.buffers[0][0]
+        assert first.nbytes == 256  # the least a pinned buffer holds
+        uploads.upload([np.arange(32, dtype=np.int64)], [(0, (32,))], target.ptr, None)
+        assert uploads.buffers[0][0] is first
+        uploads.close()
+
+
+def test_an_outgrown_pinned_buffer_is_replaced_by_one_twice_its_size_at_least():
+    uploads, target = _uploads_and_target()
+    with target:
+        uploads.upload([np.arange(32, dtype=np.int64)], [(0, (32,))], target.ptr, None)
+        uploads.upload([np.arange(40, dtype=np.int64)], [(0, (40,))], target.ptr, None)
+        assert uploads.buffers[0][0].nbytes == 512  # 320 bytes asked, 2 x 256 given
+        assert target.to_numpy(np.int64, 40).tolist() == list(range(40))
+        uploads.close()
+
+
+def test_while_the_device_lags_each_upload_takes_the_buffer_used_longest_ago(monkeypatch):
+    monkeypatch.setattr(Fence, "passed", lambda self: False)
+    taken, wait = [], Fence.wait
+    monkeypatch.setattr(Fence, "wait", lambda self: (taken.append(self), wait(self)))
+    uploads, target = _uploads_and_target(max_depth=4)
+    with target:
+        for value in range(12):
+            uploads.upload([np.full(4, value, np.int64)], [(0, (4,))], target.ptr, None)
+        assert len(set(taken)) == 4 and taken[4:] == taken[:4] * 2
+        monkeypatch.undo()
+        uploads.close()
+
+
+def test_a_late_importer_of_closed_memory_is_told_the_free_waits_for_its_mappers():
+    buf = rf.HipBuffer(4096, backend="host", shareable=True)
+    handle = buf.ipc_handle()
+    with spawned(map_and_map_again, handle) as holder:
+        assert holder.receive() == "holding"
+        buf.close()
+        with spawned(try_map, handle) as late:
+            answer = late.receive()
+        holder.send("again")
+        holder.receive()
+    assert answer == ("IpcError", f"process {os.getpid()} closed the memory of this handle "
+                                  "(it frees it once the processes that map it now let go)")
+    assert ipc.collect() == 4096
