@@ -163,6 +163,16 @@ def test_a_pitch_past_the_limit_counts_a_copy_per_plane_when_choosing_a_launch(m
         assert launches == [4, 4] and not backend.copies
 
 
+def test_a_launch_cuts_a_run_of_small_blocks_longer_than_a_piece(monkeypatch):
+    cache, backend, stream, launches = launching_cache(monkeypatch, config(40, 40))
+    with cache, stream:  # 33 blocks of 2048 bytes a plane: 67584 bytes, past a piece
+        a, _, c = added(cache, "a", 33 * BS, 1.0), added(cache, "b", BS, 0.0), added(
+            cache, "c", BS, 5000.0)
+        backend.copies.clear()
+        swap_both_ways(cache, ["a", "c"], stream, {"a": a, "c": c})
+        assert launches == [3 * 4] * 2 and not backend.copies  # 2 + 1 pieces a plane
+
+
 def big_blocks() -> CacheConfig:
     """One layer, blocks of 1 MiB: 512 KiB a plane, cut into 64 KiB pieces."""
     return config(num_blocks=12, host_blocks=12, layers=1, heads=8, head_dim=256,

@@ -147,6 +147,7 @@ def test_swap_counters_add_up_over_swaps():
         added(cache, "a", 20, 1.0)
         for _ in range(2):
             cache.swap_out(["a"])
+            assert cache.stats()["swapped_sequences"] == 1
             cache.swap_in(["a"])
         stats = cache.stats()
         assert stats["swapped_out_blocks"] == 6 and stats["swapped_in_blocks"] == 6
