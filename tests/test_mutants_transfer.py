@@ -15,7 +15,7 @@ import sys
 import numpy as np
 import pytest
 from test_atomicity import cache_state
-from workers import map_and_map_again, spawned, try_map
+from workers import export_and_wait, map_and_map_again, spawned, try_map
 
 import rocmforge_raw as rf
 from rocmforge_raw.cache import CacheConfig, CacheFullError, KvCache
@@ -27,6 +27,7 @@ from rocmforge_raw.cache.step.graph_layout import (
 )
 from rocmforge_raw.cache.transfer.sequences import block_spans, fingerprint, layout
 from rocmforge_raw.common import procs
+from rocmforge_raw.errors import IpcError
 from rocmforge_raw.kernels.staging import Fence
 from rocmforge_raw.memory import ipc
 from rocmforge_raw.memory.array import DeviceArray
@@ -457,3 +458,18 @@ def test_a_late_importer_of_closed_memory_is_told_the_free_waits_for_its_mappers
     assert answer == ("IpcError", f"process {os.getpid()} closed the memory of this handle "
                                   "(it frees it once the processes that map it now let go)")
     assert ipc.collect() == 4096
+
+
+def test_a_lease_its_exporter_retired_is_refused_as_freed():
+    """The exporter marks a lease retired before it unlinks it: an importer that opened the
+    file just before reads that mark (simulated here by writing it) and maps nothing."""
+    with spawned(export_and_wait, "host") as exporter:
+        try:
+            handle = exporter.receive()
+            with open(procs.shm_path(handle.lease), "r+b") as lease:
+                lease.write(b"\x00")
+            with pytest.raises(IpcError, match=re.escape(
+                    f"process {handle.pid} has freed the memory of this handle")):
+                rf.HipBuffer.from_ipc(handle)
+        finally:
+            exporter.kill()
