@@ -112,7 +112,15 @@ def test_a_pitch_past_the_drivers_limit_copies_one_plane_at_a_time(monkeypatch, 
 
 
 # --- one launch ----------------------------------------------------------------------------
+class Device(Recorder):
+    """A backend of a device (any name but the host's): the tier moves by launches."""
+
+    name = "device"
+
+
 def launching_cache(monkeypatch, cfg: CacheConfig, stream_too: bool = True):
+    """A cache whose host tier moves by launches (as on a device backend: ``Device``), on
+    the host backend, whose K/V writes need no kernels."""
     backend = Recorder()
     cache = KvCache(cfg, backend=backend)
     stream = rf.Stream(backend=backend) if stream_too else None
@@ -132,6 +140,13 @@ def swap_both_ways(cache: KvCache, ids: list[str], stream: Any, values: dict) ->
     for seq_id, want in values.items():
         np.testing.assert_array_equal(read(cache, seq_id), want)
     cache.check_invariants()
+
+
+def test_the_host_tier_moves_by_launches_on_a_device_backend_only():
+    with KvCache(config(), backend=Recorder()) as cache:
+        assert not cache._host.by_kernel
+    with KvCache(config(), backend=Device()) as cache:  # every address 16-byte aligned
+        assert cache._host.by_kernel is True
 
 
 def test_runs_apart_move_by_one_launch_each_way(monkeypatch):
