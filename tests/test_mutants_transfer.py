@@ -473,3 +473,16 @@ def test_a_lease_its_exporter_retired_is_refused_as_freed():
                 rf.HipBuffer.from_ipc(handle)
         finally:
             exporter.kill()
+
+
+def test_a_handle_whose_lease_is_gone_names_the_process_that_exported_it():
+    with spawned(export_and_wait, "host") as exporter:
+        try:
+            handle = exporter.receive()
+            gone = dataclasses.replace(handle, lease=handle.lease.replace(".lease", "x.lease"))
+            with pytest.raises(IpcError, match=re.escape(
+                    f"the memory of this handle is gone: process {handle.pid} freed it or "
+                    f"exited (lease {gone.lease} not found)")):
+                rf.HipBuffer.from_ipc(gone)
+        finally:
+            exporter.kill()
