@@ -204,23 +204,23 @@ def test_a_swap_copies_only_the_blocks_whose_prefix_the_host_tier_lacks():
 
 def test_a_promotion_keeps_its_source_blocks_out_of_the_room_demotions_take():
     with cache_of(num_blocks=5, host_blocks=2) as cache:
-        a = np.arange(BS + 1)
-        prompt(cache, "a", a)
-        cache.swap_out(["a"])
-        cache.finish("a")  # host block 0 cached (a's prefix), 1 free
-        cache.add_sequence("x", 4 * BS)  # evicts a's device copy (the host holds it)
+        a, s = np.arange(BS), np.arange(600, 600 + BS)
+        for seq_id, tokens in (("a", a), ("s", s)):
+            prompt(cache, seq_id, tokens)
+            cache.swap_out([seq_id])
+            cache.finish(seq_id)
+        assert cache._host.cached_ids() == [0, 1]  # a's prefix, the least recently used
+        cache.add_sequence("x", 4 * BS)  # a's and s's device copies go (the host has them)
         cache.finish("x")
-        prompt(cache, "y", np.arange(200, 200 + BS + 1))
-        cache.finish("y")  # y's prefix cached on the device only
-        prompt(cache, "z", np.arange(300, 300 + BS + 1))
-        cache.finish("z")  # and z's
+        for seq_id, start in (("y", 200), ("z", 300)):  # prefixes on the device only
+            prompt(cache, seq_id, np.arange(start, start + BS + 1))
+            cache.finish(seq_id)
         before = cache.stats()["demoted_blocks"]
-        assert prompt(cache, "b", np.concatenate([a[:BS], np.arange(400, 400 + 3 * BS)]))[
-            0] == 0
+        b = prompt(cache, "b", np.concatenate([a, np.arange(400, 400 + 3 * BS)]))
         stats = cache.stats()
         assert stats["promoted_blocks"] == 1
-        assert stats["demoted_blocks"] - before == 1  # one host block left for demotions
-        np.testing.assert_array_equal(read(cache, "b")[:BS], a[:BS])
+        assert stats["demoted_blocks"] - before == 1  # into s's host block, not a's
+        np.testing.assert_array_equal(read(cache, "b"), b)
         cache.check_invariants()
 
 
