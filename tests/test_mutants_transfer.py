@@ -26,6 +26,7 @@ from rocmforge_raw.cache.step.graph_layout import (
     padded_work,
 )
 from rocmforge_raw.cache.transfer.sequences import block_spans, fingerprint, layout
+from rocmforge_raw.cache.transfer.transport import published
 from rocmforge_raw.common import procs
 from rocmforge_raw.errors import IpcError
 from rocmforge_raw.kernels.staging import Fence
@@ -486,3 +487,11 @@ def test_a_handle_whose_lease_is_gone_names_the_process_that_exported_it():
                 rf.HipBuffer.from_ipc(gone)
         finally:
             exporter.kill()
+
+
+def test_publishing_a_slab_again_returns_the_same_endpoint():
+    with KvCache(config()) as src, PeerTransport() as link, PeerTransport() as other:
+        first = link.publish(src.slab)
+        assert link.publish(src.slab) == first
+        assert other.publish(src.slab) != first  # another transport: its own, the latest
+        assert published(src.slab.buffer) == {"peer": other.publish(src.slab)}
