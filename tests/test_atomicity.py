@@ -31,6 +31,7 @@ from hypothesis.stateful import (
 import rocmforge_raw as rf
 from rocmforge_raw.cache import (
     BlockPool,
+    BlockRemoved,
     CacheConfig,
     CacheFullError,
     KvCache,
@@ -393,7 +394,8 @@ def test_a_failed_copy_on_write_copy_undoes_the_whole_append(monkeypatch, preemp
         if preempting is True:
             for seq_id in ("x", "y", "z"):
                 cache.add_sequence(seq_id, 24)  # 9 more blocks: none left
-        if preempting == "evicting":  # 9 cached-free blocks: the copies evict two of them
+        evicting = preempting == "evicting"
+        if evicting:  # 9 cached-free blocks: the copies evict two of them
             cache.add_sequence("w", tokens=np.arange(72))
             cache.finish("w")
             preempting = False
@@ -404,11 +406,54 @@ def test_a_failed_copy_on_write_copy_undoes_the_whole_append(monkeypatch, preemp
         monkeypatch.setattr(ops, "copy_blocks", _failing_copy)
         with pytest.raises(DeviceError, match="injected"):
             cache.append(["a", "b"])  # two private copies: two blocks allocated
-        assert cache_state(cache) == before  # the free stack in its order too
+        if evicting:  # the copies' two blocks may have been written: they forget their
+            _expect_forgotten(cache, before, 2)  # prefixes, and nothing else changed
+        else:
+            assert cache_state(cache) == before  # the free stack in its order too
         monkeypatch.undo()
         reservation = cache.append(["a", "b"])
         assert reservation.preempted == (["x"] if preempting else [])
         assert cache.stats()["cow_copies"] == 2
+        cache.check_invariants()
+
+
+def _expect_forgotten(cache: KvCache, before: dict, count: int) -> None:
+    """The cache is as ``before`` but for the ``count`` least recently freed cached-free
+    blocks, which forgot their prefixes (announced) and went to the free stack."""
+    after, gone = cache_state(cache), before["cached"][:count]
+    assert after["cached"] == before["cached"][count:]
+    assert sorted(after["free"]) == sorted(before["free"])  # (cached-free ones included)
+    assert after["index"] == [(h, b) for h, b in before["index"] if b not in gone]
+    removed = [e for e in cache.events() if isinstance(e, BlockRemoved)]
+    assert sorted(e.block_hash for e in removed) == sorted(
+        h for h, b in before["index"] if b in gone)
+    for key in set(before) - {"cached", "free", "index", "stats"}:
+        assert after[key] == before[key], key
+
+
+def test_a_copy_on_write_copy_that_wrote_before_failing_leaves_no_stale_prefix(monkeypatch):
+    """A copy that ran (into reused cached-free blocks) and then raised: those blocks forget
+    their prefixes, so a prompt repeating them is not served the copied bytes."""
+    with KvCache(CONFIG, backend="host") as cache:
+        cache.add_sequence("parent", 12)
+        cache.fork("parent", "a")
+        cache.fork("parent", "b")
+        prompt = np.arange(72)
+        cache.add_sequence("w", tokens=prompt)
+        cache.finish("w")
+        cache.batch(["parent"])
+        copy = ops.copy_blocks
+
+        def copy_then_fail(*args, **kwargs):
+            copy(*args, **kwargs)
+            _failing_copy()
+
+        monkeypatch.setattr(ops, "copy_blocks", copy_then_fail)
+        with pytest.raises(DeviceError, match="injected"):
+            cache.append(["a", "b"])
+        monkeypatch.undo()
+        found = cache.add_sequence("again", tokens=prompt).num_cached_tokens
+        assert found == 56  # of 71 before the append: its two overwritten blocks miss
         cache.check_invariants()
 
 

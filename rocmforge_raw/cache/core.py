@@ -167,7 +167,9 @@ class CacheCore:
         """Queue the copies of shared last blocks ``src`` into private blocks ``dst`` (of
         the allocation ``new``), then let go of ``src``. The copy is the only step of a
         reservation that can fail, and comes before any other change: if it fails, the
-        state ``saved`` is restored (or else the allocation undone) and the error raised."""
+        state ``saved`` is restored (or else the allocation undone) and the error raised,
+        but for the cached-free blocks among ``dst``: a copy that may have run counts as
+        written, so they forget their prefixes (announced)."""
         try:
             if self._order is not None:
                 self._order.used(stream)
@@ -175,10 +177,13 @@ class CacheCore:
                             stream=stream)
         except BaseException:
             if saved is not None:
+                self._reached[0].extend(dst.tolist())
                 self._restore(saved)
-            else:  # the reused cached-free blocks hold their prefixes again: unannounced
-                self.pool.undo_allocate(new)
+            else:  # the reused cached-free blocks hold their prefixes again: unannounced,
+                self.pool.undo_allocate(new)  # but for those the copy may have written
                 self._events.truncate(self._allocation_mark)
+                for digest in self.pool.forget(dst):
+                    self._events.removed(digest, DEVICE)
             raise
         self.pool.free(src)
         self.num_cow_copies += int(src.size)

@@ -172,6 +172,7 @@ class PrefixTiers(CacheCore):
         pool, host = self.pool, self._host
         if host is None:
             return super()._allocate(count, stream, taking)
+        self._allocation_mark = self._events.mark()  # (as the base class's)
         taking = list(taking)
         fill = fill or []
         ids, evicted = pool.peek(count, taking)
