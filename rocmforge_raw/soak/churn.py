@@ -69,6 +69,12 @@ class Churn:
             cache.write(layer, key, key, slots)
         key.buffer.close()
 
+    def _prefill(self, cache: KvCache, seq_id: str, tokens: np.ndarray) -> None:
+        """Add ``seq_id`` with ``tokens`` and write the K/V of those the prefix cache did not
+        hold (the found blocks are shared: never written again)."""
+        reservation = cache.add_sequence(seq_id, tokens=tokens)
+        self._write(cache, reservation.slot_mapping[reservation.num_cached_tokens:])
+
     def cycle(self) -> None:
         if self.tiered is not None:
             self._tier(self.tiered)
@@ -86,7 +92,7 @@ class Churn:
             if not cache.can_allocate(len(tokens)):
                 break
             seq_id = self._id()
-            self._write(cache, cache.add_sequence(seq_id, tokens=tokens).slot_mapping)
+            self._prefill(cache, seq_id, tokens)
             ids.append(seq_id)
         if ids:
             with contextlib.suppress(CacheFullError):  # all or none
@@ -107,7 +113,7 @@ class Churn:
         tokens = np.concatenate([np.arange(32), rng.integers(1000, 2000, n)])  # 2 shared blocks
         if not (src.can_allocate(len(tokens)) and dst.can_allocate(len(tokens) + 1)):
             return
-        self._write(src, src.add_sequence(seq_id, tokens=tokens).slot_mapping)
+        self._prefill(src, seq_id, tokens)
         self.blocks_shared += dst.import_sequence(src.export_sequence(seq_id),
                                                   self.link).blocks_shared
         dst.append([seq_id])
