@@ -421,7 +421,6 @@ def test_an_undone_copy_on_write_leaves_the_event_memory_as_the_tiers_hold(monke
         monkeypatch.setattr(ops, "copy_blocks", failing_copy)
         with pytest.raises(DeviceError, match="injected"):
             cache.append(["a", "b"])
-        assert list(cache.events()) == []
         remembered_as_held(cache)
         monkeypatch.undo()
         cache.append(["a", "b"])
