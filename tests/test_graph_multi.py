@@ -69,10 +69,13 @@ class MixedSteps:
             self.cache.append(decoding)
         if prefilling:
             self.cache.extend(prefilling, self.q_lens[self.decodes:].tolist())
+        self.written = []  # each layer's new key and value rows, as sent
         for key, value, query, _ in self.layers:
             for array in (key, value, query):
                 values = self.rng.standard_normal(array.shape, np.float32).astype(self.act)
                 array.buffer.copy_from_host(values)
+                if array is not query:
+                    self.written.append(values)
         for *_, out in self.layers:
             out.buffer.fill(POISON)
         return self.cache.batch(self.ids, query_lens=self.q_lens)
@@ -88,6 +91,15 @@ class MixedSteps:
             assert relative_error(got, want.astype(np.float64)) < tolerance, layer
 
     def check_against_the_reference(self, meta):
+        """The replay wrote every new token's K/V at the step's slots, and each layer's
+        output is the float64 reference's over the cache."""
+        slots, bs = meta.slot_mapping, self.cache.config.block_size
+        mine = slots >= 0  # (-1: a token of a shared block, written before)
+        for layer in range(len(self.layers)):
+            for plane, sent in zip((self.cache.k_cache(layer), self.cache.v_cache(layer)),
+                                   self.written[2 * layer : 2 * layer + 2]):
+                held = plane.to_numpy()[slots[mine] // bs, :, slots[mine] % bs]
+                np.testing.assert_array_equal(held, sent[mine])
         results = [(query.to_numpy(), out.to_numpy()) for _, _, query, out in self.layers]
         check_step(self.cache, meta, results, layers=range(len(self.layers)))
 
