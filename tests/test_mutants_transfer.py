@@ -27,7 +27,7 @@ from rocmforge_raw.cache.step.graph_layout import (
 )
 from rocmforge_raw.cache.transfer.sequences import block_spans, fingerprint, layout
 from rocmforge_raw.cache.transfer.transport import published
-from rocmforge_raw.common import procs
+from rocmforge_raw.common import checks, procs
 from rocmforge_raw.errors import IpcError
 from rocmforge_raw.kernels.staging import Fence
 from rocmforge_raw.memory import ipc
@@ -495,3 +495,22 @@ def test_publishing_a_slab_again_returns_the_same_endpoint():
         assert link.publish(src.slab) == first
         assert other.publish(src.slab) != first  # another transport: its own, the latest
         assert published(src.slab.buffer) == {"peer": other.publish(src.slab)}
+
+
+def test_a_garbled_handle_is_refused_before_anything_is_mapped_saying_what_is_wrong():
+    with rf.HipBuffer(4096, backend="host", shareable=True) as buf:
+        handle = buf.ipc_handle()
+        cases = [("x", TypeError, "(from HipBuffer.ipc_handle()), got 'x'"),
+                 (dict(nbytes=0), ValueError, "handle.nbytes must be >= 1, got 0"),
+                 (dict(nbytes=1), IpcError, "exported by this process"),
+                 (dict(nbytes=checks.MAX_SIZE + 1), ValueError, "handle.nbytes must be <="),
+                 (dict(key="k"), TypeError, f"got 'k' and {handle.lease!r}"),
+                 (dict(lease=5), TypeError, "handle.lease a str, got b"),
+                 (dict(boot_id="elsewhere"), IpcError,
+                  "IPC maps memory of this host only; move bytes with a transfer engine")]
+        for change, error, message in cases:
+            wrong = change if isinstance(change, str) else dataclasses.replace(handle, **change)
+            with pytest.raises(error, match=re.escape(message) + r"(\W|$)"):
+                rf.HipBuffer.from_ipc(wrong)
+        with pytest.raises(TypeError, match=r" and 5$"):
+            rf.HipBuffer.from_ipc(dataclasses.replace(handle, lease=5))
