@@ -37,11 +37,20 @@ def cmd_demo(args: argparse.Namespace) -> int:
         found = [str(exc)]
     else:
         found = failures(summary)
+    lines = [f"{k:28} {v:.3f}" if isinstance(v, float) else f"{k:28} {v}"
+             for k, v in {"where": where(backend, device, args.backend), **summary}.items()]
+    return _judged(args, backend, device, seed, summary, found, lines, outcome)
+
+
+def _judged(args: argparse.Namespace, backend: Any, device: int, seed: int,
+            summary: dict[str, Any], found: list[str], lines: list[str],
+            outcome: Any) -> int:
+    """Emit a demo's ``lines`` and its verdict line, ``demo: OK (<outcome(summary)>)`` or
+    ``demo: FAILED: <found>`` (the JSON: the summary, seed, verdict and failures); the exit
+    status, 1 on FAILED."""
     verdict = f"demo: FAILED: {'; '.join(found)}" if found else f"demo: OK ({outcome(summary)})"
     result = {"where": where(backend, device, args.backend), "seed": seed, **summary,
               "verdict": "FAILED" if found else "OK", "failures": found}
-    lines = [f"{k:28} {v:.3f}" if isinstance(v, float) else f"{k:28} {v}"
-             for k, v in result.items() if k not in ("seed", "verdict", "failures")]
     emit(args, result, "\n".join([*lines, verdict]))
     return 1 if found else 0
 
@@ -84,12 +93,8 @@ def cmd_demo_disaggregated(args: argparse.Namespace) -> int:
         found = [str(exc)]
     else:
         found = failures(summary)
-    verdict = f"demo: FAILED: {'; '.join(found)}" if found else f"demo: OK ({outcome(summary)})"
-    result = {"where": where(backend, device, args.backend), "seed": seed, **summary,
-              "verdict": "FAILED" if found else "OK", "failures": found}
     lines = [*report_lines(summary), summary["handoff"]] if summary else []
-    emit(args, result, "\n".join([*lines, verdict]))
-    return 1 if found else 0
+    return _judged(args, backend, device, seed, summary, found, lines, outcome)
 
 
 def planted(args: argparse.Namespace, backend_name: str) -> list[str]:
