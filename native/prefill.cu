@@ -17,7 +17,8 @@
 // items longest first. A piece of a split item (n > 1) leaves its rows' unnormalised
 // output, max and sum in record (item * BM + row) of `partials` (D + 4 floats: output, max,
 // sum, two unused), and rf_prefill_combine merges the pieces (pieces come first in `items`,
-// so their record slots are their item indices).
+// so their record slots are their item indices). An item (or a combine) of n = 0 is padding
+// and does nothing: a graph's fixed grid serves steps of fewer items.
 //
 // Pipeline. The CTA's queries and each KV tile go to shared memory (pf_tile.h): NVIDIA by
 // 16-byte cp.async copies, STAGES deep (tiles t + 1 .. t + STAGES - 1 in flight while tile t
@@ -110,6 +111,7 @@ RF_DEVICE void prefill(typename E::storage* __restrict__ out, float* __restrict_
 
   const int tid = (int)rf_tid(), lane = tid % RF_WARP, warp = tid / RF_WARP;
   const int item = (int)rf_bid_x(), ratio = num_q_heads / num_kv_heads;
+  if (items[4 * (rf_i64)item + 3] == 0) return;  // padding (a graph's fixed grid)
   const int block_size = 1 << block_shift;
   rf_pf_item it{};
   it.template read<BM, BN>(items, item, q_starts, seq_lens, ratio);
@@ -335,6 +337,7 @@ RF_DEVICE void prefill_combine(typename E::storage* __restrict__ out,
                                int num_q_heads, int num_kv_heads, int BM) {
   const int c = (int)rf_bid_x(), tid = (int)rf_tid(), ratio = num_q_heads / num_kv_heads;
   const int first = combines[2 * c], n = combines[2 * c + 1];
+  if (n == 0) return;  // a padding combine (a graph's fixed grid)
   const int* e = items + 4 * (rf_i64)first;
   const int s = e[0], row0 = e[1], x = e[2] & 0xffff;
   const int q_begin = q_starts[s], rows = (q_starts[s + 1] - q_begin) * ratio;

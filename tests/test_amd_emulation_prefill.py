@@ -39,9 +39,10 @@ def libraries():
 
 
 def emulate(emulator, wave, q, k, v, tables, lens, q_lens, k_scale=1.0, v_scale=1.0, slots=6,
-            seed=0):
+            seed=0, padding=0):
     """One launch (and its combine) as the hip backend plans it on a device of ``slots``
-    resident workgroups; returns (output as float64, the plan)."""
+    resident workgroups, its grids grown by ``padding`` no-op items and combines (as a
+    budget graph's are); returns (output as float64, the plan)."""
     dtype, head_dim = q.dtype, q.shape[2]
     num_kv_heads = k.shape[1]
     ratio = q.shape[1] // num_kv_heads
@@ -56,13 +57,14 @@ def emulate(emulator, wave, q, k, v, tables, lens, q_lens, k_scale=1.0, v_scale=
                                               v_scale)
     threads, p = WARPS * wave, (lambda a: a.ctypes.data)
     i32 = np.int32
+    items, combines = work.padded(len(work.items) + padding, len(work.combines) + padding)
     emulator.kernel(name, seed).launch(
-        len(work.items), threads, p(out), p(partials), p(q), p(k), p(v), p(tables), p(lens),
-        p(work.q_starts), p(work.items), np.float32(scale), i32(q.shape[1]), i32(num_kv_heads),
+        len(items), threads, p(out), p(partials), p(q), p(k), p(v), p(tables), p(lens),
+        p(work.q_starts), p(items), np.float32(scale), i32(q.shape[1]), i32(num_kv_heads),
         i32(tables.shape[1]), i32(k.shape[2].bit_length() - 1), np.float32(out_scale))
-    if len(work.combines):
+    if len(combines):
         emulator.kernel(combine, seed).launch(
-            len(work.combines), threads, p(out), p(partials), p(work.items), p(work.combines),
+            len(combines), threads, p(out), p(partials), p(items), p(combines),
             p(work.q_starts), i32(q.shape[1]), i32(num_kv_heads), i32(shape.bm))
     return out.astype(np.float64), work
 
@@ -118,3 +120,14 @@ def test_fp8_codes_widen_on_the_way_into_lds(libraries, rng, wave, dtype):
                            cache_dtype=np.dtype(ml_dtypes.float8_e4m3fn))
     got, _ = emulate(libraries[wave], wave, *inputs)
     assert relative_error(got, want(*inputs)) < tolerance(dtype, inputs[1].dtype)
+
+
+@pytest.mark.parametrize("wave", WAVES, ids=lambda w: f"wave{w}")
+def test_padding_items_and_combines_change_nothing(libraries, rng, wave):
+    """A budget graph's fixed grids: items and combines of 0 pieces after the real ones
+    leave every output as the unpadded launch writes it (pieces and combines included)."""
+    inputs = random_inputs(rng, F16, 128, 16, 4, [4, 9], [2000, 30])
+    plain, work = emulate(libraries[wave], wave, *inputs)
+    assert work.num_pieces > 1, "the case must cut pieces (their combine is padded too)"
+    padded, _ = emulate(libraries[wave], wave, *inputs, padding=5)
+    np.testing.assert_array_equal(padded, plain)

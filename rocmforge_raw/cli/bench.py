@@ -71,7 +71,9 @@ def _prefill(backend: Backend, device: int, iters: int, result: dict[str, Any]) 
                  f"{step['step_over_kernels']:.3f}, batch {step['batch_host_us']:.0f} us "
                  f"host); planned ahead {step['ahead_step_ms']:.3f} ms (ratio "
                  f"{step['ahead_over_kernels']:.3f}); graph replay {step['graph_step_ms']:.3f}"
-                 f" ms (ratio {step['graph_over_kernels']:.3f}); target <= {step['target']}"
+                 f" ms (ratio {step['graph_over_kernels']:.3f}); one graph for its token "
+                 f"budget {step['budget_step_ms']:.3f} ms (ratio "
+                 f"{step['budget_over_kernels']:.3f}); target <= {step['target']}"
                  + ("" if step["met_target"] else "  MISSED"))
     return lines
 

@@ -19,6 +19,12 @@ members (ids, order), query lengths, activations, table width or decode work out
 capture re-captures (``GraphShape.admits``); a plan that is not current is refused as by
 ``write``/``attention``, so a replay never reads stale metadata.
 
+A graph for a token budget (``token_budget``, ``max_seqs``: ``graph_budget``) replays every
+step of up to ``token_budget`` query tokens, whatever its members and query lengths: its
+decode and multi-token launches run over fixed regions padded with no-op work, and each
+replay uploads its items too. It re-captures only where a step has more sequences than a
+region holds, a wider table or more decode work than its room.
+
 Stream order: a run queues its upload (pinned host memory to the fixed addresses) and then
 the graph on the plan's stream, so the upload waits for the previous replay to finish
 reading; each pinned buffer is reused only once the event after its upload has passed
@@ -56,20 +62,18 @@ from ...kernels.planning.prefill import leading_decodes, prefill_launch
 from ...kernels.staging import ALIGN, Fence
 from ...memory.buffer import HipBuffer
 from ...memory.stream import Stream
-from .graph_layout import Activations, GraphShape, Layer, PinnedUploads, activations_of
+from .graph_budget import DEFAULT_MAX_SEQS, BudgetShape, plan_budget
+from .graph_layout import (
+    Activations,
+    CapturePlan,
+    GraphShape,
+    Layer,
+    PinnedUploads,
+    activations_of,
+    pack_layout,
+)
 from .metadata import BatchMetadata
 from .multi import MultiLaunch, prefill_launches
-
-
-def _layout(arrays: list[tuple[Any, tuple[int, ...]]]) -> tuple[list[tuple[int, tuple[int, ...]]],
-                                                                  int]:
-    """Each array's (offset, shape) when arrays of these (dtype, shape) lie one after
-    another, each at an ALIGN boundary, and the bytes they span."""
-    layout, offset = [], 0
-    for dtype, dims in arrays:
-        layout.append((offset, tuple(dims)))
-        offset += -(-int(np.prod(dims)) * np.dtype(dtype).itemsize // ALIGN) * ALIGN
-    return layout, offset
 
 
 class StepGraph:
@@ -77,14 +81,26 @@ class StepGraph:
     queues the step of the current plan ``meta`` for ``layers`` (per layer: the new tokens'
     key and value ``[rows, num_kv_heads, head_dim]``, the query and the output ``[rows,
     num_q_heads, head_dim]``, at the same addresses while the graph is replayed; ``rows``
-    is the step's sequences, or its query tokens for a step of ``query_lens``), on the
-    cache's stream. ``headroom``: tokens each sequence may grow by before a re-capture.
+    is the step's sequences, or its query tokens for a step of ``query_lens``; the budget
+    for a graph of ``token_budget``), on the cache's stream. ``headroom``: tokens each
+    sequence may grow by before a re-capture. ``token_budget``: one capture for every step
+    of up to that many query tokens over up to ``max_seqs`` (default
+    ``graph_budget.DEFAULT_MAX_SEQS``) decodes and as many other sequences; output rows
+    past a step's query tokens hold no result.
     ``captures``/``replays`` count runs of each kind. Close it (or use ``with``)."""
 
-    def __init__(self, cache: Any, headroom: int = 128, scale: float | None = None) -> None:
+    def __init__(self, cache: Any, headroom: int = 128, scale: float | None = None,
+                 token_budget: int | None = None, max_seqs: int | None = None) -> None:
         self.cache, self.backend = cache, cache.slab.backend
         self.device, self.stream = cache.slab.device, cache.stream
         self.headroom = checks.integer(headroom, "headroom", 0, 1 << 20)
+        self.token_budget = None if token_budget is None else checks.integer(
+            token_budget, "token_budget", 1, 1 << 20)
+        if max_seqs is not None and token_budget is None:
+            raise ValueError(f"max_seqs {checks.show(max_seqs)} is a budget graph's: pass "
+                             "token_budget too")
+        self.max_seqs = checks.integer(
+            DEFAULT_MAX_SEQS if max_seqs is None else max_seqs, "max_seqs", 1, 1 << 20)
         self.scale = default_scale(cache.config.head_dim, scale)
         self.shape: GraphShape | None = None
         self.captures = self.replays = 0
@@ -125,61 +141,53 @@ class StepGraph:
                 raise ValueError(f"layers must be {cache.config.num_layers} tuples (key, "
                                  "value, query, out), one a layer")
             members, activations = tuple(meta.seq_ids), activations_of(layers)
-            q_lens = None if meta.query_lens is None else tuple(meta.query_lens.tolist())
-            work = None if self.shape is None else self.shape.admits(
-                members, activations, meta.block_tables.shape[1], meta.seq_lens, q_lens)
-            replay = work is not None
-            if work is None:
-                work = self._capture(meta, layers, members, activations)
-            self._uploads.upload([meta.block_tables, meta.seq_lens, meta.slot_mapping, *work],
-                                 self._layout, self._target, self.stream)
+            arrays = None if self.shape is None else self._replay(meta, members, activations)
+            replay = arrays is not None
+            if arrays is None:
+                arrays = self._capture(meta, layers, members, activations)
+            self._uploads.upload(arrays, self._layout, self._target, self.stream)
             self.backend.graph_launch(self._exec, None if self.stream is None
                                       else self.stream.handle)
             self.replays += replay
             self._sweep()
             return replay
 
+    def _replay(self, meta: BatchMetadata, members: tuple[Any, ...],
+                activations: Activations) -> list[np.ndarray] | None:
+        """What a replay of ``meta``'s step uploads, or None where it must re-capture."""
+        if isinstance(self.shape, BudgetShape):
+            return self.shape.arrays(activations, meta)
+        assert self.shape is not None
+        q_lens = None if meta.query_lens is None else tuple(meta.query_lens.tolist())
+        work = self.shape.admits(members, activations, meta.block_tables.shape[1],
+                                 meta.seq_lens, q_lens)
+        return None if work is None else [meta.block_tables, meta.seq_lens,
+                                          meta.slot_mapping, *work]
+
     def _capture(self, meta: BatchMetadata, layers: list[Layer], members: tuple[Any, ...],
-                 activations: Activations) -> tuple[np.ndarray, ...]:
-        """Capture the step for ``layers`` with room for ``headroom`` more tokens a
-        sequence; the previous graph is retired only once the new one is made."""
+                 activations: Activations) -> list[np.ndarray]:
+        """Capture the step for ``layers`` (for its composition with room for ``headroom``
+        more tokens a sequence, or for the token budget); returns what the step uploads. The
+        previous graph is retired only once the new one is made."""
         c, steps = self.cache.config, self.cache._steps
-        n, lens, rows = len(members), meta.seq_lens, meta._kv_shape[0]
-        q_shape: tuple[int, ...] = getattr(layers[0][2], "shape", ())
-        q_heads = q_shape[1] if len(q_shape) == 3 else 0
-        for key, value, query, out in layers:
-            for name, array, want in (("key", key, meta._kv_shape), ("value", value,
-                                      meta._kv_shape), ("query", query, (rows, q_heads,
-                                      c.head_dim)), ("out", out, (rows, q_heads, c.head_dim))):
-                steps._check(name, array, want)
-        if q_heads < 1 or q_heads % c.num_kv_heads:
-            raise ValueError(f"num_q_heads {q_heads} is not a multiple of num_kv_heads "
-                             f"{c.num_kv_heads}")
-        q_lens = meta.query_lens
-        decodes = n if q_lens is None else leading_decodes(q_lens)
-        room = (lens.astype(np.int64) + self.headroom).astype(np.int32)
-        width = max(meta.block_tables.shape[1], -(-int(room.max()) // c.block_size))
-        shape, decode = self._decode_part(members, activations, meta, q_heads, decodes, room,
-                                          width)
-        work = shape.admits(members, activations, width, lens, shape.query_lens)
-        assert work is not None  # the room holds these lengths
-        multi = None
-        if decodes < n:
-            assert q_lens is not None  # (only a multi-token step has non-decodes)
-            multi = prefill_launch(self.backend, self.device, steps.act, c.head_dim, c.dtype,
-                                   q_lens[decodes:], lens[decodes:], c.num_kv_heads,
-                                   q_heads // c.num_kv_heads)
-        layout, offset = _layout([(np.int32, (n, width)), (np.int32, (n,)),
-                                  (np.int64, (rows,))] + [(a.dtype, a.shape) for a in work])
-        fixed = [] if multi is None else multi[1].arrays  # the multi-token work: uploaded once
-        fixed_layout, fixed_bytes = _layout([(a.dtype, a.shape) for a in fixed])
+        q_heads = self._check_layers(meta, layers)
+        if self.token_budget is None:
+            plan = self._plan(meta, members, activations, q_heads)
+        else:
+            plan = plan_budget(self, meta, activations, self.token_budget, self.max_seqs,
+                               q_heads)
+        decode, multi, width = plan.decode, plan.multi, plan.shape.width
+        layout, offset = pack_layout(plan.layout_shapes())
+        fixed = multi[1].arrays if multi is not None and plan.fixed else []
+        fixed_layout, fixed_bytes = pack_layout([(a.dtype, a.shape) for a in fixed])
         # partials for every CTA even of a whole-unit capture: a replay's lengths may be laid
         # out with slack shared out (graph_layout.padded_work), which cuts units
         decode_bytes, counters = (0, 0) if decode is None else split_workspace(
-            decode.work.num_ctas, decode.group, c.head_dim, decodes * decode.work.groups)
+            decode.work.num_ctas, decode.group, c.head_dim, decode.num_seqs * decode.work.groups)
         decode_bytes = -(-decode_bytes // ALIGN) * ALIGN
         piece_bytes = 0 if multi is None else multi[1].partial_bytes(multi[0].shape.bm,
                                                                      c.head_dim)
+        rows = len(plan.arrays[2])  # the slots: one a query row
         graph, uploaded = None, False
         try:
             buffers = self._room((offset + fixed_bytes, max(decode_bytes + piece_bytes, 4),
@@ -196,20 +204,22 @@ class StepGraph:
                 rows, WRITE_THREADS, *write_arguments(
                     0, 0, 0, 0, slots, c.num_kv_heads, c.block_size,
                     c.head_dim * steps.act.itemsize, c.dtype), stream=capture, patch=WRITE_PATCH)
+            decode_at = work_at[:2] if decode is not None else []
             attention: Any = None if decode is None else decode.kernel.prepare(
                 decode.grid, THREADS, *decode.arguments(
                     0, 0, 0, 0, tables, lens_at, self.scale, buffers[1].ptr, buffers[2].ptr,
-                    *work_at), shared_bytes=decode.shared_bytes, stream=capture,
+                    *decode_at), shared_bytes=decode.shared_bytes, stream=capture,
                 patch=ATTENTION_PATCH)
             if multi is not None:
-                starts_at, items_at, *combines_at = (base + offset + o for o, _ in fixed_layout)
+                starts_at, items_at, *combines_at = (
+                    [base + offset + o for o, _ in fixed_layout] if plan.fixed
+                    else work_at[len(decode_at):])
                 prefill, combine = prefill_launches(
                     multi[0], multi[1], buffers[1].ptr + decode_bytes,
-                    tables + 4 * decodes * width, lens_at + 4 * decodes, starts_at, items_at,
-                    combines_at[0] if combines_at else 0, self.scale, q_heads,
-                    c.num_kv_heads, width, c.block_size, capture)
-                attention = MultiLaunch(attention, prefill, combine,
-                                        decodes * q_heads * c.head_dim * steps.act.itemsize)
+                    tables + 4 * plan.prefill_row * width, lens_at + 4 * plan.prefill_row,
+                    starts_at, items_at, combines_at[0] if combines_at else 0, self.scale,
+                    q_heads, c.num_kv_heads, width, c.block_size, capture)
+                attention = MultiLaunch(attention, prefill, combine, plan.q_offset)
             graph = self._record(capture, write, attention, layers)
             executable = self.backend.graph_instantiate(graph, self.device)
         except BaseException:
@@ -223,9 +233,57 @@ class StepGraph:
             old.release_after(self.stream)
         self._graph, self._exec, self._layout = graph, executable, layout
         self._target = base
-        self.shape = shape
+        self.shape = plan.shape
         self.captures += 1
-        return work
+        return plan.arrays
+
+    def _check_layers(self, meta: BatchMetadata, layers: list[Layer]) -> int:
+        """Check every layer's arrays against the step (the token budget's rows, in a budget
+        graph); the query heads."""
+        c, steps = self.cache.config, self.cache._steps
+        rows = meta._kv_shape[0] if self.token_budget is None else self.token_budget
+        if rows < meta._kv_shape[0]:
+            raise ValueError(f"a step of {meta._kv_shape[0]} query tokens exceeds the graph's "
+                             f"token_budget {self.token_budget}")
+        q_shape: tuple[int, ...] = getattr(layers[0][2], "shape", ())
+        q_heads = q_shape[1] if len(q_shape) == 3 else 0
+        kv = (rows, c.num_kv_heads, c.head_dim)
+        for key, value, query, out in layers:
+            for name, array, want in (("key", key, kv), ("value", value, kv),
+                                      ("query", query, (rows, q_heads, c.head_dim)),
+                                      ("out", out, (rows, q_heads, c.head_dim))):
+                steps._check(name, array, want)
+        if q_heads < 1 or q_heads % c.num_kv_heads:
+            raise ValueError(f"num_q_heads {q_heads} is not a multiple of num_kv_heads "
+                             f"{c.num_kv_heads}")
+        return q_heads
+
+    def _plan(self, meta: BatchMetadata, members: tuple[Any, ...], activations: Activations,
+              q_heads: int) -> CapturePlan:
+        """The capture of ``meta``'s composition: its members and query lengths, room for
+        ``headroom`` more tokens a sequence; the multi-token work uploaded once."""
+        c, steps = self.cache.config, self.cache._steps
+        n, lens, rows = len(members), meta.seq_lens, meta._kv_shape[0]
+        q_lens = meta.query_lens
+        decodes = n if q_lens is None else leading_decodes(q_lens)
+        room = (lens.astype(np.int64) + self.headroom).astype(np.int32)
+        width = max(meta.block_tables.shape[1], -(-int(room.max()) // c.block_size))
+        shape, decode = self._decode_part(members, activations, meta, q_heads, decodes, room,
+                                          width)
+        work = shape.admits(members, activations, width, lens, shape.query_lens)
+        assert work is not None  # the room holds these lengths
+        multi = None
+        if decodes < n:
+            assert q_lens is not None  # (only a multi-token step has non-decodes)
+            multi = prefill_launch(self.backend, self.device, steps.act, c.head_dim, c.dtype,
+                                   q_lens[decodes:], lens[decodes:], c.num_kv_heads,
+                                   q_heads // c.num_kv_heads)
+        arrays = [meta.block_tables, meta.seq_lens, meta.slot_mapping, *work]
+        shapes = [(np.int32, (n, width)), (np.int32, (n,)), (np.int64, (rows,))] + [
+            (a.dtype, a.shape) for a in work]
+        offset = decodes * q_heads * c.head_dim * steps.act.itemsize
+        return CapturePlan(shape, arrays, decode, multi, prefill_row=decodes, q_offset=offset,
+                           fixed=True, shapes=shapes)
 
     def _decode_part(self, members: tuple[Any, ...], activations: Activations,
                      meta: BatchMetadata, q_heads: int, decodes: int, room: np.ndarray,

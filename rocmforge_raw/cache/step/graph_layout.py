@@ -16,8 +16,9 @@ from typing import Any
 
 import numpy as np
 
-from ...kernels.planning import WORK_GRANULE
+from ...kernels.planning import WORK_GRANULE, AttentionPlan
 from ...kernels.planning._worksplit import first_sequences, prefix_sums
+from ...kernels.planning.prefill import PrefillKernel, PrefillWork
 from ...kernels.staging import ALIGN, Fence, PinnedBuffer
 from ...memory.array import DeviceArray
 from ...memory.stream import Stream
@@ -25,6 +26,20 @@ from ...memory.stream import Stream
 Layer = tuple[DeviceArray, DeviceArray, DeviceArray, DeviceArray]  # key, value, query, out
 #: Each layer's key, value, query and output as (address, shape), None where not an array.
 Activations = tuple[tuple[Any, Any], ...]
+
+
+#: Where arrays lie in one buffer: each one's (byte offset, shape).
+Placement = list[tuple[int, tuple[int, ...]]]
+
+
+def pack_layout(arrays: list[tuple[Any, tuple[int, ...]]]) -> tuple[Placement, int]:
+    """Each array's (offset, shape) when arrays of these (dtype, shape) lie one after
+    another, each at an ALIGN boundary, and the bytes they span."""
+    layout, offset = [], 0
+    for dtype, dims in arrays:
+        layout.append((offset, tuple(dims)))
+        offset += -(-int(np.prod(dims)) * np.dtype(dtype).itemsize // ALIGN) * ALIGN
+    return layout, offset
 
 
 def padded_work(lens: np.ndarray, groups: int, total: int, per_cta: int, num_ctas: int,
@@ -95,6 +110,30 @@ class GraphShape:
             return ()
         return padded_work(lens if self.decodes is None else lens[:self.decodes], self.groups,
                            self.total, self.per_cta, self.num_ctas, self.bound)
+
+
+@dataclass
+class CapturePlan:
+    """What a capture records: its ``shape`` (what later steps must match: a
+    ``GraphShape``, or a ``graph_budget.BudgetShape``, each with the tables' ``width``), the
+    step's upload (``arrays``: tables, lengths, slots, the decode split's arrays, then the
+    multi-token work's unless ``fixed``), the decode launch's plan and the multi-token
+    instance and work (None: no such launch), the table row the multi-token sequences start
+    at and the byte offset of their query rows. ``fixed``: the multi-token work is uploaded
+    once, at the capture, and each replay's upload leaves it out. ``shapes``: what the
+    arrays take in the graph's metadata (None: their own; a narrower table is padded)."""
+
+    shape: Any
+    arrays: list[np.ndarray]
+    decode: AttentionPlan | None
+    multi: tuple[PrefillKernel, PrefillWork] | None
+    prefill_row: int
+    q_offset: int
+    fixed: bool
+    shapes: list[tuple[Any, tuple[int, ...]]] | None = None
+
+    def layout_shapes(self) -> list[tuple[Any, tuple[int, ...]]]:
+        return self.shapes or [(a.dtype, a.shape) for a in self.arrays]
 
 
 def activations_of(layers: Sequence[Layer]) -> Activations:

@@ -131,14 +131,18 @@ class StepLaunches(TierOps):
         with self._lock:
             self._steps.attention(self._current(batch, stream), layer, out, query, scale)
 
-    def step_graph(self, headroom: int = 128, scale: float | None = None) -> StepGraph:
+    def step_graph(self, headroom: int = 128, scale: float | None = None,
+                   token_budget: int | None = None, max_seqs: int | None = None) -> StepGraph:
         """A ``StepGraph`` of this cache: a step's launches (decodes, or decodes mixed with
         prefill chunks and drafted tokens: ``batch(..., query_lens=)``) captured once as a
         CUDA/HIP graph and replayed per step (``graph.run(batch, layers)``), on the cache's
         stream; a step that outgrows it by ``headroom`` tokens a sequence, or whose members
-        or query lengths differ, re-captures."""
+        or query lengths differ, re-captures. With ``token_budget``, one capture replays
+        every step of up to that many query tokens over up to ``max_seqs`` decodes and as
+        many other sequences, whatever its composition (the Scheduler's
+        ``max_batched_tokens``); each layer's activations then have ``token_budget`` rows."""
         self._check_open()
-        return StepGraph(self, headroom, scale)
+        return StepGraph(self, headroom, scale, token_budget, max_seqs)
 
     # --- internals (lock held) ---------------------------------------------------------------
     def _current(self, meta: Any, stream: Stream | None) -> BatchMetadata:

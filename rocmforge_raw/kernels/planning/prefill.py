@@ -153,13 +153,32 @@ class PrefillWork:
         """Workspace for the pieces' records: ``bm`` rows of ``head_dim + 4`` floats each."""
         return self.num_pieces * bm * (head_dim + 4) * 4
 
+    def padded(self, items: int, combines: int) -> tuple[np.ndarray, np.ndarray]:
+        """``items`` and ``combines`` padded with zero rows to ``items`` and ``combines``
+        rows (a graph's fixed grids: a row of 0 pieces is padding, which the kernels skip)."""
+        if len(self.items) > items or len(self.combines) > combines:
+            raise ValueError(f"{len(self.items)} items and {len(self.combines)} combines do "
+                             f"not fit {items} and {combines}")
+        padded_items = np.zeros((items, 4), np.int32)
+        padded_items[:len(self.items)] = self.items
+        padded_combines = np.zeros((combines, 2), np.int32)
+        padded_combines[:len(self.combines)] = self.combines
+        return padded_items, padded_combines
+
+
+def item_capacity(tokens: int, seqs: int, num_kv_heads: int, ratio: int, bm: int) -> int:
+    """The most unsplit items any step of up to ``tokens`` query rows over up to ``seqs``
+    sequences has: per kv head, sum over sequences of ceil(q_len * ratio / bm), at most
+    ``tokens * ratio / bm`` plus one a sequence."""
+    return num_kv_heads * (-(-tokens * ratio // bm) + min(seqs, tokens))
+
 
 def plan_prefill(query_lens: np.ndarray, seq_lens: np.ndarray, num_kv_heads: int, ratio: int,
-                 bm: int, bn: int, slots: int) -> PrefillWork:
+                 bm: int, bn: int, slots: int, max_pieces: int | None = None) -> PrefillWork:
     """The work items of one launch over checked host lengths (``query_lens[s] >= 1``,
     ``query_lens[s] <= seq_lens[s]``): every ``bm`` packed rows of every sequence and kv
     head, their KV ranges cut into pieces where the items are too few for PIECE_WAVES waves
-    of ``slots`` CTAs."""
+    of ``slots`` CTAs, unless that takes more than ``max_pieces`` pieces (records)."""
     q_lens = np.asarray(query_lens, np.int64)
     kv_lens = np.asarray(seq_lens, np.int64)
     q_starts = np.zeros(len(q_lens) + 1, np.int64)
@@ -180,6 +199,8 @@ def plan_prefill(query_lens: np.ndarray, seq_lens: np.ndarray, num_kv_heads: int
         pieces = np.maximum(1, np.minimum(tiles // target, tiles))
     per = -(-tiles // pieces)
     pieces = -(-tiles // per)  # no empty piece
+    if max_pieces is not None and int(pieces[pieces > 1].sum()) > max_pieces:
+        pieces[:], per = 1, tiles
     cost = np.minimum(per * bn, hi) + ITEM_COST  # the longest piece's positions
     split = pieces > 1
     order = np.concatenate([np.flatnonzero(split)[np.argsort(-cost[split], kind="stable")],
