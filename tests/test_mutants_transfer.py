@@ -403,7 +403,7 @@ def test_a_process_that_exits_takes_its_leases_with_it():
 
 
 def test_peer_copies_between_two_backends_are_refused_naming_both(gpu):
-    with KvCache(config()) as src, KvCache(config(), backend=gpu) as dst, \
+    with KvCache(config(), backend="host") as src, KvCache(config(), backend=gpu) as dst, \
             PeerTransport() as link:
         desc = exported(src, link)
         with pytest.raises(ValueError, match=r"^the sender's slab is host memory, the "
