@@ -11,7 +11,7 @@ from test_cache_multi import check_step
 from test_ops import POISON, relative_error
 
 from rocmforge_raw.cache import CacheConfig, KvCache
-from rocmforge_raw.cache.step.graph_budget import BudgetShape
+from rocmforge_raw.cache.step.graph_budget import ITEM_SLACK, BudgetShape, _item_grid
 from rocmforge_raw.cache.step.graph_layout import activations_of
 from rocmforge_raw.kernels.planning import WORK_GRANULE, plan_work
 from rocmforge_raw.kernels.planning._worksplit import prefix_sums
@@ -127,6 +127,22 @@ def test_pieces_are_cut_only_where_their_records_fit():
         assert (items[:KV_HEADS, 3] == 1).all() and not combines.any()
 
 
+def test_the_item_grid_holds_its_step_with_slack_and_never_shrinks():
+    cache, meta = host_step([300, 60, 500], [1, 60, 200])
+    tile = (BM, BN, SLOTS)
+    with cache:
+        step = len(plan_prefill(np.array([60, 200]), np.array([60, 500]), KV_HEADS, RATIO,
+                                *tile).items)
+        grid = _item_grid(None, meta, KV_HEADS, RATIO, tile, 1000)
+        assert grid == int(np.ceil(ITEM_SLACK * step)) and grid > step
+        assert _item_grid(None, meta, KV_HEADS, RATIO, tile, step) == step  # the bound
+        old = budget_shape()  # a last capture of a larger grid keeps it
+        assert _item_grid(old, meta, KV_HEADS, RATIO, tile, 1000) == max(old.items, grid)
+    cache, decodes = host_step([300, 60], [1, 1])
+    with cache:
+        assert _item_grid(None, decodes, KV_HEADS, RATIO, tile, 1000) == 2 * KV_HEADS
+
+
 def test_padded_work_refuses_what_its_grids_cannot_hold():
     work = plan_prefill(np.array([40]), np.array([50]), KV_HEADS, RATIO, BM, BN, SLOTS)
     with pytest.raises(ValueError, match="do not fit"):
@@ -238,7 +254,7 @@ def test_one_capture_replays_steps_of_any_composition(gpu, rng, dtype):
             meta, rows = steps.next()
             kinds.append(graph.run(meta, steps.layers))
             steps.check(meta, rows)
-        assert kinds[0] is False and graph.captures <= 2 and graph.replays >= 12, kinds
+        assert kinds[0] is False and graph.replays >= 9, kinds
     steps.close()
 
 

@@ -12,16 +12,20 @@ the uploaded metadata:
   over it, the kernel skipping what lies past each length);
 - rows ``seqs .. 2 seqs - 1`` are the multi-token launch's sequences, their query rows found
   by absolute starts (a step's first chunk starts at its decode count); its grid holds
-  ``item_capacity`` items, a step's own items first and no-op padding after them, and its
-  pieces are cut only up to a fixed number of records;
+  ITEM_SLACK times the capture's own items (at most ``item_capacity``, the most any step
+  has), a step's items first and no-op padding after them, and its pieces are cut only up
+  to a fixed number of records;
 - the K/V write runs over ``tokens`` rows, the slots past the step's rows -1.
 
-Every layer's activations have ``tokens`` rows; a step uses the first ``sum(query_lens)``
-of them, and output rows past those hold no result.
+A step re-captures where it has more sequences than a region, a wider table, more decode
+work than the room or more items than the grid. Every layer's activations have ``tokens``
+rows; a step uses the first ``sum(query_lens)`` of them, and output rows past those hold no
+result.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,6 +46,8 @@ from .metadata import BatchMetadata
 
 #: The sequences a budget graph holds in each region unless ``max_seqs`` says otherwise.
 DEFAULT_MAX_SEQS = 256
+#: A budget capture's multi-token grid holds this many times its step's items.
+ITEM_SLACK = 1.25
 
 
 @dataclass(frozen=True)
@@ -142,7 +148,8 @@ def plan_budget(graph: Any, meta: BatchMetadata, activations: Activations, token
     wm = prefill_wm(backend.name, act, c.head_dim, tokens * ratio)
     kernel = prefill_kernel(backend, device, act, c.head_dim, c.dtype, wm)
     bm, bn = kernel.shape.bm, kernel.shape.bn
-    items = item_capacity(tokens, seqs, c.num_kv_heads, ratio, bm)
+    items = _item_grid(graph.shape, meta, c.num_kv_heads, ratio, (bm, bn, kernel.slots),
+                       item_capacity(tokens, seqs, c.num_kv_heads, ratio, bm))
     pieces = min(items, kernel.slots)
     shape = BudgetShape(activations, tokens, seqs, width, c.num_kv_heads * found.groups,
                         split.total, split.per_cta, split.num_ctas, bound, items, pieces,
@@ -155,3 +162,19 @@ def plan_budget(graph: Any, meta: BatchMetadata, activations: Activations, token
     work = PrefillWork(items_array, combines, starts, pieces)  # (the grids' sizes)
     return CapturePlan(shape, arrays, decode, (kernel, work), prefill_row=seqs, q_offset=0,
                        fixed=False)
+
+
+def _item_grid(old: Any, meta: BatchMetadata, num_kv_heads: int, ratio: int,
+               tile: tuple[int, int, int], bound: int) -> int:
+    """The multi-token grid of a budget capture: ITEM_SLACK times the items of ``meta``'s
+    step, at least the last budget capture's (``old``) and 2 a kv head, at most ``bound``
+    (the most any step of the budget has): each padding item costs a CTA that does nothing,
+    and a later step of more items than the grid re-captures."""
+    q_lens = meta.query_lens
+    decodes = len(meta.seq_lens) if q_lens is None else leading_decodes(q_lens)
+    step = 0
+    if q_lens is not None and decodes < len(q_lens):
+        step = len(plan_prefill(q_lens[decodes:], meta.seq_lens[decodes:], num_kv_heads,
+                                ratio, *tile).items)
+    least = old.items if isinstance(old, BudgetShape) else 0
+    return min(bound, max(least, math.ceil(ITEM_SLACK * step), 2 * num_kv_heads))
