@@ -216,22 +216,57 @@ def prefill(backend: str, device: int, transport: str, config: Any, num_tokens: 
     ``transport``, a prompt written layer by layer (K/V from ``kv(seed + layer)``), its
     description sent; then it waits for "done" to finish the sequence, close the cache and
     stop the transport."""
-    from rocmforge_raw import DeviceArray
     from rocmforge_raw.cache import KvCache
     from rocmforge_raw.transport import IpcTransport, MooncakeTransport
 
     link = IpcTransport() if transport == "ipc" else MooncakeTransport("127.0.0.1")
     with link, KvCache(config, device, backend, shareable=transport == "ipc") as cache:
-        link.publish(cache.slab)
-        cache.add_sequence("warm-up", num_tokens=3 * config.block_size)  # blocks differ
-        slots = cache.add_sequence("prompt", tokens=np.arange(num_tokens)).slot_mapping
-        for layer in range(config.num_layers):
-            k, v = (DeviceArray.from_numpy(x, device, backend)
-                    for x in kv(seed + layer, num_tokens, config))
-            cache.write(layer, k, v, slots)
-            k.buffer.close()
-            v.buffer.close()
+        _write_prompt(cache, link, num_tokens, seed)
         conn.send(cache.export_sequence("prompt"))
         if conn.poll(TIMEOUT) and conn.recv() == "done":
             cache.finish("prompt")
             conn.send(cache.stats()["used_blocks"])
+
+
+def _write_prompt(cache: Any, link: Any, num_tokens: int, seed: int) -> None:
+    """Publish ``cache``'s slab through ``link``, then add "prompt" (``num_tokens``, after
+    3 warm-up blocks) with the K/V of ``kv(seed + layer)`` written layer by layer."""
+    from rocmforge_raw import DeviceArray
+
+    config, device, backend = cache.config, cache.slab.device, cache.slab.backend
+    link.publish(cache.slab)
+    cache.add_sequence("warm-up", num_tokens=3 * config.block_size)  # blocks differ
+    slots = cache.add_sequence("prompt", tokens=np.arange(num_tokens)).slot_mapping
+    for layer in range(config.num_layers):
+        k, v = (DeviceArray.from_numpy(x, device, backend)
+                for x in kv(seed + layer, num_tokens, config))
+        cache.write(layer, k, v, slots)
+        k.buffer.close()
+        v.buffer.close()
+
+
+def prefill_then_close(backend: str, device: int, config: Any, num_tokens: int, conn: Any
+                       ) -> None:
+    """``prefill`` over IPC, the description sent; then, on "close", close the cache (the
+    transport stays open) and send ``ipc.pending()``; on "collect", retry deferred frees and
+    send (the live buffers, ``ipc.pending()``); stay alive until told "exit"."""
+    import gc
+
+    import rocmforge_raw as rf
+    from rocmforge_raw.cache import KvCache
+    from rocmforge_raw.memory import ipc
+    from rocmforge_raw.transport import IpcTransport
+
+    with IpcTransport() as link:
+        cache = KvCache(config, device, backend, shareable=True)
+        _write_prompt(cache, link, num_tokens, 7)
+        conn.send(cache.export_sequence("prompt"))
+        while conn.poll(TIMEOUT) and (word := conn.recv()) != "exit":
+            if word == "close":
+                cache.close()
+                conn.send(ipc.pending())
+            elif word == "collect":
+                gc.collect()
+                ipc.collect()
+                rf.free_waiting()
+                conn.send((rf.memory_stats()["live_buffers"], ipc.pending()))

@@ -204,6 +204,20 @@ def mapped(ptr: int) -> bool:
         return any(m.ptr <= ptr < m.ptr + m.handle.nbytes for m in _imports.values())
 
 
+def check_exporter(handle: IpcHandle) -> None:
+    """Raise ``IpcError`` unless the process that exported ``handle`` (mapped here) still
+    runs and holds the memory open: what an importer that keeps a mapping checks before and
+    after each use. Memory of an exporter that exited is undefined on a GPU; memory it closed
+    no longer holds what it shared (the free only waits for the mappings)."""
+    with _lock:
+        mapping = _imports.get((handle.backend, handle.key))
+        if mapping is None:
+            raise IpcError(f"the memory of this handle (process {handle.pid}) is not mapped "
+                           "here")
+        _check_state(os.pread(mapping.fd, 1, 0), handle)
+    _check_alive(handle)
+
+
 def export_handle(buffer: Any) -> IpcHandle:
     """``buffer.ipc_handle()``: the handle of an open, shareable root buffer."""
     if buffer.root is not buffer:

@@ -6,10 +6,16 @@ slab's ``IpcHandle``. The receiver maps the sender's slab once (kept until ``clo
 copies each span with the runtime's copy engine on the receiving cache's stream (a peer copy
 when the two caches are on two devices), then waits for the copies. While a receiver maps it,
 the sender's slab is not freed (a closed sender cache frees it when the last mapping goes).
+
+A mapping is only as good as its exporter: every read first lets go of the mappings whose
+exporter exited or closed its slab (so a closed sender's deferred free is not held up), and
+checks the source again once the copies arrived: a sender that exited or closed its slab
+during the read fails it (``IpcError``; the import is undone), its bytes undefined.
 """
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import numpy as np
@@ -17,6 +23,7 @@ import numpy as np
 from ..cache.transfer.transport import Transport, copy_spans
 from ..common import checks
 from ..errors import IpcError
+from ..memory import ipc
 from ..memory.buffer import HipBuffer
 from ..memory.ipc import IpcHandle
 from ..memory.stream import Stream
@@ -29,6 +36,7 @@ class IpcTransport(Transport):
 
     def __init__(self) -> None:
         self._mapped: dict[bytes, HipBuffer] = {}
+        self._handles: dict[bytes, IpcHandle] = {}  # what each mapping was mapped by
 
     def _publish(self, buffer: HipBuffer) -> IpcHandle:
         return buffer.ipc_handle()  # raises unless the buffer is shareable
@@ -40,11 +48,13 @@ class IpcTransport(Transport):
     def read(self, endpoint: Any, dst: HipBuffer, spans: np.ndarray,
              stream: Stream | None = None) -> None:
         self._check_open()
-        src = self.mapping(self._handle(endpoint))
+        handle = self._handle(endpoint)
+        src = self.mapping(handle)
         if src.backend is not dst.backend:
             raise ValueError(f"the sender's slab is {src.backend.name} memory, the receiver's "
                              f"{dst.backend.name}: IPC copies within one backend")
         copy_spans(dst, src, spans, stream)
+        self._check_source(handle)  # a sender gone during the copies: what arrived is undefined
 
     @staticmethod
     def _handle(endpoint: Any) -> IpcHandle:
@@ -53,19 +63,39 @@ class IpcTransport(Transport):
         return endpoint
 
     def mapping(self, handle: IpcHandle) -> HipBuffer:
-        """The buffer ``handle`` names, mapped here once (until ``close()``); a mapping whose
-        exporter exited is dropped."""
+        """The buffer ``handle`` names, mapped here once (until ``close()``). Mappings whose
+        exporter exited or closed its slab are dropped first (``IpcError`` if this is one)."""
         self._check_open()
-        src = self._mapped.get(handle.key)
-        if src is not None and not handle.exporter_alive():
-            self._mapped.pop(handle.key).close()
-            raise IpcError(f"process {handle.pid}, which exported this slab, has exited")
-        if src is None:
-            src = self._mapped[handle.key] = HipBuffer.from_ipc(handle)
-        return src
+        self._let_go_of_gone(handle.key)
+        if handle.key in self._mapped:
+            self._check_source(handle)
+        else:
+            self._mapped[handle.key] = HipBuffer.from_ipc(handle)
+            self._handles[handle.key] = handle
+        return self._mapped[handle.key]
+
+    def _check_source(self, handle: IpcHandle) -> None:
+        """``ipc.check_exporter`` for the mapping of ``handle``; on ``IpcError`` the mapping
+        is dropped (its exporter may then free) before the error goes on."""
+        try:
+            ipc.check_exporter(handle)
+        except IpcError:
+            self._unmap(handle.key)
+            raise
+
+    def _let_go_of_gone(self, keep: bytes) -> None:
+        """Drop the mappings but ``keep``'s whose exporter exited or closed its slab."""
+        for key in [key for key in self._mapped if key != keep]:
+            with contextlib.suppress(IpcError):  # (dropped)
+                self._check_source(self._handles[key])
+
+    def _unmap(self, key: bytes) -> None:
+        self._handles.pop(key, None)
+        self._mapped.pop(key).close()
 
     def close(self) -> None:
         """Unmap every slab this transport mapped (their exporters may then free them)."""
         super().close()
+        self._handles.clear()
         while self._mapped:
             self._mapped.popitem()[1].close()
