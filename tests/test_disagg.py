@@ -118,8 +118,8 @@ class Flipping(Transport):
     def endpoint_nbytes(self, endpoint):
         return self.inner.endpoint_nbytes(endpoint)
 
-    def read(self, endpoint, dst, spans, stream=None):
-        self.inner.read(endpoint, dst, spans, stream)
+    def read(self, endpoint, dst, spans, stream=None, *, timeout=None):
+        self.inner.read(endpoint, dst, spans, stream, timeout=timeout)
         byte = dst.view(int(spans[0, 1]) + self.at, 1)
         byte.copy_from_host(byte.to_numpy(np.uint8) ^ np.uint8(self.mask))
 

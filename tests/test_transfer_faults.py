@@ -1,9 +1,9 @@
-"""Faults of a sequence moving between processes (issue 45, item 4): the sender dies before or
-during the read, the receiver has too few free blocks, the exporter closes its slab while the
-receiver keeps it mapped. Each time the receiver gets an error naming what went wrong, its
-cache is as before (blocks, sequences, counters), and neither side keeps memory: the
-receiver maps nothing more, the sender frees its slab. On every backend, within one device
-and across two (the host backend's two logical devices)."""
+"""Faults of a sequence moving between caches (issue 45, item 4): the sender dies before or
+during the read, the read does not complete in time, the receiver has too few free blocks,
+the exporter closes its slab while the receiver keeps it mapped. Each time the receiver gets
+an error naming what went wrong, its cache is as before (blocks, sequences, counters), and
+neither side keeps memory: the receiver maps nothing more, the sender frees its slab. On
+every backend, within one device and across two (the host backend's two logical devices)."""
 
 from __future__ import annotations
 
@@ -13,9 +13,9 @@ from test_atomicity import cache_state
 from workers import prefill, prefill_then_close, spawned
 
 from rocmforge_raw.cache import CacheConfig, CacheFullError, KvCache
-from rocmforge_raw.errors import IpcError
+from rocmforge_raw.errors import IpcError, TransferError
 from rocmforge_raw.memory import ipc
-from rocmforge_raw.transport import IpcTransport
+from rocmforge_raw.transport import IpcTransport, PeerTransport
 
 CONFIG = dict(num_layers=2, num_kv_heads=2, head_dim=64, block_size=16, num_q_heads=4)
 SIDES = pytest.mark.parametrize("across", [False, True], ids=["one-device", "two-devices"])
@@ -69,10 +69,10 @@ def test_a_sender_killed_during_the_read_fails_it(backend, across, monkeypatch):
             spawned(prefill, backend.name, sender, "ipc", config(), 40, 1) as worker:
         desc = worker.receive()
 
-        def dying(dst, src, spans, stream):
-            copy(dst, src, spans[:1], stream)
+        def dying(dst, src, spans, *args):
+            copy(dst, src, spans[:1], *args)
             worker.kill()
-            copy(dst, src, spans[1:], stream)
+            copy(dst, src, spans[1:], *args)
 
         monkeypatch.setattr(transport_ipc, "copy_spans", dying)
         cache.add_sequence("resident", num_tokens=20)
@@ -142,3 +142,52 @@ def test_a_read_lets_go_of_the_slabs_their_exporters_closed(backend, across):
         closing.send("exit")
         other.send("done")
         assert other.receive() == 3
+
+
+@SIDES
+def test_a_read_that_does_not_complete_in_time_fails_and_can_be_retried(backend, across,
+                                                                         monkeypatch):
+    """The device never says the copies passed (a hung one): the import gives up after
+    ``timeout`` seconds, undone; the same import succeeds once the device answers."""
+    sender, receiver = devices(backend, across)
+    with IpcTransport() as link, KvCache(config(), receiver, backend) as cache, \
+            spawned(prefill, backend.name, sender, "ipc", config(), 40, 1) as worker:
+        desc = worker.receive()
+        cache.add_sequence("resident", num_tokens=20)
+        before = cache_state(cache)
+        with monkeypatch.context() as patch:
+            patch.setattr(backend, "event_query", lambda event: False)
+            with pytest.raises(TransferError, match=r"did not complete within timeout=0.05 s"):
+                cache.import_sequence(desc, link, timeout=0.05)
+        assert but_slab(cache_state(cache)) == but_slab(before)
+        assert cache.import_sequence(desc, link, timeout=60).blocks_moved == 3
+        worker.send("done")
+        assert worker.receive() == 3
+
+
+@SIDES
+def test_a_peer_read_that_does_not_complete_in_time_fails(backend, across, monkeypatch):
+    sender, receiver = devices(backend, across)
+    with KvCache(config(), sender, backend) as src, KvCache(config(), receiver, backend) as dst, \
+            PeerTransport() as link:
+        link.publish(src.slab)
+        src.add_sequence("s", num_tokens=40)
+        desc = src.export_sequence("s")
+        before = cache_state(dst)
+        monkeypatch.setattr(backend, "event_query", lambda event: False)
+        with pytest.raises(TransferError, match=r"did not complete within timeout=0.01 s"):
+            dst.import_sequence(desc, link, timeout=0.01)
+        monkeypatch.undo()
+        assert but_slab(cache_state(dst)) == but_slab(before)
+
+
+@pytest.mark.parametrize("timeout, error", [(0, ValueError), (-1.0, ValueError),
+                                            (float("nan"), ValueError), ("1", TypeError)])
+def test_a_timeout_must_be_a_positive_number_of_seconds(timeout, error):
+    with KvCache(config()) as src, KvCache(config()) as dst, PeerTransport() as link:
+        link.publish(src.slab)
+        src.add_sequence("s", num_tokens=40)
+        before = cache_state(dst)
+        with pytest.raises(error, match="timeout must be a"):
+            dst.import_sequence(src.export_sequence("s"), link, timeout=timeout)
+        assert cache_state(dst) == before

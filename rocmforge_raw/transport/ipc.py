@@ -46,14 +46,14 @@ class IpcTransport(Transport):
         return self._handle(endpoint).nbytes
 
     def read(self, endpoint: Any, dst: HipBuffer, spans: np.ndarray,
-             stream: Stream | None = None) -> None:
+             stream: Stream | None = None, *, timeout: float | None = None) -> None:
         self._check_open()
         handle = self._handle(endpoint)
         src = self.mapping(handle)
         if src.backend is not dst.backend:
             raise ValueError(f"the sender's slab is {src.backend.name} memory, the receiver's "
                              f"{dst.backend.name}: IPC copies within one backend")
-        copy_spans(dst, src, spans, stream)
+        copy_spans(dst, src, spans, stream, timeout)
         self._check_source(handle)  # a sender gone during the copies: what arrived is undefined
 
     @staticmethod

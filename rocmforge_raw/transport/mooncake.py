@@ -21,6 +21,7 @@ dropped without ``close()`` is closed when it is collected.
 from __future__ import annotations
 
 import importlib.metadata
+import time
 import weakref
 from dataclasses import dataclass
 from typing import Any
@@ -127,14 +128,15 @@ class MooncakeTransport(Transport):
         return _endpoint(endpoint).nbytes
 
     def read(self, endpoint: Any, dst: HipBuffer, spans: np.ndarray,
-             stream: Stream | None = None) -> None:
+             stream: Stream | None = None, *, timeout: float | None = None) -> None:
         self._check_open()
         endpoint = _endpoint(endpoint)
         spans = checks.spans(spans, endpoint.nbytes, dst.nbytes)
         self._register(dst.root)
         if not spans.size:
             return
-        wait(dst, stream)  # the engine writes outside the stream: after what it queued
+        wait(dst, stream, timeout)  # the engine writes outside the stream: after that work
+        start = time.monotonic()
         status = self._engine.batch_transfer_sync_read(
             endpoint.session, (dst.ptr + spans[:, 1]).tolist(),
             (endpoint.address + spans[:, 0]).tolist(), spans[:, 2].tolist())
@@ -142,6 +144,9 @@ class MooncakeTransport(Transport):
             raise TransferError(f"reading {int(spans[:, 2].sum())} bytes in {len(spans)} "
                                 f"spans from {endpoint.session} failed (status {status}; "
                                 "the engine's log says why)")
+        if timeout is not None and time.monotonic() - start > timeout:
+            raise TransferError(f"the read took {time.monotonic() - start:.3g} s, more than "
+                                f"timeout={timeout:g} s (the engine's call cannot be cut short)")
 
     def close(self) -> None:
         """Unregister every buffer (closed ones are freed now) and stop the engine."""

@@ -54,13 +54,13 @@ class PeerTransport(Transport):
         return _source(endpoint, open_only=False).nbytes  # (a closed one has its size)
 
     def read(self, endpoint: Any, dst: HipBuffer, spans: np.ndarray,
-             stream: Stream | None = None) -> None:
+             stream: Stream | None = None, *, timeout: float | None = None) -> None:
         self._check_open()
         src = _source(endpoint)
         if src.backend is not dst.backend:
             raise ValueError(f"the sender's slab is {src.backend.name} memory, the receiver's "
                              f"{dst.backend.name}: peer copies stay within one backend")
-        copy_spans(dst, src, spans, stream)
+        copy_spans(dst, src, spans, stream, timeout)
 
 
 def _source(endpoint: Any, open_only: bool = True) -> HipBuffer:

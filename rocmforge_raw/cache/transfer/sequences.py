@@ -13,7 +13,9 @@ blocks a sender frees can be reused under a reader.
 leading blocks whose prefix hashes it already holds (shared by ref count, not moved),
 allocates the rest (never preempting: ``CacheFullError`` when too few blocks are free), reads
 their bytes through ``transport`` into the cache's slab on the cache's stream, and only then
-adds the sequence. If the bytes do not arrive, every block it took goes back and the cache is
+adds the sequence. If the bytes do not arrive (the transport fails, the sender exited or closed
+its slab, or ``timeout`` seconds passed first: copies still queued then stay ordered on the
+cache's stream before any later use of the blocks), every block it took goes back and the cache is
 as before, except that cached-free prefix blocks the read may have reached are forgotten
 (their contents are no longer what their hashes name). The read runs under the cache's lock.
 
@@ -106,12 +108,14 @@ class SequenceTransfer(TierOps):
 
     @operation
     def import_sequence(self, desc: SequenceDescription, transport: Any,
-                        seq_id: Hashable | None = None) -> Imported:
+                        seq_id: Hashable | None = None, *, timeout: float | None = None
+                        ) -> Imported:
         """Add the sequence ``desc`` describes (as ``seq_id``, default its id there), its
         blocks read through ``transport`` (``rocmforge_raw.transport``) into fresh blocks,
         but those whose prefix this cache holds already. Checks the layout before it
-        allocates; never preempts; if the bytes do not arrive, the cache is as before."""
-        return _import(self, desc, transport, seq_id)
+        allocates; never preempts; if the bytes do not arrive (within ``timeout`` seconds
+        where given: ``TransferError``), the cache is as before."""
+        return _import(self, desc, transport, seq_id, timeout)
 
 
 def _export(cache: TierOps, seq_id: Hashable) -> SequenceDescription:
@@ -131,8 +135,8 @@ def _export(cache: TierOps, seq_id: Hashable) -> SequenceDescription:
                                published(cache.slab.buffer))
 
 
-def _import(cache: TierOps, desc: Any, transport: Any, seq_id: Hashable | None = None
-            ) -> Imported:
+def _import(cache: TierOps, desc: Any, transport: Any, seq_id: Hashable | None = None,
+            timeout: float | None = None) -> Imported:
     """Add ``desc``'s sequence to ``cache`` as ``seq_id`` (default: its id there), its bytes
     read through ``transport`` (lock held); see the module docstring."""
     if not isinstance(desc, SequenceDescription):
@@ -141,6 +145,8 @@ def _import(cache: TierOps, desc: Any, transport: Any, seq_id: Hashable | None =
     if not isinstance(transport, Transport):
         raise TypeError(f"transport must be a Transport, got {checks.show(transport)}")
     seq_id = checks.hashable(desc.seq_id if seq_id is None else seq_id, "seq_id")
+    if timeout is not None and checks.real(timeout, "timeout") <= 0:
+        raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
     if seq_id in cache._rows.index or cache._swapped(seq_id) is not None:
         raise ValueError(f"sequence {seq_id!r} already exists")
     config = cache.config
@@ -174,7 +180,7 @@ def _import(cache: TierOps, desc: Any, transport: Any, seq_id: Hashable | None =
             if cache._order is not None:
                 cache._order.used(cache.stream)
             transport.read(desc.endpoints[transport.name], cache.slab.buffer, spans,
-                           cache.stream)
+                           cache.stream, timeout=timeout)
     except BaseException:
         cache._reached[0].extend(new.tolist())  # the read's blocks: forgotten if cached
         cache._restore(saved)

@@ -7,13 +7,16 @@ remembers it for the buffer while the transport lives (``published(buffer)``:
 receiver *reads*: ``read(endpoint, dst, spans, stream)`` copies each span ``(src_offset,
 dst_offset, nbytes)`` of the published buffer into ``dst`` and returns once the bytes have
 arrived (what the sender waits for before it may reuse them), or raises
-``TransferError``/``IpcError`` naming why. Writes into ``dst`` are ordered after the work
+``TransferError``/``IpcError`` naming why: ``TransferError`` too when they have not arrived
+within ``timeout`` seconds (the runtime's copies may still be queued then, on ``stream``,
+before anything queued there later). Writes into ``dst`` are ordered after the work
 already queued on ``stream``: a copy engine of the runtime queues on it, an outside engine
 waits for it first. Offsets and sizes are bytes.
 """
 
 from __future__ import annotations
 
+import time
 import weakref
 from abc import ABC, abstractmethod
 from typing import Any, ClassVar
@@ -30,6 +33,8 @@ from ...memory.stream import Event, Stream
 #: dropped unclosed is collected, its endpoint, which dies with it)}
 _published: weakref.WeakKeyDictionary[HipBuffer, dict[str, tuple[weakref.ref[Any], Any]]] = \
     weakref.WeakKeyDictionary()
+#: Seconds between two looks at the device while a read with a timeout waits for it.
+_POLL_S = 50e-6
 
 
 def published(buffer: HipBuffer) -> dict[str, Any]:
@@ -80,9 +85,10 @@ class Transport(ABC):
 
     @abstractmethod
     def read(self, endpoint: Any, dst: HipBuffer, spans: np.ndarray,
-             stream: Stream | None = None) -> None:
+             stream: Stream | None = None, *, timeout: float | None = None) -> None:
         """Copy ``spans`` (int64 ``[n, 3]``: src offset, dst offset, bytes) of the buffer
-        ``endpoint`` names into ``dst``; return once they have arrived."""
+        ``endpoint`` names into ``dst``; return once they have arrived, ``TransferError``
+        if that takes more than ``timeout`` seconds (None: no limit)."""
 
     def close(self) -> None:
         """Let go of what this transport registered or mapped (subclasses extend this)."""
@@ -115,17 +121,27 @@ def root_buffer(buffer: Any) -> HipBuffer:
     return buf.root
 
 
-def wait(dst: HipBuffer, stream: Stream | None) -> None:
+def wait(dst: HipBuffer, stream: Stream | None, timeout: float | None = None) -> None:
     """Block until the work queued on ``stream`` of ``dst``'s device has passed (the copies a
-    transport queued, or what ran before an outside engine may write)."""
+    transport queued, or what ran before an outside engine may write); ``TransferError``
+    once ``timeout`` seconds passed first (the work stays queued)."""
     with Event(dst.device, dst.backend) as event:
-        event.record(stream).synchronize()
+        event.record(stream)
+        if timeout is None:
+            event.synchronize()
+            return
+        deadline = time.monotonic() + timeout
+        while not dst.backend.event_query(event.handle):
+            if time.monotonic() >= deadline:
+                raise TransferError(f"the read did not complete within timeout={timeout:g} s")
+            time.sleep(_POLL_S)
 
 
 def copy_spans(dst: HipBuffer, src: HipBuffer, spans: np.ndarray,
-               stream: Stream | None) -> None:
+               stream: Stream | None, timeout: float | None = None) -> None:
     """Copy ``spans`` of ``src`` (on ``dst``'s device or another device of its backend)
     into ``dst`` on ``stream`` (``ops.copy_spans``: one launch where ``dst``'s device
-    reaches ``src``, runtime copies where it does not), then wait for them."""
+    reaches ``src``, runtime copies where it does not), then wait for them (at most
+    ``timeout`` seconds, as ``wait``)."""
     ops.copy_spans(dst, src, spans, stream=stream)
-    wait(dst, stream)
+    wait(dst, stream, timeout)
