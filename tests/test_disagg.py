@@ -70,6 +70,7 @@ def test_over_ipc_the_decode_process_gets_the_one_process_logits(capsys):
     assert result["live_buffers_after_teardown"] == 0
 
 
+@pytest.mark.foreign_writes  # (IPC: the sender's process writes what this reads)
 def test_on_a_gpu_too(gpu, capsys):
     """The same run with both caches, the transfer and the attention on a GPU backend."""
     assert main([*DEMO, "--backend", gpu.name, "--json"]) == 0

@@ -134,13 +134,16 @@ def test_writes_quantize_by_the_documented_formula(backend, rng, cache_dtype, ac
         shape = (-(-n // 16), 1, 16, 64)
         k_cache, v_cache = (DeviceArray.empty(shape, cache_dtype, backend=backend)
                             for _ in range(2))
+        for cache in (k_cache, v_cache):  # every byte defined: slots past n must keep it
+            cache.buffer.fill(0x5A)
         arrays = [to_device(a, backend) for a in (key, value)]
         ops.reshape_and_cache(*arrays, k_cache, v_cache, slots, k_scale=k_scale,
                               v_scale=v_scale)
         for cache, x, scale in ((k_cache, key, k_scale), (v_cache, value, v_scale)):
-            got = cache.to_numpy().view(np.uint8).reshape(-1, 64)[:n]
+            got = cache.to_numpy().view(np.uint8).reshape(-1, 64)
             np.testing.assert_array_equal(
-                got, quantize_by_the_formula(x.reshape(n, 64), scale, cache_dtype))
+                got[:n], quantize_by_the_formula(x.reshape(n, 64), scale, cache_dtype))
+            assert (got[n:] == 0x5A).all(), "a write reached past the step's slots"
         for array in (k_cache, v_cache, *arrays):
             array.buffer.root.close()
 

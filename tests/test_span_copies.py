@@ -160,6 +160,7 @@ def test_spans_that_only_touch_in_one_buffer_copy(backend):
         np.testing.assert_array_equal(buf.to_numpy(), want)
 
 
+@pytest.mark.foreign_writes  # (IPC: the sender's process writes what this reads)
 def test_two_imports_of_one_handle_are_one_memory_to_the_overlap_check(backend):
     """Two HipBuffers imported from one handle are two roots at one address: a span that
     reads what another writes is refused as within one buffer."""

@@ -291,6 +291,7 @@ def test_a_peer_endpoint_stays_in_its_process():
             link.read(PeerEndpoint(pid=1, number=1), dst.slab.buffer, spans)
 
 
+@pytest.mark.foreign_writes  # (IPC: the sender's process writes what this reads)
 @pytest.mark.parametrize("transport", ["ipc", "mooncake"])
 def test_a_prefill_process_hands_a_sequence_to_a_decode_process(backend, transport):
     """Prefill in a spawned process, decode here: the transferred blocks attend like the

@@ -59,6 +59,7 @@ def test_a_sender_killed_before_the_import_is_refused(backend, across, mapped):
         assert ipc.pending()["imported"] == 0
 
 
+@pytest.mark.foreign_writes  # (IPC: the sender's process writes what this reads)
 @SIDES
 def test_a_sender_killed_during_the_read_fails_it(backend, across, monkeypatch):
     """The sender dies between two of the read's copies: what arrived is undefined (a GPU
@@ -102,6 +103,7 @@ def test_a_full_receiver_refuses_before_it_maps_anything(backend, across):
         assert worker.receive() == 3  # the sender's blocks went back
 
 
+@pytest.mark.foreign_writes  # (IPC: the sender's process writes what this reads)
 @SIDES
 def test_a_slab_its_exporter_closed_is_refused_and_let_go(backend, across):
     """The receiver keeps the sender's slab mapped after a transfer; the sender then closes
@@ -126,6 +128,7 @@ def test_a_slab_its_exporter_closed_is_refused_and_let_go(backend, across):
         worker.send("exit")
 
 
+@pytest.mark.foreign_writes  # (IPC: the sender's process writes what this reads)
 @SIDES
 def test_a_read_lets_go_of_the_slabs_their_exporters_closed(backend, across):
     """A mapping of a closed slab goes at the next read through the transport, whichever
@@ -146,6 +149,7 @@ def test_a_read_lets_go_of_the_slabs_their_exporters_closed(backend, across):
         assert other.receive() == 3
 
 
+@pytest.mark.foreign_writes  # (IPC: the sender's process writes what this reads)
 @SIDES
 def test_a_read_that_does_not_complete_in_time_fails_and_can_be_retried(backend, across,
                                                                          monkeypatch):

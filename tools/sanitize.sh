@@ -4,7 +4,9 @@
 #
 #   bash tools/sanitize.sh [memcheck|racecheck|synccheck|initcheck|all] [pytest args]
 #
-# memcheck runs with --leak-check full. pytest args default to `-m "gpu and not timing" tests`
+# memcheck runs with --leak-check full. Under initcheck the tests marked foreign_writes are
+# skipped (RF_SANITIZER tells conftest.py): they read memory another process wrote through an
+# IPC mapping, which initcheck cannot see written, so every byte of it counts as an error. pytest args default to `-m "gpu and not timing" tests`
 # (every test that runs on a GPU backend, but those that time device work: the sanitizers
 # slow kernels and serialize launches); pass files or -k to split the work into runs that each fit a
 # 10-minute command, e.g. `bash tools/sanitize.sh racecheck tests/test_ops.py -k bfloat16`.
@@ -54,7 +56,7 @@ for t in "${tools[@]}"; do
   [ "$t" = memcheck ] && flags+=(--leak-check full)
   log="$out/$t.${slug%_}.log"
   start=$SECONDS
-  timeout --signal=INT --kill-after=30 "${RF_SANITIZE_SECONDS:-540}" \
+  RF_SANITIZER=$t timeout --signal=INT --kill-after=30 "${RF_SANITIZE_SECONDS:-540}" \
     "$sanitizer" "${flags[@]}" python3 -m pytest -q -p no:cacheprovider "${args[@]}" \
     >"$log" 2>&1
   status=$?
