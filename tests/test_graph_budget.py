@@ -11,7 +11,12 @@ from test_cache_multi import check_step
 from test_ops import POISON, relative_error
 
 from rocmforge_raw.cache import CacheConfig, KvCache
-from rocmforge_raw.cache.step.graph_budget import ITEM_SLACK, BudgetShape, _item_grid
+from rocmforge_raw.cache.step.graph_budget import (
+    ITEM_SLACK,
+    BudgetShape,
+    _item_grid,
+    decode_room,
+)
 from rocmforge_raw.cache.step.graph_layout import activations_of
 from rocmforge_raw.kernels.planning import WORK_GRANULE, plan_work
 from rocmforge_raw.kernels.planning._worksplit import prefix_sums
@@ -141,6 +146,14 @@ def test_the_item_grid_holds_its_step_with_slack_and_never_shrinks():
     cache, decodes = host_step([300, 60], [1, 1])
     with cache:
         assert _item_grid(None, decodes, KV_HEADS, RATIO, tile, 1000) == 2 * KV_HEADS
+
+
+def test_the_decode_room_holds_the_longest_sequences_of_any_step():
+    """More sequences than decode rows (3 decodes and 3 chunks over 4 rows): the room is
+    the 4 longest, each grown by the headroom; fewer: the rest is headroom alone."""
+    lens = np.array([30, 500, 7, 90, 64, 1000])
+    np.testing.assert_array_equal(decode_room(lens, 4, 16), [1016, 516, 106, 80])
+    np.testing.assert_array_equal(decode_room(lens[:2], 4, 16), [516, 46, 16, 16])
 
 
 def test_padded_work_refuses_what_its_grids_cannot_hold():

@@ -133,8 +133,7 @@ def plan_budget(graph: Any, meta: BatchMetadata, activations: Activations, token
     n = len(lens)
     decodes = n if meta.query_lens is None else leading_decodes(meta.query_lens)
     seqs = min(max(max_seqs, decodes, n - decodes), tokens)
-    room = np.full(seqs, graph.headroom, np.int64)
-    room[:n] = lens + graph.headroom
+    room = decode_room(lens, seqs, graph.headroom)
     width = max(meta.block_tables.shape[1], -(-int(room.max()) // c.block_size))
     found = attention_kernel(backend, device, act, c.head_dim, q_heads // c.num_kv_heads,
                              c.dtype)
@@ -162,6 +161,16 @@ def plan_budget(graph: Any, meta: BatchMetadata, activations: Activations, token
     work = PrefillWork(items_array, combines, starts, pieces)  # (the grids' sizes)
     return CapturePlan(shape, arrays, decode, (kernel, work), prefill_row=seqs, q_offset=0,
                        fixed=False)
+
+
+def decode_room(lens: np.ndarray, seqs: int, headroom: int) -> np.ndarray:
+    """Tokens each of the ``seqs`` decode rows of a budget capture may hold (int64): the
+    step's longest ``seqs`` sequences (any may decode later), each grown by ``headroom``,
+    and ``headroom`` for each row left over."""
+    room = np.full(seqs, headroom, np.int64)
+    longest = np.sort(np.asarray(lens, np.int64))[::-1][:seqs]
+    room[:len(longest)] += longest
+    return room
 
 
 def _item_grid(old: Any, meta: BatchMetadata, num_kv_heads: int, ratio: int,
