@@ -1,16 +1,20 @@
-"""Prefix events of imported blocks, pinned down by survivors of mutation testing (issue 44,
-item 4).
+"""Prefix events of imported blocks, and what a promotion's copies leave recorded, pinned down
+by survivors of mutation testing (issue 44, item 4).
 
 An imported block is announced without tokens (the receiving cache never saw them); once a
-prompt names it, the tokens are known and every later announcement carries them."""
+prompt names it, the tokens are known and every later announcement carries them. A promotion
+reads host blocks and writes device blocks: a failed one forgets only what it may have
+written, and a restore after its copies forgets the device blocks they wrote."""
 
 from __future__ import annotations
 
 import numpy as np
-from tier_helpers import write
+import pytest
+from tier_helpers import FlakyHost, read, write
 
 from rocmforge_raw.cache import BlockRemoved, BlockStored, CacheConfig, KvCache
 from rocmforge_raw.cache.blocks.prefix import block_hashes
+from rocmforge_raw.errors import DeviceError
 from rocmforge_raw.transport import PeerTransport
 
 BS = 8
@@ -61,3 +65,59 @@ def test_an_imported_block_named_by_a_prompt_is_announced_with_its_tokens():
                                    BlockStored(h1, h0, second, "host")}
             dst.check_invariants()
 
+
+def test_a_failed_promotion_keeps_the_host_blocks_it_read_from_and_forgets_nothing_else():
+    """A promotion's copy into the device fails: the host tier's prefix blocks it read from
+    were not written, so they keep their prefixes (exactly; nothing on the host tier is
+    forgotten, nothing announced), and the same prompt then promotes them, bytes intact."""
+    backend = FlakyHost()
+    tokens = np.arange(900, 900 + 2 * BS + 1)
+    h0, h1 = block_hashes(tokens, BS)
+    with KvCache(config(4, host_blocks=4), backend=backend) as cache:
+        prompt(cache, "p", tokens)
+        cache.finish("p")
+        cache.add_sequence("filler", 3 * BS)  # p's two prefixes demoted to the host tier
+        cache.finish("filler")
+        host_index = dict(cache._host.index)
+        assert set(host_index) == {h0, h1}
+        cache.events()
+        backend.fail_in = 0  # the promotion's copy (no demotion before it)
+        with pytest.raises(DeviceError):
+            cache.add_sequence("q", tokens=tokens)
+        assert cache._host.index == host_index and list(cache.events()) == []
+        cache.check_invariants()
+        reservation = cache.add_sequence("q", tokens=tokens)
+        assert reservation.num_cached_tokens == 2 * BS
+        assert cache.stats()["promoted_blocks"] == 2
+        write(cache, reservation.slot_mapping[2 * BS:], tokens[2 * BS:])
+        np.testing.assert_array_equal(read(cache, "q"), tokens)
+
+
+def test_a_restore_after_a_promotions_copies_forgets_the_device_blocks_they_wrote():
+    """``_copies`` records the device blocks a promotion writes for a restore, as device
+    blocks: a restore later in the operation forgets the cached prefix such a block held
+    (announced) and leaves the host tier's prefixes alone. No public operation restores
+    after a promotion today (a prompt that must preempt computes its host-only blocks
+    instead), so this holds the contract ``_restore`` relies on, at the method."""
+    tokens = np.arange(900, 900 + 2 * BS + 1)
+    other = np.arange(100, 100 + BS + 1)
+    (r0,) = block_hashes(other, BS)
+    with KvCache(config(4, host_blocks=4), backend="host") as cache:
+        prompt(cache, "p", tokens)
+        cache.finish("p")
+        cache.add_sequence("filler", 3 * BS)  # p's two prefixes demoted to the host tier
+        cache.finish("filler")
+        prompt(cache, "r", other)
+        cache.finish("r")  # r0 cached-free on the device
+        host_index = dict(cache._host.index)
+        source = host_index[block_hashes(tokens, BS)[0]]
+        target = cache.pool.index[r0]
+        cache.events()
+        with cache._lock:
+            saved = cache._save()
+            cache._copies([], [], [source], [target], None)
+            cache._restore(saved)
+            cache._events.commit()  # as the operation's end would
+        assert r0 not in cache.pool.index and cache._host.index == host_index
+        assert list(cache.events()) == [BlockRemoved(r0, "device")]
+        cache.check_invariants()
