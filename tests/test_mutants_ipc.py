@@ -1,0 +1,81 @@
+"""IpcTransport's refusals, pinned down by survivors of mutation testing (issue 44, item 4):
+a read into a buffer of another backend, and a slab whose exporter exited after this
+transport mapped it. The exporter is a spawned worker (workers.py)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from workers import export_and_wait, spawned
+
+import rocmforge_raw as rf
+from rocmforge_raw.errors import IpcError
+from rocmforge_raw.memory import ipc
+from rocmforge_raw.runtime.host import HostBackend
+from rocmforge_raw.transport import IpcTransport
+
+
+class Elsewhere(HostBackend):
+    """Host memory under another backend: a buffer of it is no buffer of ``host``'s."""
+
+    name = "elsewhere"
+
+
+def test_a_read_into_a_buffer_of_another_backend_is_refused_naming_both(backend):
+    with spawned(export_and_wait, backend.name) as worker:
+        try:
+            handle = worker.receive()
+            with IpcTransport() as link, rf.HipBuffer(4096, backend=Elsewhere()) as dst:
+                dst.copy_from_host(np.zeros(1024, np.int32))
+                with pytest.raises(ValueError, match=f"^the sender's slab is {backend.name} "
+                                   "memory, the receiver's elsewhere: IPC copies within one "
+                                   "backend$"):
+                    link.read(handle, dst, np.array([[0, 0, 4096]], np.int64))
+                assert not dst.to_numpy(np.int32).any()  # nothing copied
+        finally:
+            worker.kill()
+
+
+def test_a_mapping_whose_exporter_exited_is_closed_dropped_and_named(backend):
+    """The transport's mapping of a slab whose exporter was killed is refused, naming the
+    process; the mapping is closed and forgotten (a later call is refused as a fresh import
+    would be), and nothing stays imported."""
+    with spawned(export_and_wait, backend.name) as worker:
+        handle = worker.receive()
+        link = IpcTransport()
+        mapped = link.mapping(handle)
+        worker.kill()
+    with pytest.raises(IpcError, match=f"^process {handle.pid}, which exported this slab, "
+                       "has exited$"):
+        link.mapping(handle)
+    assert mapped.closed and ipc.pending()["imported"] == 0
+    with pytest.raises(IpcError, match=f"^process {handle.pid}, which exported this handle, "
+                       "has exited$"):  # from_ipc's words: nothing mapped is left
+        link.mapping(handle)
+    link.close()
+
+
+
+def test_a_read_copies_on_the_stream_it_is_given(backend, monkeypatch):
+    """The spans are copied on the receiver's stream (ordered after what it queued into
+    the destination), not on the default stream, and the bytes arrive."""
+    from rocmforge_raw.kernels import ops
+
+    streams = []
+    copy = ops.copy_spans
+
+    def spy(dst, src, spans, stream=None):
+        streams.append(stream)
+        copy(dst, src, spans, stream=stream)
+
+    monkeypatch.setattr(ops, "copy_spans", spy)
+    with spawned(export_and_wait, backend.name) as worker:
+        try:
+            handle = worker.receive()
+            with IpcTransport() as link, rf.Stream(backend=backend) as stream, \
+                    rf.HipBuffer(4096, backend=backend) as dst:
+                link.read(handle, dst, np.array([[64, 0, 256]], np.int64), stream)
+                assert streams == [stream]
+                assert dst.to_numpy(np.int32, 64).tolist() == list(range(16, 80))
+        finally:
+            worker.kill()
