@@ -1,14 +1,20 @@
-"""IpcTransport's refusals, pinned down by survivors of mutation testing (issue 44, item 4):
-a read into a buffer of another backend, and a slab whose exporter exited after this
-transport mapped it. The exporter is a spawned worker (workers.py)."""
+"""IPC, pinned down by survivors of mutation testing (issue 44, item 4): IpcTransport's
+refusals (a read into a buffer of another backend, a slab whose exporter exited after this
+transport mapped it) and the stream it copies on; the lease file's permissions; the exact
+words of export refusals. The exporter is a spawned worker (workers.py)."""
 
 from __future__ import annotations
+
+import os
+import re
+import stat
 
 import numpy as np
 import pytest
 from workers import export_and_wait, spawned
 
 import rocmforge_raw as rf
+from rocmforge_raw.common import procs
 from rocmforge_raw.errors import IpcError
 from rocmforge_raw.memory import ipc
 from rocmforge_raw.runtime.host import HostBackend
@@ -79,3 +85,37 @@ def test_a_read_copies_on_the_stream_it_is_given(backend, monkeypatch):
                 assert dst.to_numpy(np.int32, 64).tolist() == list(range(16, 80))
         finally:
             worker.kill()
+
+
+def test_a_lease_file_is_readable_and_writable_by_its_owner_only(backend):
+    """Another user who could open the lease could take a shared lock on it and so keep the
+    exporter from ever freeing the memory: the file is created 0600, even under umask 0."""
+    umask = os.umask(0)
+    try:
+        buf = rf.HipBuffer(4096, backend=backend, shareable=True)
+        lease = os.path.join(procs.SHM_DIR, buf.ipc_handle().lease)
+    finally:
+        os.umask(umask)
+    with buf:
+        assert stat.S_IMODE(os.stat(lease).st_mode) == 0o600
+
+
+def exactly(message: str) -> str:
+    return f"^{re.escape(message)}$"
+
+
+def test_export_refusals_say_exactly_why_and_what_to_do(backend):
+    with rf.HipBuffer(64, backend=backend, shareable=True) as buf, \
+            pytest.raises(ValueError, match=exactly(
+                "a view cannot be exported: export its root buffer (buf.root) and take the "
+                "view in the importing process")):
+        buf.view(0, 32).ipc_handle()
+    with rf.HipBuffer(0, backend=backend, shareable=True) as empty, \
+            pytest.raises(ValueError, match=exactly("a 0-byte buffer has no memory to share")):
+        empty.ipc_handle()
+    with rf.HipBuffer(64, backend=backend) as plain, pytest.raises(ValueError, match=exactly(
+            f"{plain!r} is not shareable: only memory allocated with HipBuffer(nbytes, "
+            "shareable=True) can be exported (a pool reuses its memory after close(), and "
+            "plain host memory has no name)")):
+        plain.ipc_handle()
+
