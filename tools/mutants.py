@@ -273,6 +273,7 @@ def _issue44(name: str, path: str, old: str, new: str, *tests: str, anchor: str 
 
 
 TIERS = "rocmforge_raw/cache/tiers/"
+EVENTS = "tests/test_mutants_tiers_events.py::"
 NAMED += [
     _issue44("HostTier.clear forgetting blocks without freeing them", TIERS + "host_tier.py",
              "            self._free.append(block)\n        self._cached.clear()",
@@ -354,6 +355,20 @@ NAMED += [
              "            pass\n        mapping",
              "tests/test_ipc.py::test_a_handle_mapped_here_is_not_imported_anew_once_its_"
              "exporter_exited"),
+    _issue44("an imported block's tokens not learnt while a tier holds it",
+             "rocmforge_raw/cache/events.py", "if not known[1] and tokens is not None:",
+             "if not known[2] and tokens is not None:",
+             EVENTS + "test_an_imported_block_named_by_a_prompt_is_announced_with_its_tokens"),
+    _issue44("a failed promotion forgetting the host blocks it read", TIERS + "tiered.py",
+             "self._forget_reached(into, list(to))",
+             "self._forget_reached(into, list(to) + back_from)",
+             EVENTS + "test_a_failed_promotion_keeps_the_host_blocks_it_read_from_and_forgets_"
+             "nothing_else"),
+    _issue44("a promotion's device blocks recorded as host blocks for a restore",
+             TIERS + "tiered.py", "self._reached[0].extend(into)",
+             "self._reached[1].extend(into)",
+             EVENTS + "test_a_restore_after_a_promotions_copies_forgets_the_device_blocks_they_"
+             "wrote"),
 ]
 
 # Operator swaps for the generated core mutants: (pattern, replacement), one site at a time.
