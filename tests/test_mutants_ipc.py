@@ -5,6 +5,7 @@ words of export refusals. The exporter is a spawned worker (workers.py)."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import stat
@@ -119,3 +120,66 @@ def test_export_refusals_say_exactly_why_and_what_to_do(backend):
             "plain host memory has no name)")):
         plain.ipc_handle()
 
+
+
+def test_a_live_shareable_buffer_is_listed_with_its_backend(backend):
+    nbytes = 3 * 4096 + 16  # a size no other live buffer of the suite has
+    with rf.HipBuffer(nbytes, backend=backend, shareable=True) as buf:
+        listed = [(a.nbytes, a.device, a.backend) for a in rf.live_allocations()]
+        assert (nbytes, buf.device, backend.name) in listed
+
+
+def test_a_lease_name_of_no_lease_file_is_refused_as_altered(backend):
+    with rf.HipBuffer(64, backend=backend, shareable=True) as buf:
+        handle = dataclasses.replace(buf.ipc_handle(), pid=1, lease="x")  # "another process"
+        with pytest.raises(IpcError, match=exactly(
+                "handle.lease 'x' names no lease file of this package: the handle was altered")):
+            rf.HipBuffer.from_ipc(handle)
+
+
+def test_the_last_importers_close_unmaps_the_host_segment():
+    """The importing process's mapping of a host segment goes with its last buffer: its
+    address range is no longer mapped here (``/proc/self/maps``)."""
+    with spawned(export_and_wait, "host") as worker:
+        try:
+            handle = worker.receive()
+            buf = rf.HipBuffer.from_ipc(handle)
+            start = buf.ptr
+            assert _mapped_here(start)
+            buf.close()
+            assert not _mapped_here(start)
+        finally:
+            worker.kill()
+
+
+def _mapped_here(address: int) -> bool:
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            low, high = (int(x, 16) for x in line.split()[0].split("-"))
+            if low <= address < high:
+                return True
+    return False
+
+
+class FreeLog(HostBackend):
+    """Host memory whose shareable frees are logged as (bytes, device)."""
+
+    name = "freelog"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.freed: list[tuple[int, int]] = []
+
+    def free_shareable(self, ptr: int, nbytes: int, device: int) -> None:
+        self.freed.append((nbytes, device))
+        super().free_shareable(ptr, nbytes, device)
+
+
+def test_a_shareable_buffer_is_freed_on_its_own_device():
+    """A GPU backend frees on the device it is told (it makes it current first): the free
+    names the buffer's device, not none."""
+    backend = FreeLog()
+    buf = rf.HipBuffer(4096, backend=backend, shareable=True)
+    buf.ipc_handle()  # exported, never mapped: freed at once on close
+    buf.close()
+    assert backend.freed == [(4096, buf.device)]
