@@ -183,3 +183,29 @@ def test_a_shareable_buffer_is_freed_on_its_own_device():
     buf.ipc_handle()  # exported, never mapped: freed at once on close
     buf.close()
     assert backend.freed == [(4096, buf.device)]
+
+
+def test_a_freed_lease_reads_retired_to_whoever_opened_it_before_the_unlink(backend):
+    """The exporter's free marks the state byte retired (its seal untouched) before it
+    unlinks the file: an importer that opened the lease just before reads that mark."""
+    buf = rf.HipBuffer(4096, backend=backend, shareable=True)
+    path = procs.shm_path(buf.ipc_handle().lease)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        live = os.pread(fd, 64, 0)
+        buf.close()  # nobody maps it: freed at once
+        assert os.pread(fd, 64, 0) == b"\x00" + live[1:] and live[:1] == b"\x01"
+        assert not os.path.exists(path)
+    finally:
+        os.close(fd)
+
+
+def test_an_own_handle_and_one_naming_a_missing_device_are_refused_before_mapping(backend):
+    with rf.HipBuffer(64, backend=backend, shareable=True) as buf:
+        handle = buf.ipc_handle()
+        with pytest.raises(IpcError, match=exactly(
+                "the handle was exported by this process: use the buffer itself")):
+            rf.HipBuffer.from_ipc(handle)
+        elsewhere = dataclasses.replace(handle, pid=1, device=64)  # a device this host lacks
+        with pytest.raises(rf.BackendUnavailableError, match=r"^device 64 does not exist"):
+            rf.HipBuffer.from_ipc(elsewhere)
