@@ -6,6 +6,7 @@ words of export refusals. The exporter is a spawned worker (workers.py)."""
 from __future__ import annotations
 
 import dataclasses
+import errno
 import os
 import re
 import stat
@@ -129,6 +130,16 @@ def test_a_live_shareable_buffer_is_listed_with_its_backend(backend):
         assert (nbytes, buf.device, backend.name) in listed
 
 
+def test_an_imported_buffer_is_listed_with_its_backend(backend):
+    with spawned(export_and_wait, backend.name) as worker:
+        try:
+            with rf.HipBuffer.from_ipc(worker.receive()) as imported:
+                listed = [(a.nbytes, a.device, a.backend) for a in rf.live_allocations()]
+                assert (4096, imported.device, backend.name) in listed
+        finally:
+            worker.kill()
+
+
 def test_a_lease_name_of_no_lease_file_is_refused_as_altered(backend):
     with rf.HipBuffer(64, backend=backend, shareable=True) as buf:
         handle = dataclasses.replace(buf.ipc_handle(), pid=1, lease="x")  # "another process"
@@ -209,3 +220,38 @@ def test_an_own_handle_and_one_naming_a_missing_device_are_refused_before_mappin
         elsewhere = dataclasses.replace(handle, pid=1, device=64)  # a device this host lacks
         with pytest.raises(rf.BackendUnavailableError, match=r"^device 64 does not exist"):
             rf.HipBuffer.from_ipc(elsewhere)
+
+
+def test_a_lease_locked_by_its_exporters_free_is_refused_naming_the_process(backend):
+    """The exporter holds the lease exclusively while it frees (simulated here by a lock
+    of this process's own): an import then says so and maps nothing."""
+    import fcntl
+
+    with spawned(export_and_wait, backend.name) as worker:
+        try:
+            handle = worker.receive()
+            fd = os.open(procs.shm_path(handle.lease), os.O_RDONLY)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                with pytest.raises(IpcError, match=exactly(
+                        f"process {handle.pid} is freeing the memory of this handle")):
+                    rf.HipBuffer.from_ipc(handle)
+            finally:
+                os.close(fd)
+            assert ipc.pending()["imported"] == 0
+        finally:
+            worker.kill()
+
+
+def test_a_lease_that_cannot_be_opened_is_refused_saying_why(backend):
+    with rf.HipBuffer(64, backend=backend, shareable=True) as buf:
+        lease = f"{procs.PREFIX}loop-{os.getpid()}.lease"
+        os.symlink(lease, procs.shm_path(lease))  # a link to itself: ELOOP
+        try:
+            handle = dataclasses.replace(buf.ipc_handle(), pid=1, lease=lease)
+            with pytest.raises(IpcError, match=exactly(
+                    f"the lease {lease!r} of this handle cannot be opened: "
+                    f"{os.strerror(errno.ELOOP)}")):
+                rf.HipBuffer.from_ipc(handle)
+        finally:
+            os.unlink(procs.shm_path(lease))
