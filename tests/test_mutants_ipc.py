@@ -255,3 +255,21 @@ def test_a_lease_that_cannot_be_opened_is_refused_saying_why(backend):
                 rf.HipBuffer.from_ipc(handle)
         finally:
             os.unlink(procs.shm_path(lease))
+
+
+def test_a_deferred_free_is_made_on_the_buffers_device_once_the_mapper_lets_go():
+    """While another holder keeps the lease (simulated by a shared lock of this process's
+    own), the free waits; ``collect()`` then frees, naming the size and the device."""
+    import fcntl
+
+    backend = FreeLog()
+    buf = rf.HipBuffer(4096, backend=backend, shareable=True)
+    fd = os.open(procs.shm_path(buf.ipc_handle().lease), os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH)
+        buf.close()
+        assert backend.freed == [] and ipc.pending()["deferred"] == 1
+    finally:
+        os.close(fd)  # lets go of the lock
+    assert ipc.collect() == 4096
+    assert backend.freed == [(4096, buf.device)]
