@@ -130,6 +130,17 @@ def test_a_live_shareable_buffer_is_listed_with_its_backend(backend):
         assert (nbytes, buf.device, backend.name) in listed
 
 
+def test_a_freed_shareable_buffer_is_shareable_no_more(backend):
+    """Its address leaves the registry of shareable allocations: a plain buffer that lands
+    there later is refused an IPC handle as not shareable, not inside the runtime."""
+    buf = rf.HipBuffer(4096, backend=backend, shareable=True)
+    key = (backend.name, buf.device, buf.ptr)
+    assert key in ipc._shareable
+    buf.close()
+    rf.free_waiting()
+    assert key not in ipc._shareable
+
+
 def test_an_imported_buffer_is_listed_with_its_backend(backend):
     with spawned(export_and_wait, backend.name) as worker:
         try:
