@@ -53,12 +53,11 @@ def test_a_mapping_whose_exporter_exited_is_closed_dropped_and_named(backend):
         link = IpcTransport()
         mapped = link.mapping(handle)
         worker.kill()
-    with pytest.raises(IpcError, match=f"^process {handle.pid}, which exported this slab, "
-                       "has exited$"):
+    exited = f"^process {handle.pid}, which exported this handle, has exited$"
+    with pytest.raises(IpcError, match=exited):  # the cached mapping's exporter checked
         link.mapping(handle)
     assert mapped.closed and ipc.pending()["imported"] == 0
-    with pytest.raises(IpcError, match=f"^process {handle.pid}, which exported this handle, "
-                       "has exited$"):  # from_ipc's words: nothing mapped is left
+    with pytest.raises(IpcError, match=exited):  # as a fresh import: nothing mapped is left
         link.mapping(handle)
     link.close()
 
