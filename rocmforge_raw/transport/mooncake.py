@@ -11,11 +11,13 @@ Each ``MooncakeTransport`` owns one engine (``initialize(host, "P2PHANDSHAKE", p
 device)``; TCP by default, RDMA with ``protocol="rdma"`` and the NIC's name). ``publish``
 registers a buffer (a cache's slab, once, at the cache's start) and returns its endpoint
 (``host:port``, address, size); ``read`` registers the receiving buffer on first use, waits
-for the work queued on the receiving stream, then posts one batch of reads and returns when
-the engine says the bytes arrived. A registered buffer counts as an outside consumer of its
-memory (like a DLPack export): closing it while registered frees the memory only once
-``close()`` unregisters it, so the engine never reads or writes freed memory. A transport
-dropped without ``close()`` is closed when it is collected.
+for the work queued on the receiving stream, then posts one batch of reads (spans that
+continue one another on both sides merged: one descriptor a run) and returns when the engine
+says the bytes arrived (``last_read``: the time posting the batch and the time on the
+wire). A registered buffer counts as an outside consumer of its memory (like a DLPack
+export): closing it while registered frees the memory only once ``close()`` unregisters it,
+so the engine never reads or writes freed memory. A transport dropped without ``close()`` is
+closed when it is collected.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from ..cache.transfer.transport import Transport, wait
+from ..cache.transfer.transport import Transport, merged_spans, wait
 from ..common import checks
 from ..errors import BackendUnavailableError, TransferError
 from ..memory.buffer import HipBuffer
@@ -70,6 +72,26 @@ def _distribution() -> str:
 
 #: The engine's transports this class drives (the engine takes any name and reports nothing).
 PROTOCOLS = ("tcp", "rdma")
+#: What ``batch_transfer_async_read`` returns for a batch it did not post (0, or -1 as an
+#: unsigned 64-bit id where it could not reach the peer).
+_NO_BATCH = (0, -1, 2**64 - 1)
+
+
+@dataclass(frozen=True)
+class ReadTimes:
+    """Where one read's time went: ``runs`` (int64 ``[n, 3]``: the merged spans posted, one
+    descriptor each), ``post_s`` seconds building and submitting the batch (the engine
+    queues its descriptors and returns), ``wire_s`` seconds from then until the engine
+    reported every byte arrived (its TCP or RDMA transfer, and on a GPU over TCP the
+    engine's own device<->host staging)."""
+
+    runs: np.ndarray
+    post_s: float
+    wire_s: float
+
+    @property
+    def seconds(self) -> float:
+        return self.post_s + self.wire_s
 
 
 class MooncakeTransport(Transport):
@@ -78,6 +100,10 @@ class MooncakeTransport(Transport):
     ``mlx5_0``)."""
 
     name = "mooncake"
+    #: Seconds this transport spent registering buffers with the engine (each once).
+    registration_s = 0.0
+    #: The latest read's times (None before the first).
+    last_read: ReadTimes | None = None
 
     def __init__(self, hostname: str = "127.0.0.1", protocol: str = "tcp",
                  device_name: str = "") -> None:
@@ -117,7 +143,9 @@ class MooncakeTransport(Transport):
                                 "mooncake-transfer-engine-cuda13 (NVIDIA) or "
                                 "mooncake-transfer-engine-rocm (AMD)")
         end = buffer._export()  # the memory outlives a close() while the engine may use it
+        start = time.perf_counter()
         status = self._engine.register_memory(buffer.ptr, buffer.nbytes)
+        self.registration_s += time.perf_counter() - start
         if status != 0:
             end()
             raise TransferError(f"Mooncake's engine refused to register {buffer!r} "
@@ -129,6 +157,9 @@ class MooncakeTransport(Transport):
 
     def read(self, endpoint: Any, dst: HipBuffer, spans: np.ndarray,
              stream: Stream | None = None, *, timeout: float | None = None) -> None:
+        """One batch of the engine for the whole read: ``spans`` merged where they continue
+        one another on both sides (``merged_spans``), posted at once, then waited for;
+        ``last_read`` says how long each part took."""
         self._check_open()
         endpoint = _endpoint(endpoint)
         spans = checks.spans(spans, endpoint.nbytes, dst.nbytes)
@@ -136,17 +167,27 @@ class MooncakeTransport(Transport):
         if not spans.size:
             return
         wait(dst, stream, timeout)  # the engine writes outside the stream: after that work
-        start = time.monotonic()
-        status = self._engine.batch_transfer_sync_read(
-            endpoint.session, (dst.ptr + spans[:, 1]).tolist(),
-            (endpoint.address + spans[:, 0]).tolist(), spans[:, 2].tolist())
-        if status != 0:
-            raise TransferError(f"reading {int(spans[:, 2].sum())} bytes in {len(spans)} "
-                                f"spans from {endpoint.session} failed (status {status}; "
-                                "the engine's log says why)")
-        if timeout is not None and time.monotonic() - start > timeout:
-            raise TransferError(f"the read took {time.monotonic() - start:.3g} s, more than "
+        runs = merged_spans(spans)
+        times = self._batch_read(endpoint, dst.ptr, runs)
+        self.last_read = times
+        if timeout is not None and times.seconds > timeout:
+            raise TransferError(f"the read took {times.seconds:.3g} s, more than "
                                 f"timeout={timeout:g} s (the engine's call cannot be cut short)")
+
+    def _batch_read(self, endpoint: MooncakeEndpoint, dst_ptr: int,
+                    runs: np.ndarray) -> ReadTimes:
+        """Post ``runs`` (merged spans) as one batch of reads into ``dst_ptr`` and wait for it."""
+        start = time.perf_counter()
+        batch = self._engine.batch_transfer_async_read(
+            endpoint.session, (dst_ptr + runs[:, 1]).tolist(),
+            (endpoint.address + runs[:, 0]).tolist(), runs[:, 2].tolist())
+        posted = time.perf_counter()
+        status = -1 if batch in _NO_BATCH else self._engine.get_batch_transfer_status([batch])
+        if status != 0:
+            raise TransferError(f"reading {int(runs[:, 2].sum())} bytes in {len(runs)} "
+                                f"spans from {endpoint.session} failed (batch {batch}, status "
+                                f"{status}; the engine's log says why)")
+        return ReadTimes(runs, posted - start, time.perf_counter() - posted)
 
     def close(self) -> None:
         """Unregister every buffer (closed ones are freed now) and stop the engine."""

@@ -145,3 +145,18 @@ def copy_spans(dst: HipBuffer, src: HipBuffer, spans: np.ndarray,
     ``timeout`` seconds, as ``wait``)."""
     ops.copy_spans(dst, src, spans, stream=stream)
     wait(dst, stream, timeout)
+
+
+def merged_spans(spans: np.ndarray) -> np.ndarray:
+    """``spans`` (checked int64 ``[n, 3]``) with empty ones dropped and each run of spans that
+    continue one another on both sides (in source order) made one: the same bytes in the
+    fewest contiguous copies a descriptor-per-span engine is given."""
+    spans = spans[spans[:, 2] > 0]
+    if len(spans) < 2:
+        return spans
+    spans = spans[np.argsort(spans[:, 0], kind="stable")]
+    ends = spans[:-1, :2] + spans[:-1, 2:]
+    cut = np.flatnonzero((spans[1:, 0] != ends[:, 0]) | (spans[1:, 1] != ends[:, 1])) + 1
+    starts = np.concatenate([[0], cut])
+    sizes = np.add.reduceat(spans[:, 2], starts)
+    return np.column_stack([spans[starts, :2], sizes])
