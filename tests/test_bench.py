@@ -193,6 +193,10 @@ def _tables(iters):
                 "peer_access": None, "layout": "consecutive", "bytes": 2**30, "spans": 64,
                 "transfer_gb_per_s": 10.0, "import_gb_per_s": 9.0, "copy_gb_per_s": 11.0,
                 "pct_of_copy": 91.0}
+    mooncake = {**transfer, "engine_gb_per_s": 1.1, "pct_of_engine": 90.9, "tcp_gb_per_s": 3.0,
+                "pct_of_tcp": 33.3, "descriptors": 16, "registration_ms": 0.1,
+                "engine_registration_ms": 0.05, "post_ms": 2.0, "engine_post_ms": 2.0,
+                "wire_ms": 60.0, "engine_wire_ms": 58.0, "met_target": True}
     offload = {"layout": "scattered", "bytes": 2**29, "copies": 128, "swap_out_gb_per_s": 20.0,
                "d2h_gb_per_s": 25.0, "swap_out_pct": 80.0, "swap_in_gb_per_s": 20.0,
                "h2d_gb_per_s": 25.0, "swap_in_pct": 80.0, "verified": True, "met_target": False}
@@ -203,12 +207,13 @@ def _tables(iters):
         "step": tables.step_table([step]),
         "prefill": tables.prefill_table([prefill], iters),
         "transfer": tables.transfer_table([transfer], iters),
+        "mooncake": tables.mooncake_table([mooncake], iters),
         "offload": tables.offload_table([offload], iters),
     }
 
 
 @pytest.mark.parametrize("name", ["alloc", "attention", "step", "prefill", "transfer",
-                                  "offload"])
+                                  "mooncake", "offload"])
 def test_every_column_of_every_bench_table_is_explained_under_it(name):
     from rocmforge_raw.cli import tables
 

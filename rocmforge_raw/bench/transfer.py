@@ -19,6 +19,11 @@ which), and two more rows move the sequence between two caches of this one proce
 (transport ``peer``, ``PeerTransport``); the copy of each row is then a raw peer copy of the
 same bytes from the sender's slab (``memcpy_peer``), the device pair's measured peer copy
 bandwidth.
+
+Over Mooncake, each row also holds its ceilings, measured in the same run (``ceilings``):
+the engine's own batch of the same descriptors between two plain registered buffers (the
+sender's in the sender process) and a TCP socket copy of the same bytes on loopback, ours as
+a % of each, and where the time went (registration, posting, the wire; staging noted).
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ import numpy as np
 
 from ..cache import CacheConfig, KvCache
 from ..runtime import Backend
+from . import ceilings
 from .timing import fill_random
 
 #: Seconds the sender may take for any step before the benchmark gives up.
@@ -70,7 +76,13 @@ def _serve(backend: str, device: int, transport: str, scattered: bool, conn: Any
     with _link(transport) as link, KvCache(config, device, backend, strict=True,
                                            shareable=transport == "ipc") as cache:
         conn.send(_hold_prompt(cache, link, scattered))
-        conn.poll(TIMEOUT)
+        if transport != "mooncake":
+            conn.poll(TIMEOUT)
+            return
+        with ceilings.PlainEngine(cache.slab.buffer.nbytes, device, cache.slab.backend) as plain:
+            fill_random(plain.buffer, np.random.default_rng(1), config.dtype)
+            conn.send((plain.source(), link.registration_s))  # the engine's own, beside ours
+            conn.poll(TIMEOUT)
 
 
 def _hold_prompt(cache: KvCache, link: Any, scattered: bool) -> Any:
@@ -126,11 +138,17 @@ def _row(backend: Backend, device: int, sender_device: int, transport: str, scat
     child.close()  # the sender's end is the sender's alone: its exit reads as end of file
     try:
         desc = _receive(conn, sender)
+        plain = _receive(conn, sender) if transport == "mooncake" else None
         with _link(transport) as link, \
                 KvCache(transfer_config(backend), device, backend, strict=True) as cache:
             ipc = desc.endpoints.get("ipc")  # the copy: from the sender's slab mapped here
             source = cache.slab.buffer if ipc is None else link.mapping(ipc)
-            return _measure(transport, scattered, cache, link, desc, source, iters)
+            seen: list[Any] = []
+            row = _measure(transport, scattered, cache, link, desc, source, iters, seen)
+            if plain is not None:
+                row.update(_against_the_engine(row, link, seen, cache, plain[0], plain[1],
+                                               iters))
+            return row
     finally:
         with contextlib.suppress(OSError):  # a sender that failed has gone
             conn.send("end")
@@ -154,18 +172,22 @@ def _peer_row(backend: Backend, device: int, sender_device: int, scattered: bool
 
 
 def _measure(transport: str, scattered: bool, cache: KvCache, link: Any, desc: Any,
-             source: Any, iters: int) -> dict[str, Any]:
+             source: Any, iters: int, reads_seen: list[Any] | None = None) -> dict[str, Any]:
     """Import ``desc`` into ``cache`` (scattered too when ``scattered``) ``iters`` times,
-    then copy as many bytes from ``source`` into the receiving slab: the row."""
+    then copy as many bytes from ``source`` into the receiving slab: the row. The
+    transport's ``last_read`` after each timed import is appended to ``reads_seen``."""
     if scattered:  # the receiving side scattered too
         _scatter(cache)
-    reads, imports = [], []
+    reads, imports, parts = [], [], []
     for _ in range(iters + 1):  # the first one maps, connects or enables peer access
         start = time.perf_counter()
         done = cache.import_sequence(desc, link, "copy")
         imports.append(time.perf_counter() - start)
         reads.append(done.seconds)
+        parts.append(getattr(link, "last_read", None))  # Mooncake's: post and wire
         cache.remove("copy")
+    if reads_seen is not None:
+        reads_seen += parts[1:]
     dst = cache.slab.buffer
     nbytes = done.nbytes
     copy_s = _copy_seconds(source, dst, nbytes, iters)
@@ -178,6 +200,29 @@ def _measure(transport: str, scattered: bool, cache: KvCache, link: Any, desc: A
             "transfer_gb_per_s": nbytes / transfer / 1e9,
             "import_gb_per_s": nbytes / whole / 1e9, "copy_gb_per_s": nbytes / copy_s / 1e9,
             "pct_of_copy": 100.0 * copy_s / transfer}
+
+
+def _against_the_engine(row: dict[str, Any], link: Any, parts: list[Any], cache: KvCache,
+                        plain: ceilings.PlainSource, slab_registration_s: float, iters: int
+                        ) -> dict[str, Any]:
+    """Mooncake's row beside its ceilings, measured now: the engine's own batch of the
+    descriptors ours posted (the same bytes) between two plain buffers, and a TCP socket
+    copy of the same bytes on loopback; where ours and the engine's time went."""
+    runs, nbytes = parts[-1].runs, row["bytes"]
+    dst = cache.slab.buffer
+    engine = ceilings.engine_batch(plain, runs, dst.device, dst.backend, dst.nbytes, iters)
+    tcp_s = ceilings.tcp_loopback_seconds(nbytes, iters)
+    ours_s = nbytes / row["transfer_gb_per_s"] / 1e9
+    staged = dst.backend.name != "host"  # the bench's engines run over TCP
+    return {**ceilings.ceiling_fields(nbytes, ours_s, engine["seconds"], tcp_s),
+            "descriptors": len(runs),
+            "registration_ms": 1e3 * (link.registration_s + slab_registration_s),
+            "post_ms": 1e3 * statistics.median(p.post_s for p in parts),
+            "wire_ms": 1e3 * statistics.median(p.wire_s for p in parts),
+            "engine_registration_ms": 1e3 * engine["registration_s"],
+            "engine_post_ms": 1e3 * engine["post_s"], "engine_wire_ms": 1e3 * engine["wire_s"],
+            "tcp_ms": 1e3 * tcp_s, "staged_through_host": staged,
+            "staging": ceilings.STAGING if staged else None}
 
 
 def _receive(conn: Any, sender: Any) -> Any:

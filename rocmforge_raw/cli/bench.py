@@ -99,9 +99,15 @@ def _transfer(backend: Backend, device: int, transport: str, iters: int,
     with progress.ticking(f"bench --transfer over {transport}", leave=False):
         rows = result["transfer"] = bench_transfer(backend, device, transport, min(iters, 20),
                                                    sender_device)
-    return [f"a sequence's KV between two processes over {transport}, or two caches of one "
-            "process (peer) (median; copy: the same bytes through the same copy engine, a "
-            "peer copy across devices)", *tables.transfer_table(rows, min(iters, 20))]
+    lines = [f"a sequence's KV between two processes over {transport}, or two caches of one "
+             "process (peer) (median; copy: the same bytes through the same copy engine, a "
+             "peer copy across devices)", *tables.transfer_table(rows, min(iters, 20))]
+    ours = [r for r in rows if "engine_gb_per_s" in r]
+    if not ours:
+        return lines
+    staging = ours[0]["staging"] or "none: the slabs are host memory"
+    return [*lines, "mooncake against its ceilings, in the same run (TCP on loopback; "
+            f"device<->host staging: {staging})", *tables.mooncake_table(ours, min(iters, 20))]
 
 
 def _offload(backend: Backend, device: int, iters: int, result: dict[str, Any]) -> list[str]:

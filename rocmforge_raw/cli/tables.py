@@ -195,6 +195,42 @@ def transfer_table(rows: list[dict[str, Any]], iters: int) -> list[str]:
     return lines + legend_lines(transfer_legend(iters))
 
 
+def mooncake_legend(iters: int) -> Legend:
+    return [
+        (("blocks",), "the rows above: consecutive or scattered blocks"),
+        (("ours GB/s",), "the transfer GB/s above: MooncakeTransport's read"),
+        (("engine GB/s",), "Mooncake's engine called plainly, one registered buffer on each "
+                           "side (the slabs' size and memory kind, the sender's in the sender "
+                           "process): the descriptors ours posted as one batch, posted and "
+                           f"waited for, median of {iters} after a first"),
+        (("% engine",), "ours over the engine's batch (target >= 85 %; MISSED: under it)"),
+        (("tcp GB/s",), "a plain TCP socket copy of the same bytes on 127.0.0.1, a sender "
+                        f"thread to a preallocated host buffer, median of {iters}"),
+        (("% tcp",), "ours over the TCP copy"),
+        (("descs",), "descriptors in each batch: the spans merged where they continue"),
+        (("reg ms", "eng reg ms"), "registering the slabs (ours), the plain buffers (the "
+                                   "engine's) with the engine, both sides, once"),
+        (("post ms", "eng post ms"), "building the descriptor lists and the batch submit, "
+                                     "median"),
+        (("wire ms", "eng wire ms"), "from the submit's return until every byte arrived, "
+                                     "median"),
+    ]
+
+
+def mooncake_table(rows: list[dict[str, Any]], iters: int) -> list[str]:
+    """Mooncake's rows beside the engine's own batch and a TCP copy of the same bytes."""
+    lines = [f"{'blocks':>11} {'ours GB/s':>10} {'engine GB/s':>12} {'% engine':>9} "
+             f"{'tcp GB/s':>9} {'% tcp':>6} {'descs':>6} {'reg ms':>7} {'eng reg ms':>11} "
+             f"{'post ms':>8} {'eng post ms':>12} {'wire ms':>8} {'eng wire ms':>12}"]
+    lines += [f"{r['layout']:>11} {r['transfer_gb_per_s']:10.2f} {r['engine_gb_per_s']:12.2f} "
+              f"{r['pct_of_engine']:8.1f}% {r['tcp_gb_per_s']:9.2f} {r['pct_of_tcp']:5.1f}% "
+              f"{r['descriptors']:6} {r['registration_ms']:7.2f} "
+              f"{r['engine_registration_ms']:11.2f} {r['post_ms']:8.3f} "
+              f"{r['engine_post_ms']:12.3f} {r['wire_ms']:8.2f} {r['engine_wire_ms']:12.2f}"
+              + ("" if r["met_target"] else "  MISSED") for r in rows]
+    return lines + legend_lines(mooncake_legend(iters))
+
+
 # --- offload ------------------------------------------------------------------------------------
 def offload_legend(iters: int) -> Legend:
     return [
@@ -225,8 +261,10 @@ def offload_table(rows: list[dict[str, Any]], iters: int) -> list[str]:
     return lines + legend_lines(offload_legend(iters))
 
 
-#: Each table's legend, by the bench flag that prints it (``iters``: the runs it times).
+#: Each table's legend, by the bench flag that prints it (``iters``: the runs it times;
+#: ``mooncake``: ``--transfer --transport mooncake``'s second table).
 LEGENDS: dict[str, Callable[[int], Legend]] = {
     "alloc": alloc_legend, "attention": attention_legend, "step": lambda iters: step_legend(),
-    "prefill": prefill_legend, "transfer": transfer_legend, "offload": offload_legend,
+    "prefill": prefill_legend, "transfer": transfer_legend, "mooncake": mooncake_legend,
+    "offload": offload_legend,
 }
