@@ -218,7 +218,8 @@ def _check(desc: SequenceDescription, config: CacheConfig) -> np.ndarray:
         raise ValueError(f"block ids {checks.show(list(desc.block_ids))} leave 1.."
                          f"{src_blocks - 1}")
     hashes, full = desc.prefix_hashes, num_tokens // config.block_size  # a partial block: none
-    if len(hashes) > full or any(type(h) is not bytes or len(h) != HASH_BYTES for h in hashes):
+    if len(hashes) > full or not set(map(type, hashes)) <= {bytes} or not set(
+            map(len, hashes)) <= {HASH_BYTES}:  # (set(map(...)): C speed over many blocks)
         raise ValueError(f"prefix_hashes must be at most {full} hashes (one per full block) of "
                          f"{HASH_BYTES} bytes, got {checks.show(hashes)}")
     if len(set(hashes)) != len(hashes):  # chained hashes never repeat: one block each
@@ -230,8 +231,9 @@ def _check_types(desc: SequenceDescription) -> None:
     """The containers of ``desc`` as ``export_sequence`` makes them (never cast: a float
     block id is no block)."""
     ids, hashes, endpoints = desc.block_ids, desc.prefix_hashes, desc.endpoints
-    if not isinstance(ids, (tuple, list)) or not all(
-            isinstance(i, (int, np.integer)) and not isinstance(i, bool) for i in ids):
+    if not isinstance(ids, (tuple, list)) or not all(  # each type once: C speed over ids
+            issubclass(t, (int, np.integer)) and not issubclass(t, (bool, np.bool_))
+            for t in set(map(type, ids))):
         raise TypeError(f"desc.block_ids must be a tuple of ints, got {checks.show(ids)}")
     if not isinstance(hashes, (tuple, list)):
         raise TypeError(f"desc.prefix_hashes must be a tuple of bytes, got {checks.show(hashes)}")
