@@ -512,3 +512,45 @@ def test_endpoints_of_a_collected_transport_are_not_listed(backend):
         del link
         gc.collect()
         assert rf.transport.published(cache.slab.buffer) == {}
+
+
+def test_an_import_into_plain_free_blocks_snapshots_nothing_and_a_failed_one_changes_nothing(
+        monkeypatch):
+    """Its host work grows with the sequence, not the cache: where the free stack holds
+    every fresh block, the read goes into the blocks the allocation then takes, with no
+    snapshot of the cache (``_save``); a read that fails there leaves the cache as it was.
+    Where cached-free blocks must be reused, the import snapshots to undo."""
+    config = CacheConfig(**CONFIG, num_blocks=40, dtype=np.float16)
+    with KvCache(config, backend="host") as src, KvCache(config, backend="host") as dst, \
+            PeerTransport() as link:
+        link.publish(src.slab)
+        src.slab.buffer.copy_from_host(np.random.default_rng(3).integers(
+            0, 256, src.slab.buffer.nbytes, np.uint8))
+        src.add_sequence("s", tokens=np.arange(100))
+        desc = src.export_sequence("s")
+        dst.add_sequence("resident", tokens=np.arange(500, 540))
+        saves = []
+        real_save = dst._save
+        monkeypatch.setattr(dst, "_save", lambda: saves.append(1) or real_save())
+        before = cache_state(dst)
+        real_read = link.read
+
+        def failing(*args, **kwargs):
+            raise TransferError("the wire broke")
+
+        monkeypatch.setattr(link, "read", failing)
+        with pytest.raises(TransferError, match="the wire broke"):
+            dst.import_sequence(desc, link)
+        assert cache_state(dst) == before and not saves
+        monkeypatch.setattr(link, "read", real_read)
+        imported = dst.import_sequence(desc, link)
+        assert imported.blocks_moved == 7 and not saves
+        held = dst.batch(["s"]).block_tables[0][:7]
+        for layer in range(config.num_layers):
+            np.testing.assert_array_equal(dst.k_cache(layer).to_numpy()[held],
+                                          src.k_cache(layer).to_numpy()[list(desc.block_ids)])
+        dst.remove("s")  # its 6 full blocks stay cached-free
+        dst.add_sequence("filler", num_tokens=16 * (dst.pool.num_plain_free - 4))
+        src.add_sequence("t", tokens=np.arange(1000, 1100))  # 7 blocks, none cached there
+        dst.import_sequence(src.export_sequence("t"), link)
+        assert saves, "an import that reuses cached blocks snapshots to undo"

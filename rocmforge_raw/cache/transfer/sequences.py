@@ -170,10 +170,18 @@ def _import(cache: TierOps, desc: Any, transport: Any, seq_id: Hashable | None =
     needed = fresh + int(np.count_nonzero(pool.ref_cnt[hits] == 0))
     if needed > pool.num_free:
         raise CacheFullError(needed, pool.num_free, "an import never preempts")
-    saved = cache._save()
+    # Where the free stack holds every fresh block, the read goes into the blocks the
+    # allocation will take (``peek``), and the bookkeeping changes only once the bytes are
+    # in: a failed read leaves nothing to undo (plain free blocks hold no prefix), and no
+    # snapshot of the whole cache is taken (O(blocks in the cache), not of the sequence).
+    fast = fresh <= pool.num_plain_free
+    saved = None if fast else cache._save()
     new = np.zeros(0, np.int32)
     try:
-        new = cache._allocate(fresh, cache.stream, hits)  # demotes what it reuses, if it can
+        if fast:
+            new = pool.peek(fresh, hits)[0].astype(np.int32)
+        else:
+            new = cache._allocate(fresh, cache.stream, hits)  # demotes what it reuses
         spans = block_spans(src_ids[len(hits) :], new, desc.num_blocks, config)
         start = time.perf_counter()
         if len(spans):  # every block a prefix hit: nothing to map, move or wait for
@@ -182,10 +190,14 @@ def _import(cache: TierOps, desc: Any, transport: Any, seq_id: Hashable | None =
             transport.read(desc.endpoints[transport.name], cache.slab.buffer, spans,
                            cache.stream, timeout=timeout)
     except BaseException:
-        cache._reached[0].extend(new.tolist())  # the read's blocks: forgotten if cached
-        cache._restore(saved)
+        if saved is not None:
+            cache._reached[0].extend(new.tolist())  # the read's blocks: forgotten if cached
+            cache._restore(saved)
         raise
     seconds = time.perf_counter() - start
+    if fast:
+        taken = cache._allocate(fresh, cache.stream, hits)
+        assert np.array_equal(taken, new), "the allocation took other blocks than it peeked"
     hashes = list(desc.prefix_hashes)
     cache._name(np.concatenate([np.array(hits, np.int32), new]), hashes,
                 list(range(len(hits), len(hashes))), None)
