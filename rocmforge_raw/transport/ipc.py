@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from ..cache.transfer.transport import Transport, copy_spans
+from ..cache.transfer.transport import Transport, copy_spans, read_timeout
 from ..common import checks
 from ..errors import IpcError
 from ..memory import ipc
@@ -48,6 +48,7 @@ class IpcTransport(Transport):
     def read(self, endpoint: Any, dst: HipBuffer, spans: np.ndarray,
              stream: Stream | None = None, *, timeout: float | None = None) -> None:
         self._check_open()
+        timeout = read_timeout(timeout)
         handle = self._handle(endpoint)
         src = self.mapping(handle)
         if src.backend is not dst.backend:

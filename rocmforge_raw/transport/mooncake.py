@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from ..cache.transfer.transport import Transport, merged_spans, wait
+from ..cache.transfer.transport import Transport, merged_spans, read_timeout, wait
 from ..common import checks
 from ..errors import BackendUnavailableError, TransferError
 from ..memory.buffer import HipBuffer
@@ -161,6 +161,7 @@ class MooncakeTransport(Transport):
         one another on both sides (``merged_spans``), posted at once, then waited for;
         ``last_read`` says how long each part took."""
         self._check_open()
+        timeout = read_timeout(timeout)
         endpoint = _endpoint(endpoint)
         spans = checks.spans(spans, endpoint.nbytes, dst.nbytes)
         self._register(dst.root)

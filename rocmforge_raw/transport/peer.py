@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from ..cache.transfer.transport import Transport, copy_spans
+from ..cache.transfer.transport import Transport, copy_spans, read_timeout
 from ..common import checks
 from ..errors import BufferClosedError
 from ..memory.buffer import HipBuffer
@@ -56,6 +56,7 @@ class PeerTransport(Transport):
     def read(self, endpoint: Any, dst: HipBuffer, spans: np.ndarray,
              stream: Stream | None = None, *, timeout: float | None = None) -> None:
         self._check_open()
+        timeout = read_timeout(timeout)
         src = _source(endpoint)
         if src.backend is not dst.backend:
             raise ValueError(f"the sender's slab is {src.backend.name} memory, the receiver's "

@@ -39,7 +39,7 @@ from ..blocks.prefix import HASH_BYTES
 from ..config import CacheConfig
 from ..core import operation
 from ..tiers.swap import TierOps
-from .transport import Transport, published, wait
+from .transport import Transport, published, read_timeout, wait
 
 _LAYOUT = ("num_layers", "num_kv_heads", "head_dim", "block_size", "dtype", "activation_dtype",
            "kv_scales")
@@ -145,8 +145,7 @@ def _import(cache: TierOps, desc: Any, transport: Any, seq_id: Hashable | None =
     if not isinstance(transport, Transport):
         raise TypeError(f"transport must be a Transport, got {checks.show(transport)}")
     seq_id = checks.hashable(desc.seq_id if seq_id is None else seq_id, "seq_id")
-    if timeout is not None and checks.real(timeout, "timeout") <= 0:
-        raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+    timeout = read_timeout(timeout)
     if seq_id in cache._rows.index or cache._swapped(seq_id) is not None:
         raise ValueError(f"sequence {seq_id!r} already exists")
     config = cache.config

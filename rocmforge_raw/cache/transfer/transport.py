@@ -88,7 +88,8 @@ class Transport(ABC):
              stream: Stream | None = None, *, timeout: float | None = None) -> None:
         """Copy ``spans`` (int64 ``[n, 3]``: src offset, dst offset, bytes) of the buffer
         ``endpoint`` names into ``dst``; return once they have arrived, ``TransferError``
-        if that takes more than ``timeout`` seconds (None: no limit)."""
+        if that takes more than ``timeout`` seconds (None: no limit; else a number > 0,
+        checked before anything is mapped, registered or copied: ``read_timeout``)."""
 
     def close(self) -> None:
         """Let go of what this transport registered or mapped (subclasses extend this)."""
@@ -119,6 +120,18 @@ def root_buffer(buffer: Any) -> HipBuffer:
                         f"{checks.show(buffer)}")
     buf.ptr  # noqa: B018 - raises BufferClosedError once closed
     return buf.root
+
+
+def read_timeout(timeout: Any) -> float | None:
+    """A read's ``timeout`` as seconds (a float > 0), or None (no limit): checked before a
+    read maps, registers, copies or waits for anything (a NaN limit would never pass)."""
+    if timeout is None:
+        return None
+    seconds = checks.real(timeout, "timeout")
+    if seconds <= 0:
+        raise ValueError(f"timeout must be a positive number of seconds, got "
+                         f"{checks.show(timeout)}")
+    return seconds
 
 
 def wait(dst: HipBuffer, stream: Stream | None, timeout: float | None = None) -> None:
