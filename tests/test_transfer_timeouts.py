@@ -7,6 +7,7 @@ untouched and nothing mapped or registered."""
 from __future__ import annotations
 
 import math
+import time
 
 import numpy as np
 import pytest
@@ -14,6 +15,7 @@ from test_transfer import _mooncake_or_skip, config, write_prompt
 from workers import prefill, spawned
 
 from rocmforge_raw.cache import KvCache
+from rocmforge_raw.errors import TransferError
 from rocmforge_raw.runtime import get_backend
 from rocmforge_raw.transport import IpcTransport, MooncakeTransport, PeerTransport
 
@@ -82,3 +84,31 @@ def test_a_timeout_is_seconds_as_a_float():
 
     assert read_timeout(None) is None
     assert read_timeout(np.float32(0.5)) == 0.5 and type(read_timeout(np.int64(2))) is float
+
+
+def test_a_mooncake_read_s_timeout_holds_for_the_wait_and_the_batch_together(monkeypatch):
+    """The receiving stream's work takes 0.6 s of a 1 s limit, the engine's batch 0.6 s
+    more: the read took 1.2 s, and fails (before, each part alone was within the limit)."""
+    sender = _mooncake_or_skip(get_backend("host"))
+    with sender, MooncakeTransport("127.0.0.1") as receiver, KvCache(config()) as src, \
+            KvCache(config()) as dst:
+        endpoint = sender.publish(src.slab)
+        backend, engine = dst.slab.backend, receiver._engine
+        busy_until = []
+
+        def busy(event):  # the stream's work passes 0.6 s after the first look
+            busy_until.append(busy_until[0] if busy_until else time.monotonic() + 0.6)
+            return time.monotonic() >= busy_until[0]
+
+        class Slow:
+            def __getattr__(self, name):
+                return getattr(engine, name)
+
+            def get_batch_transfer_status(self, batches):
+                time.sleep(0.6)
+                return engine.get_batch_transfer_status(batches)
+
+        monkeypatch.setattr(backend, "event_query", busy)
+        monkeypatch.setattr(receiver, "_engine", Slow())
+        with pytest.raises(TransferError, match=r"the read took [\d.]+ s, more than timeout=1 s"):
+            receiver.read(endpoint, dst.slab.buffer, SPANS, dst.stream, timeout=1)
