@@ -99,3 +99,20 @@ def test_the_text_report_puts_the_ceilings_table_and_the_staging_line_under_the_
         "consecutive", "scattered"]
     legend = tables.legend_lines(tables.mooncake_legend(1))
     assert out[start + 4 : start + 4 + len(legend)] == legend
+
+
+def test_a_row_from_another_device_names_the_sender_s_device_and_copies_from_it():
+    """``--from-device 1 --transport mooncake``: the sender process ran on device 1, so the
+    row says 1->0 and its copy is a peer copy from device 1 (before: 0->0, a copy within
+    the receiving slab, as if --from-device had not been given)."""
+    from test_transfer import _mooncake_or_skip
+
+    from rocmforge_raw.runtime import get_backend
+
+    host = get_backend("host")
+    _mooncake_or_skip(host).close()
+    if host.num_devices < 2:
+        pytest.skip("the host backend has one device here")
+    row = transfer._row(host, 0, 1, "mooncake", False, 1)
+    assert (row["sender_device"], row["receiver_device"], row["peer_access"]) == (1, 0, True)
+    assert row["engine_gb_per_s"] > 0 and row["copy_gb_per_s"] > 0

@@ -7,7 +7,8 @@ median bytes per second of the transport's read alone and of the whole ``import_
 (layout checks and bookkeeping included). Against them, measured in the same run: the memory
 copy bandwidth of the same path, one copy of the same bytes through the same copy engine
 into the receiving slab (from the sender's slab mapped here where the transport is IPC,
-within the receiving slab otherwise): what a transport on this host approaches. GB/s count
+within the receiving slab otherwise, or from a buffer on the sender's device where that is
+another): what a transport on this host approaches. GB/s count
 the bytes moved (not read plus written, as ``bench --attention``'s copy does). Two rows:
 the sequence's blocks consecutive on both sides (one span per layer and K/V plane) and
 scattered (every block its own span). The slab is random data, never zeros.
@@ -38,6 +39,7 @@ from typing import Any
 import numpy as np
 
 from ..cache import CacheConfig, KvCache
+from ..memory.buffer import HipBuffer
 from ..runtime import Backend
 from . import ceilings
 from .timing import fill_random
@@ -139,10 +141,9 @@ def _row(backend: Backend, device: int, sender_device: int, transport: str, scat
     try:
         desc = _receive(conn, sender)
         plain = _receive(conn, sender) if transport == "mooncake" else None
-        with _link(transport) as link, \
+        with _link(transport) as link, contextlib.ExitStack() as held, \
                 KvCache(transfer_config(backend), device, backend, strict=True) as cache:
-            ipc = desc.endpoints.get("ipc")  # the copy: from the sender's slab mapped here
-            source = cache.slab.buffer if ipc is None else link.mapping(ipc)
+            source = _copy_source(desc, link, cache, sender_device, held)
             seen: list[Any] = []
             row = _measure(transport, scattered, cache, link, desc, source, iters, seen)
             if plain is not None:
@@ -156,6 +157,21 @@ def _row(backend: Backend, device: int, sender_device: int, transport: str, scat
         if sender.is_alive():
             sender.kill()
             sender.join()
+
+
+def _copy_source(desc: Any, link: Any, cache: KvCache, sender_device: int,
+                 held: contextlib.ExitStack) -> HipBuffer:
+    """Where the copy a row is judged against reads: the sender's slab mapped here (IPC),
+    else the receiving slab, or a buffer of its size on the sender's device where that is
+    another (a peer copy, as the row's devices say; ``held`` frees it)."""
+    ipc = desc.endpoints.get("ipc")
+    if ipc is not None:
+        mapped: HipBuffer = link.mapping(ipc)
+        return mapped
+    slab = cache.slab.buffer
+    if sender_device == slab.device:
+        return slab
+    return held.enter_context(HipBuffer(slab.nbytes, sender_device, slab.backend))
 
 
 def _peer_row(backend: Backend, device: int, sender_device: int, scattered: bool,
