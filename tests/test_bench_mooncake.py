@@ -116,3 +116,21 @@ def test_a_row_from_another_device_names_the_sender_s_device_and_copies_from_it(
     row = transfer._row(host, 0, 1, "mooncake", False, 1)
     assert (row["sender_device"], row["receiver_device"], row["peer_access"]) == (1, 0, True)
     assert row["engine_gb_per_s"] > 0 and row["copy_gb_per_s"] > 0
+
+
+def test_a_mooncake_that_cannot_reach_the_backend_s_memory_ends_the_bench_in_one_line(
+        capsys, monkeypatch):
+    """As the demo does: before any process starts, one line saying what to install (before:
+    registering a slab failed, and the bench ended in a traceback)."""
+    from rocmforge_raw.cli.main import main
+    from rocmforge_raw.transport import mooncake
+
+    monkeypatch.setattr(mooncake.MooncakeTransport, "reaches", staticmethod(lambda name: False))
+    with pytest.raises(SystemExit) as stop:
+        main(["bench", "--transfer", "--transport", "mooncake", "--backend", "host",
+              "--iters", "1"])
+    out, err = capsys.readouterr()
+    assert stop.value.code == 2 and out == ""
+    assert err == ("rocmforge-raw bench: error: the installed Mooncake cannot reach host "
+                   "memory: install mooncake-transfer-engine-cuda13 (NVIDIA) or -rocm (AMD), "
+                   "or use --transport ipc\n")

@@ -110,11 +110,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
         verb = "go" if len(given) > 1 else "goes"
         args.parser.error(f"{' and '.join(given)} {verb} with --transfer, which was not given")
     args.transport = args.transport or "ipc"
-    if args.transfer and args.transport == "mooncake":  # before any process starts
-        from ..transport.mooncake import engine_class
-
-        engine_class()
     backend, device = target(args)
+    if args.transfer:  # before any process starts: an engine that is absent or cannot
+        from ..demo.disagg import check_transport  # reach the backend's memory, one line
+
+        check_transport(args.transport, backend)
     if args.from_device is not None:  # a device of the backend, before anything runs
         backend.resolve_device(args.from_device)
     result, lines = cli_bench.run(args, backend, device, where(backend, device, args.backend))
