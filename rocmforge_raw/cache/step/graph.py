@@ -85,8 +85,9 @@ class StepGraph:
     for a graph of ``token_budget``), on the cache's stream. ``headroom``: tokens each
     sequence may grow by before a re-capture. ``token_budget``: one capture for every step
     of up to that many query tokens over up to ``max_seqs`` (default
-    ``graph_budget.DEFAULT_MAX_SEQS``) decodes and as many other sequences; output rows
-    past a step's query tokens hold no result.
+    ``graph_budget.DEFAULT_MAX_SEQS``; at most ``token_budget``) decodes and as many other
+    sequences (more re-capture with larger regions); output rows past a step's query
+    tokens hold no result.
     ``captures``/``replays`` count runs of each kind. Close it (or use ``with``)."""
 
     def __init__(self, cache: Any, headroom: int = 128, scale: float | None = None,
@@ -99,7 +100,8 @@ class StepGraph:
         if max_seqs is not None and token_budget is None:
             raise ValueError(f"max_seqs {checks.show(max_seqs)} is a budget graph's: pass "
                              "token_budget too")
-        self.max_seqs = checks.integer(
+        # (a region never holds more sequences than the budget has tokens)
+        self.max_seqs = None if token_budget is None else checks.integer(
             DEFAULT_MAX_SEQS if max_seqs is None else max_seqs, "max_seqs", 1, 1 << 20)
         self.scale = default_scale(cache.config.head_dim, scale)
         self.shape: GraphShape | None = None
@@ -174,6 +176,7 @@ class StepGraph:
         if self.token_budget is None:
             plan = self._plan(meta, members, activations, q_heads)
         else:
+            assert self.max_seqs is not None  # (set with the budget)
             plan = plan_budget(self, meta, activations, self.token_budget, self.max_seqs,
                                q_heads)
         decode, multi, width = plan.decode, plan.multi, plan.shape.width
