@@ -14,7 +14,9 @@ import pytest
 from conftest import DEVICE
 
 from rocmforge_raw.cli.main import main
+from rocmforge_raw.common.workers import WorkerError
 from rocmforge_raw.errors import BackendUnavailableError
+from rocmforge_raw.runtime import get_backend
 
 
 def run_json(capsys, *argv):
@@ -280,11 +282,29 @@ def test_bench_transfer_ends_with_the_error_its_sender_process_raised():
     """A sender that fails (here: a device the host backend lacks) ends the run at once,
     naming its error, instead of leaving the receiver waiting for the benchmark's timeout."""
     from rocmforge_raw.bench.transfer import bench_transfer
-    from rocmforge_raw.runtime import get_backend
 
     absent = get_backend("host").num_devices  # the sender's, in its own process: the same
-    with pytest.raises(RuntimeError, match=rf"(?s)the sender process failed.*device {absent}"):
+    with pytest.raises(WorkerError, match=rf"^the sender process failed: .*device {absent}") \
+            as failed:
         bench_transfer(get_backend("host"), absent, "ipc", 1)
+    assert "Traceback" in failed.value.traceback  # the whole of it kept (and logged)
+
+
+def test_a_failed_sender_process_ends_the_bench_in_one_line(monkeypatch, capsys):
+    """A spawned process's failure (``WorkerError``: the sender's traceback already logged)
+    is one line of the parser's error, exit status 2, not a traceback of this process."""
+    import rocmforge_raw.bench.transfer as transfer
+
+    def failing(*args, **kwargs):
+        raise WorkerError("the sender process failed: ValueError: no such thing",
+                          "Traceback (most recent call last):\nValueError: no such thing")
+
+    monkeypatch.setattr(transfer, "bench_transfer", failing)
+    with pytest.raises(SystemExit) as ended:
+        main(["bench", "--transfer", "--backend", "host", "--iters", "1"])
+    assert ended.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        "rocmforge-raw bench: error: the sender process failed: ValueError: no such thing")
 
 
 # --- what a new user meets first ---------------------------------------------------------------

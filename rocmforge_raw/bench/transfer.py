@@ -33,12 +33,12 @@ import contextlib
 import multiprocessing as mp
 import statistics
 import time
-import traceback
 from typing import Any
 
 import numpy as np
 
 from ..cache import CacheConfig, KvCache
+from ..common import workers
 from ..memory.buffer import HipBuffer
 from ..runtime import Backend
 from . import ceilings
@@ -66,11 +66,8 @@ def _sender(backend: str, device: int, transport: str, scattered: bool, conn: An
     """The prefill side: a sequence filling half the cache (its blocks every other one when
     ``scattered``), its description sent; waits for a word to end. An error is sent as
     ``("error", traceback)``."""
-    try:
+    with workers.reporting(conn):
         _serve(backend, device, transport, scattered, conn)
-    except BaseException:
-        conn.send(("error", traceback.format_exc()))
-        raise
 
 
 def _serve(backend: str, device: int, transport: str, scattered: bool, conn: Any) -> None:
@@ -242,18 +239,9 @@ def _against_the_engine(row: dict[str, Any], link: Any, parts: list[Any], cache:
 
 
 def _receive(conn: Any, sender: Any) -> Any:
-    """The sender's description; its error raised here as a ``RuntimeError``."""
-    if not conn.poll(TIMEOUT):
-        raise TimeoutError(f"the sender process sent nothing in {TIMEOUT} s")
-    try:
-        message = conn.recv()
-    except EOFError:
-        sender.join(TIMEOUT)
-        raise RuntimeError(f"the sender process ended (exit code {sender.exitcode}) before "
-                           "it sent its description") from None
-    if isinstance(message, tuple) and message[:1] == ("error",):
-        raise RuntimeError(f"the sender process failed:\n{message[1]}")
-    return message
+    """The sender's next message; ``WorkerError`` if it failed (its last line; the whole
+    traceback is logged), ended, or sent nothing in TIMEOUT seconds."""
+    return workers.receive(conn, sender, "the sender process", TIMEOUT)
 
 
 def _spans(desc: Any, config: CacheConfig) -> int:

@@ -18,6 +18,7 @@ from typing import Any, NoReturn
 
 from .._version import version
 from ..common import progress
+from ..common.workers import WorkerError
 from ..errors import BackendUnavailableError, KernelNotAvailableError
 from ..kernels import module
 from ..runtime import BACKEND_NAMES
@@ -256,6 +257,8 @@ def main(argv: list[str] | None = None) -> int:
         return int(args.run(args))
     except (BackendUnavailableError, KernelNotAvailableError) as exc:
         args.parser.error(str(exc))  # what is not here: a backend, a device, a code object
+    except WorkerError as exc:  # a spawned process failed: its traceback is logged above
+        args.parser.error(str(exc))
     except BrokenPipeError:
         return _reader_gone()
     raise AssertionError("unreachable: parser.error exits")

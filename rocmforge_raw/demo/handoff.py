@@ -23,11 +23,9 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import logging
 import multiprocessing as mp
 import os
 import time
-import traceback
 from collections.abc import Hashable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -36,6 +34,8 @@ import numpy as np
 
 from ..cache import CacheConfig, KvCache
 from ..cache.transfer.transport import Transport
+from ..common import workers
+from ..common.workers import WorkerError
 from ..memory.buffer import memory_stats
 from ..memory.waiting import free_waiting
 from ..runtime import get_backend
@@ -43,10 +43,9 @@ from .llama import Llama, LlamaShape, random_weights
 
 #: Seconds either side waits for the other before it gives up (never hangs).
 TIMEOUT = 300.0
-_log = logging.getLogger(__name__)
 
 
-class HandoffError(RuntimeError):
+class HandoffError(WorkerError):
     """The prefill process failed (its traceback is logged), ended early or went silent."""
 
 
@@ -115,19 +114,7 @@ def decode_step(model: Llama, cache: KvCache, seq_ids: Sequence[Hashable], token
 def receive(conn: Any, process: Any, timeout: float = TIMEOUT) -> Any:
     """The prefill process's next message; ``HandoffError`` if it failed (its last line;
     the whole traceback is logged), ended, or sent nothing in ``timeout`` seconds."""
-    if not conn.poll(timeout):
-        raise HandoffError(f"the prefill process sent nothing in {timeout:g} s")
-    try:
-        message = conn.recv()
-    except EOFError:
-        process.join(TIMEOUT)
-        raise HandoffError(f"the prefill process ended (exit status {process.exitcode}) "
-                           "before it said it was done") from None
-    if isinstance(message, tuple) and message[:1] == ("error",):
-        _log.error("the prefill process failed:\n%s", message[1])
-        last = message[1].strip().splitlines()[-1]
-        raise HandoffError(f"the prefill process failed: {last}")
-    return message
+    return workers.receive(conn, process, "the prefill process", timeout, HandoffError)
 
 
 def spawn_prefill(backend: str, device: int, transport: str, config: CacheConfig,
@@ -170,12 +157,9 @@ def prefill_worker(backend: str, device: int, transport: str, config: CacheConfi
                    shape: LlamaShape, weights_seed: int, prompts: list[np.ndarray],
                    chunk: int, conn: Any) -> None:
     """The prefill process (module docstring); ``conn`` is its end of the pipe."""
-    try:
+    with workers.reporting(conn):
         _prefill_all(backend, device, transport, config, shape, weights_seed, prompts, chunk,
                      conn)
-    except BaseException:
-        conn.send(("error", traceback.format_exc()))
-        raise
 
 
 def _prefill_all(backend: str, device: int, transport: str, config: CacheConfig,
