@@ -520,3 +520,14 @@ def test_bench_over_mooncake_without_the_engine_says_so_in_one_line(tmp_path):
     assert result.returncode == 2 and result.stdout == ""
     assert result.stderr.count("\n") == 1, result.stderr
     assert "Mooncake's Transfer Engine cannot be loaded (no engine here)" in result.stderr
+
+
+def test_iterations_past_what_a_heavy_bench_takes_are_capped_and_said():
+    from rocmforge_raw.cli.bench import HEAVY_ITERS, _heavy
+
+    lines = []
+    assert _heavy(HEAVY_ITERS, "--offload", lines) == HEAVY_ITERS and lines == []
+    assert _heavy(HEAVY_ITERS + 30, "--offload", lines) == HEAVY_ITERS
+    assert lines == [f"bench --offload: --iters {HEAVY_ITERS + 30} capped at {HEAVY_ITERS} "
+                     "(each run times a whole workload)"]
+    assert "take at most 20 and say so" in " ".join(cli("bench", "--help").stdout.split())

@@ -52,20 +52,36 @@ def _step(backend: Backend, device: int, result: dict[str, Any]) -> list[str]:
     return lines + tables.step_table(rows)
 
 
+#: Timed runs per measurement of the benches whose runs each move or compute a whole
+#: workload (--prefill, --transfer, --offload): more asked for are capped, and said.
+HEAVY_ITERS = 20
+
+
+def _heavy(iters: int, what: str, lines: list[str]) -> int:
+    """``iters`` capped at HEAVY_ITERS for bench ``what``, a line in ``lines`` saying so."""
+    if iters > HEAVY_ITERS:
+        lines.append(f"bench {what}: --iters {iters} capped at {HEAVY_ITERS} (each run "
+                     "times a whole workload)")
+    return min(iters, HEAVY_ITERS)
+
+
 def _prefill(backend: Backend, device: int, iters: int, result: dict[str, Any]) -> list[str]:
     from ..bench.prefill import BANDWIDTH_TARGET_PCT, bench_mixed_step, bench_prefill
 
+    notes: list[str] = []
+    iters = _heavy(iters, "--prefill", notes)
     with progress.ticking("bench --prefill", leave=False):
         copy = result.get("copy_gb_per_s") or timing.copy_bandwidth(backend, device)
         result["copy_gb_per_s"] = copy
-        found = bench_prefill(backend, device, copy, min(iters, 20))
+        found = bench_prefill(backend, device, copy, iters)
         step = bench_mixed_step(backend, device)
     result["prefill"] = {**found, "mixed_step": step}
-    lines = [f"attention over many query tokens, bf16, 32/8 heads, head_dim 128, block 16: "
-             f"TFLOP/s over causal FLOPs; % of the matrix units' rate measured now "
+    lines = [*notes, f"attention over many query tokens, bf16, 32/8 heads, head_dim 128, "
+             "block 16: "
+             "TFLOP/s over causal FLOPs; % of the matrix units' rate measured now "
              f"({found['matrix_tflops']:.0f} TFLOP/s); P4/P5 also % of copy bandwidth "
              f"({copy:.0f} GB/s; target {BANDWIDTH_TARGET_PCT:.0f} %)",
-             *tables.prefill_table(found["rows"], min(iters, 20))]
+             *tables.prefill_table(found["rows"], iters)]
     lines.append(f"mixed step through the cache ({step['layers']} layers of P5): kernels "
                  f"{step['kernels_ms']:.3f} ms; plain {step['step_ms']:.3f} ms (ratio "
                  f"{step['step_over_kernels']:.3f}, batch {step['batch_host_us']:.0f} us "
@@ -96,30 +112,34 @@ def _transfer(backend: Backend, device: int, transport: str, iters: int,
               sender_device: int | None, result: dict[str, Any]) -> list[str]:
     from ..bench.transfer import bench_transfer
 
+    notes: list[str] = []
+    iters = _heavy(iters, "--transfer", notes)
     with progress.ticking(f"bench --transfer over {transport}", leave=False):
-        rows = result["transfer"] = bench_transfer(backend, device, transport, min(iters, 20),
+        rows = result["transfer"] = bench_transfer(backend, device, transport, iters,
                                                    sender_device)
-    lines = [f"a sequence's KV between two processes over {transport}, or two caches of one "
-             "process (peer) (median; copy: the same bytes through the same copy engine, a "
-             "peer copy across devices)", *tables.transfer_table(rows, min(iters, 20))]
+    lines = [*notes, f"a sequence's KV between two processes over {transport}, or two caches "
+             "of one process (peer) (median; copy: the same bytes through the same copy "
+             "engine, a peer copy across devices)", *tables.transfer_table(rows, iters)]
     ours = [r for r in rows if "engine_gb_per_s" in r]
     if not ours:
         return lines
     staging = ours[0]["staging"] or "none: the slabs are host memory"
     return [*lines, "mooncake against its ceilings, in the same run (TCP on loopback; "
-            f"device<->host staging: {staging})", *tables.mooncake_table(ours, min(iters, 20))]
+            f"device<->host staging: {staging})", *tables.mooncake_table(ours, iters)]
 
 
 def _offload(backend: Backend, device: int, iters: int, result: dict[str, Any]) -> list[str]:
     from ..bench.offload import TARGET_PCT, bench_offload
 
+    notes: list[str] = []
+    iters = _heavy(iters, "--offload", notes)
     with progress.ticking("bench --offload", leave=False):
-        rows = result["offload"] = bench_offload(backend, device, min(iters, 20))
+        rows = result["offload"] = bench_offload(backend, device, iters)
     what = ("memcpy between host buffers (the host backend has no copy engine)"
             if backend.name == "host" else "pinned host <-> device copies of the same bytes")
-    lines = [f"a sequence's KV swapped to the host tier and back (median; copy: {what}; "
-             f"target {TARGET_PCT:.0f} % each way)"]
-    return lines + tables.offload_table(rows, min(iters, 20))
+    lines = [*notes, f"a sequence's KV swapped to the host tier and back (median; copy: "
+             f"{what}; target {TARGET_PCT:.0f} % each way)"]
+    return lines + tables.offload_table(rows, iters)
 
 
 def run(args: argparse.Namespace, backend: Backend, device: int, where: str

@@ -206,7 +206,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="with --transfer: the sender's device (default: --device); "
                             "another device adds peer copies and in-process peer rows")
     bench.add_argument("--iters", type=flags.count(1, MAX_ITERS), default=50,
-                       help=f"timed runs per measurement, in [1, {MAX_ITERS}]")
+                       help=f"timed runs per measurement, in [1, {MAX_ITERS}] (--prefill, "
+                            "--transfer and --offload take at most 20 and say so; --step and "
+                            "--cache time fixed counts)")
     bench.set_defaults(run=cmd_bench)
     return parser
 
