@@ -104,7 +104,7 @@ class StepGraph:
         self.max_seqs = None if token_budget is None else checks.integer(
             DEFAULT_MAX_SEQS if max_seqs is None else max_seqs, "max_seqs", 1, 1 << 20)
         self.scale = default_scale(cache.config.head_dim, scale)
-        self.shape: GraphShape | None = None
+        self.shape: GraphShape | BudgetShape | None = None
         self.captures = self.replays = 0
         self._graph: Any = None
         self._exec: Any = None
