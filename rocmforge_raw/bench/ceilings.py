@@ -30,7 +30,7 @@ import numpy as np
 
 from ..memory.buffer import HipBuffer
 from ..runtime import Backend
-from ..transport.mooncake import engine_class
+from ..transport.mooncake import batch_read, engine_class
 
 #: Ours as a share of the engine's own batch of the same bytes that the issue asks for (%).
 TARGET_PCT = 85.0
@@ -74,16 +74,9 @@ class PlainEngine:
 
     def read(self, source: PlainSource, runs: np.ndarray) -> tuple[float, float]:
         """(post, wire) seconds of one batch reading ``runs`` (int64 ``[n, 3]``: source
-        offset, offset here, bytes) of ``source`` into this engine's buffer."""
-        start = time.perf_counter()
-        batch = self.engine.batch_transfer_async_read(
-            source.session, (self.buffer.ptr + runs[:, 1]).tolist(),
-            (source.address + runs[:, 0]).tolist(), runs[:, 2].tolist())
-        posted = time.perf_counter()
-        if batch in (0, -1, 2**64 - 1) or self.engine.get_batch_transfer_status([batch]) != 0:
-            raise RuntimeError(f"the engine's batch of {len(runs)} reads from "
-                               f"{source.session} failed (its log says why)")
-        return posted - start, time.perf_counter() - posted
+        offset, offset here, bytes) of ``source`` into this engine's buffer (the transport's
+        own ``batch_read``)."""
+        return batch_read(self.engine, source.session, source.address, self.buffer.ptr, runs)
 
     def close(self) -> None:
         """Unregister and free the buffer, then stop the engine; idempotent."""

@@ -94,6 +94,23 @@ class ReadTimes:
         return self.post_s + self.wire_s
 
 
+def batch_read(engine: Any, session: str, src_address: int, dst_ptr: int,
+               runs: np.ndarray) -> tuple[float, float]:
+    """Post ``runs`` (int64 ``[n, 3]``: source offset, destination offset, bytes) as one
+    batch of reads from ``src_address`` of the engine at ``session`` into ``dst_ptr`` and
+    wait for it: (post, wire) seconds; ``TransferError`` if the engine fails the batch."""
+    start = time.perf_counter()
+    batch = engine.batch_transfer_async_read(
+        session, (dst_ptr + runs[:, 1]).tolist(), (src_address + runs[:, 0]).tolist(),
+        runs[:, 2].tolist())
+    posted = time.perf_counter()
+    status = -1 if batch in _NO_BATCH else engine.get_batch_transfer_status([batch])
+    if status != 0:
+        raise TransferError(f"reading {int(runs[:, 2].sum())} bytes in {len(runs)} spans "
+                            f"from {session} failed (batch {batch}, status {status}; the "
+                            "engine's log says why)")
+    return posted - start, time.perf_counter() - posted
+
 class MooncakeTransport(Transport):
     """One Transfer Engine listening on ``hostname`` (peer-to-peer handshake, no metadata
     server); ``protocol`` ``tcp`` or ``rdma`` (then ``device_name``: the NICs, such as
@@ -170,27 +187,12 @@ class MooncakeTransport(Transport):
         start = time.perf_counter()  # the limit holds for the wait and the batch together
         wait(dst, stream, timeout)  # the engine writes outside the stream: after that work
         runs = merged_spans(spans)
-        times = self._batch_read(endpoint, dst.ptr, runs)
-        self.last_read = times
+        self.last_read = ReadTimes(runs, *batch_read(self._engine, endpoint.session,
+                                                     endpoint.address, dst.ptr, runs))
         took = time.perf_counter() - start
         if timeout is not None and took > timeout:
             raise TransferError(f"the read took {took:.3g} s, more than timeout={timeout:g} s "
                                 "(the engine's call cannot be cut short)")
-
-    def _batch_read(self, endpoint: MooncakeEndpoint, dst_ptr: int,
-                    runs: np.ndarray) -> ReadTimes:
-        """Post ``runs`` (merged spans) as one batch of reads into ``dst_ptr`` and wait for it."""
-        start = time.perf_counter()
-        batch = self._engine.batch_transfer_async_read(
-            endpoint.session, (dst_ptr + runs[:, 1]).tolist(),
-            (endpoint.address + runs[:, 0]).tolist(), runs[:, 2].tolist())
-        posted = time.perf_counter()
-        status = -1 if batch in _NO_BATCH else self._engine.get_batch_transfer_status([batch])
-        if status != 0:
-            raise TransferError(f"reading {int(runs[:, 2].sum())} bytes in {len(runs)} "
-                                f"spans from {endpoint.session} failed (batch {batch}, status "
-                                f"{status}; the engine's log says why)")
-        return ReadTimes(runs, posted - start, time.perf_counter() - posted)
 
     def close(self) -> None:
         """Unregister every buffer (closed ones are freed now) and stop the engine."""
