@@ -21,6 +21,8 @@ RF_DEVICE void rf_syncwarp() { __syncwarp(); }
 RF_DEVICE float rf_shfl_xor(float v, int mask) { return __shfl_xor_sync(0xffffffffu, v, mask); }
 template <int MASK>
 RF_DEVICE float rf_shfl_xor_c(float v) { return __shfl_xor_sync(0xffffffffu, v, MASK); }
+// whether p holds in any lane of the warp (every lane calls)
+RF_DEVICE bool rf_warp_any(bool p) { return __any_sync(0xffffffffu, p); }
 RF_DEVICE void rf_sched_fence() {}   // AMD's register-pressure controls: not needed here
 RF_DEVICE int rf_uniform(int x) { return x; }
 RF_DEVICE void rf_opaque(int& x) { asm volatile("" : "+r"(x)); }  // as on AMD (below)

@@ -38,6 +38,9 @@ RF_DEVICE float rf_pf_rescale(float& m_run, float mx) {
 // The max to weigh a row's scores against: its max, or 0 while every score is -inf (then
 // every weight is 2^-inf = 0, never NaN).
 RF_DEVICE float rf_pf_safe(float m) { return m == -RF_INF ? 0.f : m; }
+// How far (log2 units) a row's scores may pass its running max before the max moves (the
+// NVIDIA mma path's lazy rescale): weights up to 2^8, which 16-bit P and float32 sums hold.
+#define RF_PF_SLACK 8.f
 RF_DEVICE float rf_pf_weight(float s, float m) { return s == -RF_INF ? 0.f : rf_exp2(s - m); }
 
 #if defined(RF_HAVE_MMA)
@@ -140,6 +143,9 @@ struct rf_pf_mma {
             s[mt][j][e] = p <= lim[mt][e / 2] ? s[mt][j][e] : -RF_INF;
           }
     }
+    // The running max moves only when a row's tile max passes it by more than RF_PF_SLACK
+    // (log2 units): weights stay below 2^RF_PF_SLACK, and the warp rescales an m-tile's sums
+    // and outputs only in the tiles where one of its rows' max moved (few, once it settled)
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
       float mx[2] = {-RF_INF, -RF_INF};
@@ -147,19 +153,26 @@ struct rf_pf_mma {
       for (int j = 0; j < NT; ++j)
 #pragma unroll
         for (int e = 0; e < 4; ++e) mx[e / 2] = rf_fmaxnum(mx[e / 2], s[mt][j][e]);
-      float alpha[2], base[2];
+      bool grow[2];
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
         mx[r] = rf_fmaxnum(mx[r], rf_shfl_xor_c<1>(mx[r]));  // the row's 4 lanes
         mx[r] = rf_fmaxnum(mx[r], rf_shfl_xor_c<2>(mx[r])) * qscale;  // (qscale > 0)
-        alpha[r] = rf_pf_rescale(m_run[mt][r], mx[r]);
-        l_part[mt][r] *= alpha[r];
-        base[r] = rf_pf_safe(m_run[mt][r]);
+        grow[r] = mx[r] > m_run[mt][r] + RF_PF_SLACK;  // (-inf + slack: any finite max)
       }
+      if (rf_warp_any(grow[0] || grow[1])) {
+        float alpha[2];
 #pragma unroll
-      for (int dt = 0; dt < DT; ++dt)
+        for (int r = 0; r < 2; ++r) {
+          alpha[r] = grow[r] ? rf_pf_rescale(m_run[mt][r], mx[r]) : 1.f;
+          l_part[mt][r] *= alpha[r];
+        }
 #pragma unroll
-        for (int e = 0; e < 4; ++e) acc[mt][dt][e] *= alpha[e / 2];
+        for (int dt = 0; dt < DT; ++dt)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) acc[mt][dt][e] *= alpha[e / 2];
+      }
+      const float base[2] = {rf_pf_safe(m_run[mt][0]), rf_pf_safe(m_run[mt][1])};
 #pragma unroll
       for (int j = 0; j < NT; ++j)
 #pragma unroll

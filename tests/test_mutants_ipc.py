@@ -62,7 +62,7 @@ def test_a_mapping_whose_exporter_exited_is_closed_dropped_and_named(backend):
     link.close()
 
 
-
+@pytest.mark.foreign_writes  # (IPC: the sender's process writes what this reads)
 def test_a_read_copies_on_the_stream_it_is_given(backend, monkeypatch):
     """The spans are copied on the receiver's stream (ordered after what it queued into
     the destination), not on the default stream, and the bytes arrive."""

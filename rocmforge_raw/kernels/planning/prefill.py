@@ -66,10 +66,10 @@ def prefill_shape(backend: str, dtype: np.dtype, cache_dtype: np.dtype, head_dim
         stages, widen_in_copy = 1, fp8
     else:  # two m-tiles a warp for 16-bit WM = 4 up to head_dim 128 (rf_pf_shape::MT)
         mt = 2 if wm == 4 and not f32 and not fp8 and head_dim <= 128 else 1
-        bn = ({64: 64, 128: 32}.get(head_dim, 16) if f32 else
-              (64 if head_dim <= 128 and not (mt == 2 and head_dim == 128) else 32))
+        bn = {64: 64, 128: 32}.get(head_dim, 16) if f32 else (64 if head_dim <= 128 else 32)
         stage_bytes = 2 * bn * head_dim * cache_dtype.itemsize  # rf_pf_shape::STAGES
-        stages = (4 if stage_bytes <= 16384 else 3) if head_dim <= 128 and not f32 else 2
+        big = 2 if mt == 2 else 3  # stages of more than 16 KiB
+        stages = (4 if stage_bytes <= 16384 else big) if head_dim <= 128 and not f32 else 2
         widen_in_copy = False
     bm = 16 * wm * mt
     e_row = head_dim * dtype.itemsize
