@@ -104,8 +104,9 @@ class HostTier:
         return len(self._free) + len(self._cached)
 
     def peek(self, count: int, keep: AbstractSet[int] = frozenset()) -> list[int]:
-        """The blocks ``take(count, keep)`` would hand out, changing nothing."""
-        free = self._free[len(self._free) - min(count, len(self._free)) :][::-1]
+        """The blocks ``take(count, keep)`` would hand out, changing nothing (in no
+        particular order: callers pair them with their sources, ``tiered.paired``)."""
+        free = self._free[len(self._free) - min(count, len(self._free)) :]
         cached = (b for b in self._cached if b not in keep)
         return free + [next(cached) for _ in range(count - len(free))]
 
@@ -131,12 +132,12 @@ class HostTier:
             self._cached.pop(block, None)
         self.ref_cnt[block] += 1
 
-    def name(self, block: int, digest: bytes, parent: bytes | None = None,
-             tokens: np.ndarray | None = None) -> None:
-        """``block`` (just taken) holds the prefix ``digest``; unheld, it joins the cached
-        blocks as the most recently used."""
+    def name(self, block: int, digest: bytes) -> None:
+        """``block`` (just taken) holds the prefix ``digest`` (announced with the parent and
+        tokens the events remember for it); unheld, it joins the cached blocks as the most
+        recently used."""
         self.hashes[block], self.index[digest] = digest, block
-        self.events.stored(digest, HOST, parent, tokens)
+        self.events.stored(digest, HOST)
         if self.ref_cnt[block] == 0:
             self._cached[block] = None
 
@@ -190,7 +191,7 @@ class HostTier:
     def check(self) -> None:
         """Raise ``AssertionError`` naming the first broken invariant of the tier."""
         held = [s.blocks for s in self.sequences.values()]
-        counts = np.bincount(np.concatenate(held or [np.zeros(0, np.int64)]).astype(np.int64),
+        counts = np.bincount(np.concatenate([np.zeros(0, np.int64), *held]),
                              minlength=self.num_blocks)
         assert (counts == self.ref_cnt).all(), "host ref counts differ from holders"
         free, cached = set(self._free), set(self._cached)
@@ -206,17 +207,17 @@ class HostTier:
 
     # --- copies ------------------------------------------------------------------------------
     def copy(self, device_ids: Any, host_ids: Any, to_host: bool, stream: Stream | None
-             ) -> int:
+             ) -> None:
         """Queue the copies of device blocks ``device_ids[i]`` to host blocks ``host_ids[i]``
         (``to_host``) or back, on ``stream``: one 2-D copy per run of blocks consecutive on
         both sides (one per plane where a pitch exceeds ``MAX_PITCH``), or, where that would
         be many short copies, one launch that moves every run of every plane either way
         (``ops.copy_pieces``; the device reaches pinned memory directly;
-        ``KERNEL_BELOW_BYTES``). Returns the bytes."""
-        dev, host = np.asarray(device_ids, np.int64), np.asarray(host_ids, np.int64)
+        ``KERNEL_BELOW_BYTES``)."""
+        dev, host = np.asarray(device_ids), np.asarray(host_ids)  # distinct integers
         if not dev.size:
-            return 0
-        order = np.argsort(dev, kind="stable")
+            return
+        order = np.argsort(dev)
         dev, host = dev[order], host[order]
         cut = np.flatnonzero((np.diff(dev) != 1) | (np.diff(host) != 1)) + 1
         starts = np.concatenate([[0], cut])
@@ -229,8 +230,8 @@ class HostTier:
                 and self.by_kernel:
             ops.copy_pieces(self.backend, self.device,
                             self._pieces(dev[starts], host[starts], lengths, to_host), stream)
-            return int(dev.size) * self.block_bytes
-        handle = stream_handle(stream, "stream", self.backend, self.device)
+            return
+        handle = stream_handle(stream, backend=self.backend, device=self.device)
         for start, length in zip(starts.tolist(), lengths.tolist()):
             dev_ptr = self.slab_ptr + int(dev[start]) * chunk
             host_ptr = self.memory.ptr + int(host[start]) * chunk
@@ -242,7 +243,6 @@ class HostTier:
                 else:
                     self.backend.memcpy_2d(d, dev_pitch, h, host_pitch, length * chunk, rows,
                                            False, handle)
-        return int(dev.size) * self.block_bytes
 
     def _pieces(self, dev: np.ndarray, host: np.ndarray, lengths: np.ndarray,
                 to_host: bool) -> np.ndarray:
