@@ -53,12 +53,12 @@ class StreamOrder:
                 self._pending = False
             else:
                 self.backend.stream_wait_event(
-                    stream_handle(stream, "stream", self.backend, self.device),
+                    stream_handle(stream, backend=self.backend, device=self.device),
                     self._copied.handle)
 
     def before_copies(self, stream: Stream | None) -> None:
         """Copies are about to be queued on ``stream``: it waits for the others' work."""
-        handle = stream_handle(stream, "stream", self.backend, self.device)  # activates it
+        handle = stream_handle(stream, backend=self.backend, device=self.device)  # activates it
         for other in self._streams.values():
             if other is stream:
                 continue
