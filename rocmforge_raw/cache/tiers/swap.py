@@ -250,28 +250,24 @@ class TierOps(PrefixTiers):
         return list(tables)
 
     def _swap_in_plan(self, ids: list[Hashable]
-                      ) -> tuple[list[int], dict[int, None], list[list[tuple[str, int]]]]:
+                      ) -> tuple[list[int], dict[int, None], list[list[tuple[bool, int]]]]:
         """(device blocks to take, host blocks to copy in (ordered, distinct), per sequence
-        where each block comes from: ("device", id) or ("host", id))."""
+        where each block comes from: (on the host tier, block), as ``_lookup`` says)."""
         host, index = self._tier, self.pool.index
-        hits: dict[int, None] = {}
-        fills: dict[int, None] = {}
         plan = []
         for seq_id in ids:
             where = []
             for block in host.sequences[seq_id].blocks.tolist():
-                device = index.get(host.hashes.get(block, b""))
-                if device is not None:
-                    hits[device] = None
-                    where.append(("device", device))
-                else:
-                    fills[block] = None
-                    where.append(("host", block))
+                digest = host.hashes.get(block)  # None: a partial block, never shared
+                device = None if digest is None else index.get(digest)
+                where.append((True, block) if device is None else (False, device))
             plan.append(where)
+        hits = dict.fromkeys(b for where in plan for on_host, b in where if not on_host)
+        fills = dict.fromkeys(b for where in plan for on_host, b in where if on_host)
         return list(hits), fills, plan
 
     def _swapped_in(self, ids: list[Hashable], hits: list[int], placed: dict[int, int],
-                    plan: list[list[tuple[str, int]]], now: float) -> None:
+                    plan: list[list[tuple[bool, int]]], now: float) -> None:
         """The bookkeeping of a swap-in whose blocks are taken and copied."""
         host, pool = self._tier, self.pool
         names = [(d, host.hashes[h]) for h, d in placed.items() if h in host.hashes]
@@ -282,8 +278,8 @@ class TierOps(PrefixTiers):
         seen: set[int] = set()
         for seq_id, where in zip(ids, plan):
             record = host.sequences.pop(seq_id)
-            table = np.array([block if tier == "device" else placed[block]
-                              for tier, block in where], np.int32)
+            table = np.array([placed[block] if on_host else block
+                              for on_host, block in where], np.int32)
             for block in table.tolist():
                 if block in seen:
                     extra.append(block)

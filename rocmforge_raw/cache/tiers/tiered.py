@@ -73,7 +73,8 @@ class PrefixTiers(CacheCore):
             return self._needed(fresh, hits, ref_cnt)  # hits off the free list count
 
         saved = None  # preempting before a copy: undone by a restore if the copy fails
-        if self._host is not None and blocks_needed([], self.pool.ref_cnt) > self.pool.num_free:
+        if self._host is not None and self._needed(fresh, hits, self.pool.ref_cnt) > \
+                self.pool.num_free:
             saved = self._save()
         try:
             preempted, swapped = self._make_room(blocks_needed, [], self.stream, now)
@@ -85,8 +86,7 @@ class PrefixTiers(CacheCore):
         promoted = iter(new[: len(fill)].tolist())
         ids = np.array([next(promoted) if on_host else block for on_host, block in found]
                        + new[len(fill) :].tolist(), np.int32)
-        named = [i for i, (on_host, _) in enumerate(found) if on_host]
-        self._name(ids, hashes, named + list(range(len(found), len(hashes))), tokens)
+        self._name(ids, hashes, list(range(len(hashes))), tokens)  # (the hits keep theirs)
         self._promoted(fill)
         return ids, len(found), preempted, swapped
 
@@ -160,7 +160,7 @@ class PrefixTiers(CacheCore):
 
     def _needed(self, fresh: int, hits: list[int], ref_cnt: np.ndarray) -> int:
         """Free blocks that ``fresh`` new blocks and taking ``hits`` use up."""
-        return fresh + int(np.count_nonzero(ref_cnt[hits] == 0)) if hits else fresh
+        return fresh + int(np.count_nonzero(ref_cnt[hits] == 0))
 
     def _allocate(self, count: int, stream: Stream | None, taking: Sequence[int] = (),
                   fill: list[int] | None = None) -> np.ndarray:
@@ -230,7 +230,6 @@ def paired(sources: list[int], targets: Any) -> list[int]:
     """``targets`` reordered so that the i-th smallest of ``sources`` goes to the i-th
     smallest target: blocks consecutive on one side meet consecutive ones on the other."""
     out = np.empty(len(sources), np.int64)
-    out[np.argsort(np.asarray(sources, np.int64), kind="stable")] = np.sort(
-        np.asarray(targets, np.int64))
+    out[np.argsort(sources)] = np.sort(targets)  # sources are distinct: any sort pairs alike
     result: list[int] = out.tolist()
     return result
