@@ -4,7 +4,12 @@ by survivors of mutation testing (issue 44, item 4).
 An imported block is announced without tokens (the receiving cache never saw them); once a
 prompt names it, the tokens are known and every later announcement carries them. A promotion
 reads host blocks and writes device blocks: a failed one forgets only what it may have
-written, and a restore after its copies forgets the device blocks they wrote."""
+written, and a restore after its copies forgets the device blocks they wrote.
+
+``EventQueue`` remembers a hash's parent and tokens while any tier holds it; an undone
+operation (``truncate``) gives that memory back as well as taking its events back, so that a
+later store in another tier is still announced with them. No public operation undoes a
+clear (``clear_prefix_cache`` cannot fail after it), so that case is held at the queue."""
 
 from __future__ import annotations
 
@@ -14,6 +19,7 @@ from tier_helpers import FlakyHost, read, write
 
 from rocmforge_raw.cache import BlockRemoved, BlockStored, CacheConfig, KvCache
 from rocmforge_raw.cache.blocks.prefix import block_hashes
+from rocmforge_raw.cache.events import DEVICE, HOST, EventQueue
 from rocmforge_raw.errors import DeviceError
 from rocmforge_raw.transport import PeerTransport
 
@@ -121,3 +127,52 @@ def test_a_restore_after_a_promotions_copies_forgets_the_device_blocks_they_wrot
         assert r0 not in cache.pool.index and cache._host.index == host_index
         assert list(cache.events()) == [BlockRemoved(r0, "device")]
         cache.check_invariants()
+
+
+# --- the queue's memory of parents and tokens ------------------------------------------------
+PARENT, BLOCK = b"p" * 16, b"b" * 16
+
+
+def announced(queue: EventQueue) -> list:
+    queue.commit()
+    return queue.drain().events
+
+
+def test_a_store_that_brings_the_tokens_brings_the_parent_with_them():
+    queue = EventQueue(8)
+    queue.stored(BLOCK, DEVICE)  # known by hash alone, as an imported block can be
+    queue.stored(BLOCK, HOST, PARENT, np.array([5, 6]))
+    assert announced(queue) == [BlockStored(BLOCK, None, (), DEVICE),
+                                BlockStored(BLOCK, PARENT, (5, 6), HOST)]
+
+
+@pytest.mark.parametrize("also_on_host", [False, True], ids=["device-only", "both-tiers"])
+def test_an_undone_removal_keeps_the_parent_and_tokens_for_a_later_store(also_on_host):
+    """The device's removal of a prefix is undone: the device still holds it, so once the
+    host tier's copy (if any) is gone, a new host copy is still announced in full."""
+    queue = EventQueue(16)
+    queue.stored(BLOCK, DEVICE, PARENT, np.array([5, 6]))
+    if also_on_host:
+        queue.stored(BLOCK, HOST)
+    announced(queue)
+    mark = queue.mark()
+    queue.removed(BLOCK, DEVICE)
+    queue.truncate(mark)
+    assert announced(queue) == []
+    if also_on_host:
+        queue.removed(BLOCK, HOST)
+        assert announced(queue) == [BlockRemoved(BLOCK, HOST)]
+    queue.stored(BLOCK, HOST)
+    assert announced(queue) == [BlockStored(BLOCK, PARENT, (5, 6), HOST)]
+
+
+def test_an_undone_clear_keeps_the_parent_and_tokens_of_the_prefixes_still_held():
+    queue = EventQueue(16)
+    queue.stored(BLOCK, DEVICE, PARENT, np.array([5, 6]))
+    announced(queue)
+    mark = queue.mark()
+    queue.cleared()
+    queue.truncate(mark)
+    assert announced(queue) == []
+    queue.stored(BLOCK, HOST)
+    assert announced(queue) == [BlockStored(BLOCK, PARENT, (5, 6), HOST)]
