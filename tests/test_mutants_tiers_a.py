@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from tier_helpers import read, write
+from tier_helpers import poisoned, read, write
 
 import rocmforge_raw as rf
 from rocmforge_raw.cache import CacheConfig, KvCache
@@ -96,7 +96,7 @@ def test_a_pitch_past_the_drivers_limit_copies_one_plane_at_a_time(monkeypatch, 
     # the host tier's pitch is 16 blocks of 2048 bytes (one block of one plane): 32768
     monkeypatch.setattr(host_tier, "MAX_PITCH", limit)
     backend = Recorder(limit)
-    with KvCache(config(), backend=backend) as cache:
+    with poisoned(KvCache(config(), backend=backend)) as cache:
         a, b = added(cache, "a", 20, 1.0), added(cache, "b", 9, 50.0)
         backend.copies.clear()
         cache.swap_out(["a"])
@@ -122,7 +122,7 @@ def launching_cache(monkeypatch, cfg: CacheConfig, stream_too: bool = True):
     """A cache whose host tier moves by launches (as on a device backend: ``Device``), on
     the host backend, whose K/V writes need no kernels."""
     backend = Recorder()
-    cache = KvCache(cfg, backend=backend)
+    cache = poisoned(KvCache(cfg, backend=backend))
     stream = rf.Stream(backend=backend) if stream_too else None
     launches: list[int] = []
     monkeypatch.setattr(cache._host, "by_kernel", True)

@@ -56,6 +56,14 @@ def host_planes(cache: KvCache) -> np.ndarray:
         2 * c.num_layers, host.num_blocks, c.num_kv_heads, c.block_size, c.head_dim)
 
 
+def poisoned(cache: KvCache) -> KvCache:
+    """``cache`` with its host tier filled with NaN: pinned memory is not cleared, so host
+    memory that no copy reached would otherwise read as whatever an earlier test left at the
+    same address (often the very values a test writes again)."""
+    host_planes(cache)[...] = np.nan
+    return cache
+
+
 def read(cache: KvCache, seq_id: Hashable, layer: int | None = None) -> np.ndarray:
     """The K values of ``seq_id``'s tokens (first element of each row) in ``layer`` (default
     the last), from the slab or, swapped out, from the host tier; V must match them."""
