@@ -1,10 +1,11 @@
 """Builds the compiled core with Cython: the allocators and C kernel launches
 (``runtime/_alloc``, ``runtime/_launch``), device memory (``memory/``: the registry, ``HipBuffer``,
 ``MemoryPool`` over its stream-ordered core, the DLPack capsules' release callbacks), the
-attention's work split and a step's packing (``kernels/planning/_worksplit``, ``kernels/_pack``)
-and a decode step's bookkeeping (``cache/blocks/_tables``, ``_rows``). Plain C against
-Python's headers only: the GPU fast paths take the bindings' C functions at run time, so
-neither cuda.h nor the ROCm headers are needed. Everything else is in pyproject.toml.
+attention's work split, the multi-token launch's items and a step's packing
+(``kernels/planning/_worksplit``, ``_prefill``, ``kernels/_pack``) and a step's bookkeeping
+(``cache/blocks/_tables``, ``_rows``). Plain C against Python's headers only: the GPU fast
+paths take the bindings' C functions at run time, so neither cuda.h nor the ROCm headers are
+needed. Everything else is in pyproject.toml.
 """
 
 import shutil
@@ -17,7 +18,8 @@ MODULES = ("rocmforge_raw.runtime._alloc", "rocmforge_raw.runtime._launch",
            "rocmforge_raw.memory._registry", "rocmforge_raw.memory.buffer",
            "rocmforge_raw.memory._pool_core", "rocmforge_raw.memory.pool",
            "rocmforge_raw.memory._dlpack_release",
-           "rocmforge_raw.kernels.planning._worksplit", "rocmforge_raw.kernels._pack",
+           "rocmforge_raw.kernels.planning._worksplit", "rocmforge_raw.kernels.planning._prefill",
+           "rocmforge_raw.kernels._pack",
            "rocmforge_raw.cache.blocks._tables", "rocmforge_raw.cache.blocks._rows")
 
 #: A step's loops over block tables want vectorizing (a copy fused with a range check, 2x

@@ -386,7 +386,9 @@ CORE = {"memory/_freelist.pxd": POOL_TESTS, "memory/_pool_core.pyx": POOL_TESTS,
         "cache/blocks/_tables.pyx": _ROWS_TESTS, "cache/blocks/_rows.pyx": _ROWS_TESTS,
         "kernels/_pack.pyx": ("tests/test_steprows.py", "tests/test_step_plans.py"),
         "kernels/planning/_worksplit.pyx": ("tests/test_step_plans.py", "tests/test_ops.py",
-                                            "tests/test_graph.py")}
+                                            "tests/test_graph.py"),
+        "kernels/planning/_prefill.pyx": ("tests/test_plan_reference.py",
+                                          "tests/test_multi_token.py")}
 
 #: Where a .pxd's inline code is compiled (its .c and .so are put back after a mutant).
 COMPILED_INTO = {"rocmforge_raw/memory/_freelist.pxd": "rocmforge_raw/memory/_pool_core"}

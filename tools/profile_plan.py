@@ -10,7 +10,9 @@ directly with the arrays ``batch`` hands them (a host cache's own ``gather``): `
 ``plan_multi``'s order: the part of ``batch`` they cost, without its uploads and the decode
 launch. With a GPU, ``--batch`` also times the cache's whole ``batch`` on it.
 
-Usage: python3 tools/profile_plan.py [--slots N] [--reps N] [--batch]
+Usage: PYTHONPATH=. python3 tools/profile_plan.py [--slots N] [--reps N] [--batch] (from
+the checkout's root: without PYTHONPATH a script imports the installed package; the first
+line says which it timed)
 (slots: the multi-token instance's resident CTAs, ``PrefillKernel.slots``; default an H200's
 132 multiprocessors x 2).
 """
@@ -26,6 +28,7 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
+import rocmforge_raw
 from rocmforge_raw.cache import CacheConfig, KvCache
 from rocmforge_raw.cache.step.multi import prefill_launches, query_slots
 from rocmforge_raw.kernels.module import Kernel
@@ -128,6 +131,7 @@ def main() -> None:
         "prefill_launches": launches,
         "host_share": host_share,
     }
+    print(rocmforge_raw.__file__)
     print(f"P5: {decodes} decodes + {len(rest_q)} chunks; {len(work.items)} items "
           f"({work.num_pieces} pieces, {len(work.combines)} combines), bm {bm}, bn {bn}, "
           f"slots {args.slots}, {WARPS} warps")

@@ -17,12 +17,12 @@ compiled instances' shared memory.
 from __future__ import annotations
 
 import functools
-import math
 from dataclasses import dataclass
 
 import numpy as np
 
 from ..module import Kernel, load_kernels
+from ._prefill import prefill_items
 from .arguments import DTYPES, FP8_DTYPES
 
 #: Threads of a CTA per warp size: four warps (rf_pf_shape, RF_PF_WARPS).
@@ -176,45 +176,21 @@ def item_capacity(tokens: int, seqs: int, num_kv_heads: int, ratio: int, bm: int
 def plan_prefill(query_lens: np.ndarray, seq_lens: np.ndarray, num_kv_heads: int, ratio: int,
                  bm: int, bn: int, slots: int, max_pieces: int | None = None) -> PrefillWork:
     """The work items of one launch over checked host lengths (``query_lens[s] >= 1``,
-    ``query_lens[s] <= seq_lens[s]``): every ``bm`` packed rows of every sequence and kv
-    head, their KV ranges cut into pieces where the items are too few for PIECE_WAVES waves
-    of ``slots`` CTAs, unless that takes more than ``max_pieces`` pieces (records)."""
-    q_lens = np.asarray(query_lens, np.int64)
-    kv_lens = np.asarray(seq_lens, np.int64)
-    q_starts = np.zeros(len(q_lens) + 1, np.int64)
-    np.cumsum(q_lens, out=q_starts[1:])
-    rows = q_lens * ratio
-    tiles_m = -(-rows // bm)  # row tiles per (sequence, kv head)
-    per_seq = tiles_m * num_kv_heads
-    seq = np.repeat(np.arange(len(q_lens)), per_seq)
-    within = np.arange(int(per_seq.sum())) - np.repeat(np.cumsum(per_seq) - per_seq, per_seq)
-    x = within // np.repeat(tiles_m, per_seq)
-    row0 = (within % np.repeat(tiles_m, per_seq)) * bm
-    last = np.minimum(row0 + bm, rows[seq]) - 1
-    hi = kv_lens[seq] - q_lens[seq] + last // ratio + 1  # positions each item reads
-    tiles = -(-hi // bn)
-    pieces = np.ones(len(seq), np.int64)
-    if len(seq) < PIECE_WAVES * slots and len(seq):
-        target = max(MIN_PIECE_TILES, math.ceil(int(tiles.sum()) / (PIECE_WAVES * slots)))
-        pieces = np.maximum(1, np.minimum(tiles // target, tiles))
-    per = -(-tiles // pieces)
-    pieces = -(-tiles // per)  # no empty piece
-    if max_pieces is not None and int(pieces[pieces > 1].sum()) > max_pieces:
-        pieces[:], per = 1, tiles
-    cost = np.minimum(per * bn, hi) + ITEM_COST  # the longest piece's positions
-    split = pieces > 1
-    order = np.concatenate([np.flatnonzero(split)[np.argsort(-cost[split], kind="stable")],
-                            np.flatnonzero(~split)[np.argsort(-cost[~split], kind="stable")]])
-    counts = pieces[order]
-    item_of = np.repeat(order, counts)  # each launched item's source
-    k = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
-    items = np.stack([seq[item_of], row0[item_of], x[item_of] | (k << 16), pieces[item_of]],
-                     axis=1).astype(np.int32)
-    num_pieces = int(counts[split[order]].sum())
-    first = (np.cumsum(counts) - counts)[split[order]]
-    combines = np.stack([first, counts[split[order]]], axis=1).astype(np.int32).reshape(-1, 2)
-    return PrefillWork(np.ascontiguousarray(items), np.ascontiguousarray(combines),
-                       q_starts.astype(np.int32), num_pieces)
+    ``query_lens[s] <= seq_lens[s]``; ValueError where a length is less than its query's):
+    every ``bm`` packed rows of every sequence and kv head, their KV ranges cut into pieces
+    where the items are too few for PIECE_WAVES waves of ``slots`` CTAs, unless that takes
+    more than ``max_pieces`` pieces (records). In C (``_prefill.prefill_items``), by this
+    rule: an item of ``tiles = ceil(hi / bn)`` KV tiles is cut into ``max(1, tiles //
+    target)`` pieces, ``target = max(MIN_PIECE_TILES, ceil(all items' tiles / (PIECE_WAVES
+    * slots)))``, then evened out (``per = ceil(tiles / pieces)`` tiles a piece, ``pieces =
+    ceil(tiles / per)``); no item is cut past ``max_pieces``. Items are ordered split first,
+    each group by descending cost (``min(per * bn, hi) + ITEM_COST``), ties in (sequence, kv
+    head, row tile) order, each item's pieces consecutive."""
+    items, combines, q_starts, num_pieces = prefill_items(
+        np.ascontiguousarray(query_lens, np.int64), np.ascontiguousarray(seq_lens, np.int64),
+        num_kv_heads, ratio, bm, bn, slots, -1 if max_pieces is None else max_pieces,
+        PIECE_WAVES, MIN_PIECE_TILES, ITEM_COST)
+    return PrefillWork(items, combines, q_starts, num_pieces)
 
 
 def leading_decodes(query_lens: np.ndarray) -> int:

@@ -1,0 +1,133 @@
+"""The mixed step's host plan (``batch(query_lens=)`` on a GPU) against a plain re-derivation
+of what its arrays mean, over many random compositions: decodes and chunks, kv lengths,
+block sizes, GQA ratios, head dims and the tile shapes they pick. The references below
+are loops over the documented meaning (``plan_prefill``, ``query_slots``), one item or
+one token at a time, sharing no code with the planner."""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from rocmforge_raw.cache.step.multi import query_slots
+from rocmforge_raw.kernels.planning.prefill import (
+    ITEM_COST,
+    MIN_PIECE_TILES,
+    PIECE_WAVES,
+    leading_decodes,
+    plan_prefill,
+    prefill_shape,
+    prefill_wm,
+)
+
+
+def ceil(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def reference_plan(q_lens, kv_lens, kv_heads, ratio, bm, bn, slots, max_pieces):
+    """(items, combines, q_starts, num_pieces) of the multi-token launch, item by item:
+    an item is ``bm`` packed rows (token r // ratio) of one sequence and kv head; it reads
+    positions up to where its last row stops seeing (causal, aligned to the end of the KV)."""
+    units = []  # (s, row0, x, hi), in (sequence, kv head, row tile) order
+    for s, (q, kv) in enumerate(zip(q_lens, kv_lens)):
+        rows = q * ratio
+        for x in range(kv_heads):
+            for row0 in range(0, rows, bm):
+                last = min(row0 + bm, rows) - 1
+                units.append((s, row0, x, kv - q + last // ratio + 1))
+    tiles = [ceil(hi, bn) for *_, hi in units]
+    pieces = [1] * len(units)
+    if 0 < len(units) < PIECE_WAVES * slots:
+        target = max(MIN_PIECE_TILES, ceil(sum(tiles), PIECE_WAVES * slots))
+        pieces = [max(1, t // target) for t in tiles]
+    per = [ceil(t, p) for t, p in zip(tiles, pieces)]
+    pieces = [ceil(t, e) for t, e in zip(tiles, per)]
+    if max_pieces is not None and sum(p for p in pieces if p > 1) > max_pieces:
+        pieces, per = [1] * len(units), list(tiles)
+    cost = [min(e * bn, u[3]) + ITEM_COST for e, u in zip(per, units)]
+    order = sorted(range(len(units)), key=lambda i: (pieces[i] == 1, -cost[i], i))
+    items, combines = [], []
+    for i in order:
+        s, row0, x, _ = units[i]
+        if pieces[i] > 1:
+            combines.append((len(items), pieces[i]))
+        items += [(s, row0, x | (k << 16), pieces[i]) for k in range(pieces[i])]
+    q_starts = [0]
+    for q in q_lens:
+        q_starts.append(q_starts[-1] + q)
+    return items, combines, q_starts, sum(p for p in pieces if p > 1)
+
+
+def reference_slots(tables, lens, q_lens, ref_cnt, block_size):
+    """Each sequence's last q_len tokens' slots, -1 in a block another sequence holds."""
+    slots = []
+    for s, (n, q) in enumerate(zip(lens, q_lens)):
+        for pos in range(n - q, n):
+            block = int(tables[s, pos // block_size])
+            slots.append(-1 if ref_cnt[block] > 1 else block * block_size + pos % block_size)
+    return slots
+
+
+def random_step(rng):
+    """A step as the Scheduler lists it: decodes first, then chunks, drafted tokens and more
+    decodes; each sequence's kv length at least its query rows."""
+    decodes = int(rng.integers(0, 20))
+    rest = int(rng.integers(0, 10))
+    longest = int(rng.choice([4, 64, 700]))
+    q_lens = np.concatenate([np.ones(decodes, np.int64), rng.integers(1, longest, rest)])
+    kv_lens = q_lens + rng.integers(0, int(rng.choice([1, 100, 3000])), len(q_lens))
+    return q_lens.astype(np.int32), kv_lens.astype(np.int32)
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_the_multi_token_plan_is_what_its_items_mean(seed):
+    rng = np.random.default_rng(seed)
+    for _ in range(60):
+        q_lens, kv_lens = random_step(rng)
+        decodes = leading_decodes(q_lens)
+        q_rest, kv_rest = q_lens[decodes:], kv_lens[decodes:]
+        if not len(q_rest):
+            continue
+        backend = str(rng.choice(["cuda", "hip"]))
+        dtype = np.dtype(rng.choice([np.float16, ml_dtypes.bfloat16, np.float32]))
+        head_dim, ratio = int(rng.choice([64, 128, 256])), int(rng.choice([1, 2, 4, 8]))
+        kv_heads = int(rng.choice([1, 2, 8]))
+        wm = prefill_wm(backend, dtype, head_dim, int(q_rest.max()) * ratio)
+        shape = prefill_shape(backend, dtype, dtype, head_dim, wm)
+        slots = int(rng.choice([1, 16, 132, 264, 2000, 20000]))
+        max_pieces = [None, None, 0, int(rng.integers(1, 200))][int(rng.integers(4))]
+        work = plan_prefill(q_rest, kv_rest, kv_heads, ratio, shape.bm, shape.bn, slots,
+                            max_pieces)
+        items, combines, q_starts, num_pieces = reference_plan(
+            q_rest.tolist(), kv_rest.tolist(), kv_heads, ratio, shape.bm, shape.bn, slots,
+            max_pieces)
+        assert work.items.dtype == work.combines.dtype == work.q_starts.dtype == np.int32
+        assert work.items.reshape(-1, 4).tolist() == [list(i) for i in items]
+        assert work.combines.reshape(-1, 2).tolist() == [list(c) for c in combines]
+        assert work.q_starts.tolist() == q_starts
+        assert work.num_pieces == num_pieces and type(work.num_pieces) is int
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_query_slots_are_each_new_tokens_slot(seed):
+    rng = np.random.default_rng(100 + seed)
+    for _ in range(40):
+        q_lens, lens = random_step(rng)
+        block_size = int(rng.choice([1, 2, 8, 16, 32]))
+        held = -(-lens // block_size)
+        width = max(int(held.max(initial=0)), 1)
+        num_blocks = int(held.sum()) + 4
+        tables = np.zeros((len(lens), width), np.int32)
+        for s, n in enumerate(held):
+            tables[s, :n] = rng.integers(1, num_blocks, n)  # some held twice: shared
+        ref_cnt = np.bincount(tables.ravel(), minlength=num_blocks).astype(np.int32)
+        got = query_slots(tables, lens, q_lens, ref_cnt, block_size)
+        assert got.dtype == np.int64
+        assert got.tolist() == reference_slots(tables, lens, q_lens, ref_cnt, block_size)
+
+
+def test_a_plan_over_lengths_shorter_than_their_queries_is_refused():
+    with pytest.raises(ValueError, match=r"seq_lens\[1\] = 3 is less than query_lens\[1\] = 4"):
+        plan_prefill(np.array([2, 4]), np.array([9, 3]), 2, 4, 64, 32, 100)
