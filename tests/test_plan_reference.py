@@ -131,3 +131,11 @@ def test_the_query_slots_are_each_new_tokens_slot(seed):
 def test_a_plan_over_lengths_shorter_than_their_queries_is_refused():
     with pytest.raises(ValueError, match=r"seq_lens\[1\] = 3 is less than query_lens\[1\] = 4"):
         plan_prefill(np.array([2, 4]), np.array([9, 3]), 2, 4, 64, 32, 100)
+
+
+def test_query_slots_past_a_sequences_tokens_are_refused():
+    tables, ref_cnt = np.array([[1, 2]], np.int32), np.ones(3, np.int32)
+    with pytest.raises(ValueError, match="5 query tokens of 4"):
+        query_slots(tables, np.array([4]), np.array([5]), ref_cnt, 2)
+    with pytest.raises(ValueError, match=r"3 query tokens of 5 do not fit .* 2 blocks of 2"):
+        query_slots(tables, np.array([5]), np.array([3]), ref_cnt, 2)

@@ -377,7 +377,7 @@ OPERATORS = [(" < ", " <= "), (" <= ", " < "), (" > ", " >= "), (" >= ", " > "),
              (" += ", " -= "), (" -= ", " += "), (" and ", " or "), (" or ", " and "),
              ("if not ", "if "), ("return True", "return False"), ("return False", "return True")]
 _ROWS_TESTS = ("tests/test_steprows.py", "tests/test_cache.py", "tests/test_cache_contracts.py",
-               "tests/test_step_plans.py")
+               "tests/test_step_plans.py", "tests/test_plan_reference.py")
 CORE = {"memory/_freelist.pxd": POOL_TESTS, "memory/_pool_core.pyx": POOL_TESTS,
         "memory/pool.pyx": POOL_TESTS,
         "memory/_registry.pyx": ("tests/test_buffer.py", "tests/test_core.py",

@@ -5,7 +5,8 @@ more whatever its size) nor Python objects per sequence.
 
 ``RowArrays`` adds the loops of a step to the arrays of ``_tables.RowStore``: ``touch``,
 ``need``, ``extend_rows`` and ``append_plain``; ``pop_blocks`` is ``BlockPool.allocate``'s
-common case. Not locked: the cache's lock covers calls.
+common case; ``query_slots`` is a mixed step's write slots (``multi.query_slots``). Not
+locked: the cache's lock covers calls.
 """
 
 from cpython.mem cimport PyMem_Free, PyMem_Malloc
@@ -205,3 +206,43 @@ def pop_blocks(int32_t[::1] free, Py_ssize_t top, Py_ssize_t count, int32_t[::1]
     for i in range(count):
         ref_cnt[out[i]] = 1
     return ids
+
+
+def query_slots(const int32_t[:, :] tables, const int32_t[:] lens, const int32_t[:] query_lens,
+                const int32_t[:] ref_cnt, int64_t block_size):
+    """The slots of each sequence's last ``query_lens`` tokens (int64, sequence by sequence;
+    -1 in a block whose ref count is over 1): ``multi.query_slots``, a block's run of tokens
+    at a time (no division a token). Every length, table column and block id is checked
+    first or where read (ValueError, IndexError)."""
+    cdef Py_ssize_t s, j, k = 0, n = lens.shape[0], width = tables.shape[1]
+    cdef Py_ssize_t blocks = ref_cnt.shape[0]
+    cdef int64_t total = 0, pos, end, col, off, run, block, base
+    if tables.shape[0] != n or query_lens.shape[0] != n:
+        raise ValueError(f"{tables.shape[0]} tables, {n} lengths and {query_lens.shape[0]} "
+                         "query lengths must pair up")
+    if block_size < 1:
+        raise ValueError(f"block_size must be positive, got {block_size}")
+    for s in range(n):
+        if not 0 <= query_lens[s] <= lens[s] <= width * block_size:
+            raise ValueError(f"sequence {s}: {query_lens[s]} query tokens of {lens[s]} do not "
+                             f"fit [0, length] in {width} blocks of {block_size}")
+        total += query_lens[s]
+    slots = np.empty(total, np.int64)
+    cdef int64_t[::1] out = slots
+    for s in range(n):
+        pos, end = lens[s] - query_lens[s], lens[s]
+        col = pos // block_size
+        off = pos - col * block_size
+        while pos < end:
+            block = tables[s, col]
+            if not 0 <= block < blocks:
+                raise IndexError(f"block {block} outside [0, {blocks})")
+            run = min(block_size - off, end - pos)
+            base = -1 if ref_cnt[block] > 1 else block * block_size + off
+            for j in range(run):
+                out[k + j] = base if base < 0 else base + j
+            k += run
+            pos += run
+            col += 1
+            off = 0
+    return slots

@@ -26,6 +26,7 @@ from ...kernels.planning.prefill import (
 from ...kernels.staging import Staging
 from ...memory.stream import Stream
 from ...runtime._launch import Launch
+from ..blocks._rows import query_slots as _query_slots
 
 #: Indices in the multi-token kernel's arguments: the pointers a layer replaces (out, q, k,
 #: v), the scale and the fp8 output scale.
@@ -37,15 +38,11 @@ def query_slots(tables: np.ndarray, lens: np.ndarray, query_lens: np.ndarray,
                 ref_cnt: np.ndarray, block_size: int) -> np.ndarray:
     """The slots of each sequence's last ``query_lens`` tokens (int64, sequence by sequence):
     where a step writes their K/V; -1 for a token in a block another sequence shares (a
-    prefix hit, a fork: the block holds its K/V already)."""
-    owner = np.repeat(np.arange(len(lens)), query_lens)
-    first = np.repeat(lens.astype(np.int64) - query_lens, query_lens)
-    positions = first + np.arange(int(query_lens.sum())) - np.repeat(
-        np.cumsum(query_lens) - query_lens, query_lens)
-    blocks = tables[owner, positions // block_size].astype(np.int64)
-    slots = blocks * block_size + positions % block_size
-    slots[ref_cnt[blocks] > 1] = -1
-    found: np.ndarray = slots
+    prefix hit, a fork: the block holds its K/V already). One loop in C (``_rows``)."""
+    i32 = np.int32
+    found: np.ndarray = _query_slots(np.asarray(tables, i32), np.asarray(lens, i32),
+                                     np.asarray(query_lens, i32), np.asarray(ref_cnt, i32),
+                                     block_size)
     return found
 
 

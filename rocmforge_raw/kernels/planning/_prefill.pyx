@@ -1,7 +1,8 @@
-# cython: language_level=3, boundscheck=False, wraparound=False, initializedcheck=False, cdivision=True
+# cython: language_level=3, boundscheck=False, wraparound=False, initializedcheck=False
+# cython: cdivision=True
 """A multi-token launch's work items in C (``prefill.plan_prefill``): a mixed step plans
 them in every ``KvCache.batch(query_lens=)``, and NumPy's per-call overhead over a few
-hundred items was most of its host time (P5, 512 items: 85 -> 8 us on a test host).
+hundred items was most of its host time (P5, 512 items: 85 -> 9 us on a 2-core test host).
 
 A *row tile* ``(s, t)`` is packed rows ``[t * bm, min((t + 1) * bm, q_len * ratio))`` of
 sequence ``s``; it reads KV positions ``[0, hi)``, ``hi = kv_len - q_len + last_row //
