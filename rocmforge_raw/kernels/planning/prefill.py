@@ -196,8 +196,9 @@ def plan_prefill(query_lens: np.ndarray, seq_lens: np.ndarray, num_kv_heads: int
 def leading_decodes(query_lens: np.ndarray) -> int:
     """How many of a step's sequences lead it with one query row each: the decodes, which
     the decode kernel takes; the multi-token kernel takes the rest."""
-    q_lens = np.asarray(query_lens)
-    return int(np.argmin(q_lens == 1)) if (q_lens != 1).any() else len(q_lens)
+    ones = np.asarray(query_lens) == 1
+    first = int(ones.argmin()) if len(ones) else 0  # the first longer one (0: none, or all)
+    return len(ones) if not len(ones) or ones[first] else first
 
 
 def prefill_launch(backend: object, device: int, dtype: np.dtype, head_dim: int,
