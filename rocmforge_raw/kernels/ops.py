@@ -222,7 +222,7 @@ def copy_spans(dst: HipBuffer, src: HipBuffer, spans: Any, *,
         _check_apart(spans, src.ptr - dst.ptr)
     if not len(spans):
         return
-    aligned = backend.name != "host" and not ((src.ptr | dst.ptr) & 15 or (spans & 15).any())
+    aligned = by_kernel(backend) and not ((src.ptr | dst.ptr) & 15 or (spans & 15).any())
     if aligned:  # the kernel found before any peer state changes
         load_kernels("cache_ops", dst.device, backend).function("rf_copy_pieces")
     direct = True
@@ -238,6 +238,12 @@ def copy_spans(dst: HipBuffer, src: HipBuffer, spans: Any, *,
         else:
             backend.memcpy_peer(dst.ptr + dst_offset, dst.device, src.ptr + src_offset,
                                 src.device, nbytes, handle)
+
+
+def by_kernel(backend: Backend) -> bool:
+    """Whether span copies on ``backend`` may run as ``rf_copy_pieces`` launches (a GPU's;
+    the host backend runs no kernels and copies span by span)."""
+    return backend.name != "host"
 
 
 def _check_apart(spans: np.ndarray, shift: int) -> None:
