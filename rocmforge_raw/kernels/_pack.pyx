@@ -159,3 +159,49 @@ def pack_step(size_t base, size_t capacity, size_t align, object slots,
     return (at_first + _rounded(4 * <size_t>num_ctas, align),
             (0, at_lens, at_tables, at_cum16, at_first), num_ctas, per_cta, total, bool(whole),
             bool(lean))
+
+
+def pack_pieces(size_t base, size_t capacity, const long long[:, ::1] spans,
+                long long src_ptr, long long dst_ptr, long long src_nbytes,
+                long long dst_nbytes, long long piece):
+    """A span copy's piece table in one pass over ``spans`` (int64 ``[n, 3]``: src offset,
+    dst offset, bytes): each span of ``src_nbytes`` at ``src_ptr`` and ``dst_nbytes`` at
+    ``dst_ptr`` cut into rows (src address, dst address, bytes) of at most ``piece`` bytes
+    (> 0), written as int64 at ``base`` when they fit in ``capacity`` bytes (the caller's;
+    no check can see them). Empty spans are skipped.
+
+    Returns (pieces, nbytes): ``nbytes`` the table's size (24 a piece; nothing written when
+    past ``capacity``: make room and call again); ``pieces`` -1 (nothing written) unless
+    every span lies in both buffers, every offset and size is a multiple of 16, and the
+    non-empty spans' destinations ascend without overlapping: the caller then checks them
+    the general way (``checks.spans``), which names what is wrong or copies them otherwise."""
+    cdef Py_ssize_t i, n = spans.shape[0]
+    cdef long long s, d, size, end = 0, count = 0, done, step
+    if spans.shape[1] != 3 or piece <= 0:
+        raise ValueError(f"spans must be [n, 3] and piece > 0, got {spans.shape[1]} columns, "
+                         f"piece {piece}")
+    for i in range(n):
+        s, d, size = spans[i, 0], spans[i, 1], spans[i, 2]
+        if (s < 0 or d < 0 or size < 0 or size > src_nbytes - s or size > dst_nbytes - d
+                or (s | d | size) & 15):
+            return -1, 0
+        if size == 0:
+            continue
+        if d < end:  # out of order, or overlapping the last destination
+            return -1, 0
+        end = d + size
+        count += (size + piece - 1) // piece
+    cdef size_t nbytes = 24 * <size_t>count
+    if nbytes > capacity:
+        return count, nbytes
+    cdef long long* row = <long long*>base
+    with nogil:
+        for i in range(n):
+            s, d, size = spans[i, 0] + src_ptr, spans[i, 1] + dst_ptr, spans[i, 2]
+            done = 0
+            while done < size:
+                step = piece if size - done > piece else size - done
+                row[0], row[1], row[2] = s + done, d + done, step
+                row += 3
+                done += step
+    return count, nbytes

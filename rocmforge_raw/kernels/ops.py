@@ -214,6 +214,8 @@ def copy_spans(dst: HipBuffer, src: HipBuffer, spans: Any, *,
         raise ValueError(f"src is {src.backend.name} memory and dst {dst.backend.name}: span "
                          "copies stay within one backend")
     backend, handle = dst.backend, stream_handle(stream, "stream", dst.backend, dst.device)
+    if _one_pass(dst, src, spans, stream):
+        return
     spans = checks.spans(spans, src.nbytes, dst.nbytes)
     spans = spans[spans[:, 2] > 0]
     if src.ptr < dst.ptr + dst.nbytes and dst.ptr < src.ptr + src.nbytes:
@@ -238,6 +240,27 @@ def copy_spans(dst: HipBuffer, src: HipBuffer, spans: Any, *,
         else:
             backend.memcpy_peer(dst.ptr + dst_offset, dst.device, src.ptr + src_offset,
                                 src.device, nbytes, handle)
+
+
+def _one_pass(dst: HipBuffer, src: HipBuffer, spans: Any, stream: Stream | None) -> bool:
+    """``copy_spans``'s common case in one pass (``Staging.put_pieces``): two distinct
+    allocations of one device that runs kernels, 16-byte aligned, and ``spans`` an int64
+    C-contiguous ``[n, 3]`` array whose spans lie in both buffers, 16-byte aligned, their
+    destinations ascending without overlap (what ``block_spans`` makes). The pieces are
+    cut straight into a staging slot and launched: True. False (nothing queued) where any
+    of that does not hold: the general checks and copies follow."""
+    if not (type(spans) is np.ndarray and spans.dtype == np.int64 and spans.ndim == 2
+            and spans.shape[1] == 3 and spans.flags.c_contiguous and src.device == dst.device
+            and by_kernel(dst.backend) and not (src.ptr | dst.ptr) & 15
+            and (src.ptr >= dst.ptr + dst.nbytes or dst.ptr >= src.ptr + src.nbytes)):
+        return False
+    function = load_kernels("cache_ops", dst.device, dst.backend).function("rf_copy_pieces")
+    with staging(Place(dst.backend, dst.device), stream) as slot:
+        table, count = slot.put_pieces(spans, src, dst, PIECE_BYTES, stream)
+        for start in range(0, count, MAX_PIECES):
+            function.launch(min(MAX_PIECES, count - start), WRITE_THREADS, table + 24 * start,
+                            stream=stream)
+    return count >= 0
 
 
 def by_kernel(backend: Backend) -> bool:

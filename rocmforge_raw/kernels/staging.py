@@ -37,7 +37,7 @@ from ..memory.buffer import HipBuffer
 from ..memory.stream import Event, Stream, stream_handle
 from ..memory.waiting import defer_free, event_after, free_entry
 from ..runtime import Backend, get_backend
-from ._pack import pack_host, pack_step
+from ._pack import pack_host, pack_pieces, pack_step
 
 #: Alignment of each array a Staging packs (bytes): what a device load of it may assume.
 ALIGN = 256
@@ -271,6 +271,25 @@ class Staging:
                 rule)
             assert num_ctas, "a reserved slot holds its step"
         return self._upload(0, end, offsets, stream), (num_ctas, per_cta, total, whole, lean)
+
+    def put_pieces(self, spans: np.ndarray, src: HipBuffer, dst: HipBuffer, piece: int,
+                   stream: Stream | None) -> tuple[int, int]:
+        """``put`` of the piece table of a span copy from ``src`` to ``dst`` (buffers of this
+        slot's device), cut straight into the pinned bytes (``_pack.pack_pieces``: ``spans``
+        int64 C-contiguous ``[n, 3]``, pieces of at most ``piece`` bytes). Returns (device
+        address of the table, pieces); pieces -1 where the spans need the general checks
+        (``pack_pieces``): nothing is uploaded then."""
+        capacity = 0 if self.buffer is None else self.buffer.nbytes
+        base = 0 if self.host is None else self.host.ptr
+        args = (spans, src.ptr, dst.ptr, src.nbytes, dst.nbytes, piece)
+        count, nbytes = pack_pieces(base, capacity, *args)
+        if count > 0 and nbytes > capacity:
+            self._reserve(nbytes)
+            count, nbytes = pack_pieces(self.host.ptr, self.buffer.nbytes, *args)
+            assert nbytes <= self.buffer.nbytes, "a reserved slot holds its pieces"
+        if count <= 0:
+            return 0, count
+        return self._upload(0, nbytes, [0], stream)[0], count
 
     def _upload(self, start: int, end: int, offsets: Sequence[int], stream: Stream | None
                 ) -> list[int]:

@@ -257,10 +257,14 @@ def block_spans(src: np.ndarray, dst: np.ndarray, src_blocks: int,
                 config: CacheConfig) -> np.ndarray:
     """Spans (src offset, dst offset, bytes), int64 ``[n, 3]``, that copy blocks ``src`` of
     a slab of ``src_blocks`` blocks to blocks ``dst`` of this ``config``'s slab: one per
-    plane (layer, K/V) per run of blocks consecutive on both sides."""
+    plane (layer, K/V) per run of blocks consecutive on both sides, their destinations
+    ascending (C-contiguous: ``ops.copy_spans`` takes such a table in one pass)."""
     src, dst = np.asarray(src, np.int64), np.asarray(dst, np.int64)
     if not src.size:
         return np.zeros((0, 3), np.int64)
+    if (np.diff(dst) < 0).any():  # in destination order (the runs stay consecutive runs)
+        order = np.argsort(dst, kind="stable")
+        src, dst = src[order], dst[order]
     chunk = config.block_bytes // (2 * config.num_layers)  # one block of one plane
     cut = np.flatnonzero((np.diff(src) != 1) | (np.diff(dst) != 1)) + 1
     starts = np.concatenate([[0], cut])
