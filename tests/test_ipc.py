@@ -294,6 +294,7 @@ def test_the_last_importer_waits_for_the_device_before_it_unmaps_and_lets_go():
     mapping = object.__new__(ipc._Mapping)
     mapping.backend, mapping.handle, mapping.refs = Recording(), handle, 1
     mapping.fd, mapping.ptr = os.open(os.devnull, os.O_RDONLY), 4096
+    mapping.exporter = procs.Exit(*procs.identity())  # (closed with the mapping)
     ipc._imports[("cuda", b"k")] = mapping
     mapping.release(4096, 256, 1)
     assert calls == [("restoring", 1), ("synchronize", 1), ("ipc_close", 1), ("restored", 1)]

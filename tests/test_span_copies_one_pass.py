@@ -9,6 +9,9 @@ and moves each piece on the host (the host backend's addresses are the host's)."
 from __future__ import annotations
 
 import ctypes
+import os
+import subprocess
+import sys
 from typing import Any
 
 import numpy as np
@@ -16,7 +19,7 @@ import pytest
 from conftest import DEVICE
 
 import rocmforge_raw as rf
-from rocmforge_raw.common import checks
+from rocmforge_raw.common import checks, procs
 from rocmforge_raw.kernels import ops
 from rocmforge_raw.kernels.staging import pack_pieces
 
@@ -156,6 +159,33 @@ def test_pack_pieces_writes_the_rows_cut_pieces_makes_and_nothing_past_capacity(
         len(want), 24 * len(want))
     np.testing.assert_array_equal(table[:-1], want)
     assert (table[-1] == -1).all()
+
+
+def test_a_watched_process_is_alive_until_it_exits():
+    child = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"],
+                             stdin=subprocess.PIPE)
+    try:
+        start = procs.start_ticks(child.pid)
+        assert start is not None
+        watch = procs.Exit(child.pid, start)
+        wrong = procs.Exit(child.pid, start + 1)  # another process that had this pid
+        assert watch.alive() and not wrong.alive()
+        child.stdin.close()
+        child.wait()
+        assert not watch.alive() and not watch.alive()  # and stays so
+        watch.close()
+        wrong.close()
+        assert not procs.Exit(child.pid, start).alive()  # reaped: no such process
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+
+
+def test_a_watch_without_pidfds_asks_proc(monkeypatch):
+    monkeypatch.delattr(os, "pidfd_open")
+    pid, start = procs.identity()
+    assert procs.Exit(pid, start).alive() and not procs.Exit(pid, start + 1).alive()
 
 
 def test_a_sequence_moves_into_scattered_blocks_in_one_pass(kernel_path, general):

@@ -13,6 +13,7 @@ from __future__ import annotations
 import itertools
 import os
 import re
+import select
 import threading
 
 SHM_DIR = "/dev/shm"
@@ -49,6 +50,46 @@ def identity() -> tuple[int, int]:
 def alive(pid: int, start: int) -> bool:
     """Whether the process that ``identity()`` named (pid, start) still runs."""
     return start_ticks(pid) == start
+
+
+class Exit:
+    """Watches for the end of the process ``identity()`` named (pid, start): a pidfd
+    (Linux 5.3+) opened once, which turns readable when the process exits, so ``alive()``
+    is one ``poll`` instead of reading ``/proc/<pid>/stat``. The pidfd is checked against
+    the start time once it is open (a pid reused before it was opened names another
+    process: ``alive()`` is then False). Where pidfds are unavailable, ``alive()`` asks
+    ``/proc`` each time. ``close()`` lets the pidfd go; ``alive()`` asks ``/proc`` then."""
+
+    def __init__(self, pid: int, start: int) -> None:
+        self.pid, self.start = pid, start
+        self._poll: select.poll | None = None
+        self._fd = -1
+        try:
+            self._fd = os.pidfd_open(pid)
+        except ProcessLookupError:
+            self._gone = True
+            return
+        except (OSError, AttributeError):  # no pidfds here (an old kernel, a sandbox)
+            self._gone = not alive(pid, start)
+            return
+        self._gone = not alive(pid, start)  # after the open: the pidfd names this process
+        self._poll = select.poll()
+        self._poll.register(self._fd, select.POLLIN)
+
+    def alive(self) -> bool:
+        """Whether the process still runs (a zombie that exited does not)."""
+        if self._gone:
+            return False
+        if self._poll is None:
+            self._gone = not alive(self.pid, self.start)
+        else:
+            self._gone = bool(self._poll.poll(0))
+        return not self._gone
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd, self._poll = -1, None
 
 
 def boot_id() -> str:

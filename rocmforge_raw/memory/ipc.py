@@ -104,10 +104,13 @@ class _Export:
 
 class _Mapping:
     """The importer's side: one mapping of another process's allocation, shared by every
-    buffer this process imported it as, and the shared lock on its lease."""
+    buffer this process imported it as, the shared lock on its lease and the watch on its
+    exporter's exit (``exporter``, a ``procs.Exit``, which it closes)."""
 
-    def __init__(self, backend: Backend, handle: IpcHandle, fd: int) -> None:
+    def __init__(self, backend: Backend, handle: IpcHandle, fd: int,
+                 exporter: procs.Exit) -> None:
         self.backend, self.handle, self.fd, self.refs = backend, handle, fd, 0
+        self.exporter = exporter
         self.ptr = backend.ipc_open(handle.key, handle.nbytes, handle.device)
 
     def release(self, ptr: int, nbytes: int, device: int) -> None:
@@ -128,6 +131,7 @@ class _Mapping:
             try:  # often a finalizer's work: the calling thread's active device stays
                 backend.restoring(device, unmap)
             finally:
+                self.exporter.close()
                 os.close(self.fd)  # releases the shared lock: the exporter may free
 
 
@@ -208,14 +212,15 @@ def check_exporter(handle: IpcHandle) -> None:
     """Raise ``IpcError`` unless the process that exported ``handle`` (mapped here) still
     runs and holds the memory open: what an importer that keeps a mapping checks before and
     after each use. Memory of an exporter that exited is undefined on a GPU; memory it closed
-    no longer holds what it shared (the free only waits for the mappings)."""
+    no longer holds what it shared (the free only waits for the mappings). A lease read
+    and a poll of the exporter's pidfd (``procs.Exit``): a few microseconds."""
     with _lock:
         mapping = _imports.get((handle.backend, handle.key))
         if mapping is None:
             raise IpcError(f"the memory of this handle (process {handle.pid}) is not mapped "
                            "here")
         _check_state(os.pread(mapping.fd, 1, 0), handle)
-    _check_alive(handle)
+        _check_alive(handle, mapping.exporter)
 
 
 def export_handle(buffer: Any) -> IpcHandle:
@@ -268,7 +273,7 @@ def import_handle(handle: Any) -> tuple[Backend, int, HookAllocator]:
                            f"{handle.device} vs {mapping.handle.device}): it was altered")
         else:  # mapped here already: imported anew only while its exporter holds it
             _check_state(os.pread(mapping.fd, 1, 0), handle)
-            _check_alive(handle)
+            _check_alive(handle, mapping.exporter)
         mapping.refs += 1
     collect()
     return backend, mapping.ptr, HookAllocator(backend, None, mapping.release)
@@ -299,16 +304,21 @@ def _map(backend: Backend, handle: IpcHandle) -> _Mapping:
         if lease[1:] != handle.seal():
             raise IpcError(f"the handle does not match the memory {owner} exported under lease "
                            f"{handle.lease}: its backend, device, size or key was altered")
-        _check_alive(handle)
-        return _Mapping(backend, handle, fd)
+        exporter = procs.Exit(handle.pid, handle.pid_start)
+        try:
+            _check_alive(handle, exporter)
+            return _Mapping(backend, handle, fd, exporter)
+        except BaseException:
+            exporter.close()
+            raise
     except BaseException:
         os.close(fd)
         raise
 
 
-def _check_alive(handle: IpcHandle) -> None:
-    """Refuse to map memory of an exporter that has exited (its lease may still read live)."""
-    if not procs.alive(handle.pid, handle.pid_start):
+def _check_alive(handle: IpcHandle, exporter: procs.Exit) -> None:
+    """Refuse memory of an exporter that has exited (its lease may still read live)."""
+    if not exporter.alive():
         raise IpcError(f"process {handle.pid}, which exported this handle, has exited")
 
 
