@@ -9,7 +9,10 @@ copy bandwidth of the same path, one copy of the same bytes through the same cop
 into the receiving slab (from the sender's slab mapped here where the transport is IPC,
 within the receiving slab otherwise, or from a buffer on the sender's device where that is
 another): what a transport on this host approaches. GB/s count
-the bytes moved (not read plus written, as ``bench --attention``'s copy does). Two rows:
+the bytes moved (not read plus written, as ``bench --attention``'s copy does). ``host_us``
+is the median host work of one read (``ReadTime.host_s``: checks, the piece table, queuing
+the copies, the exporter's checks; the rest is waiting for the device), where the transport
+says it (IPC, peer; on the host backend the copies themselves are host work). Two rows:
 the sequence's blocks consecutive on both sides (one span per layer and K/V plane) and
 scattered (every block its own span). The slab is random data, never zeros.
 
@@ -38,6 +41,7 @@ from typing import Any
 import numpy as np
 
 from ..cache import CacheConfig, KvCache
+from ..cache.transfer.transport import ReadTime
 from ..common import workers
 from ..memory.buffer import HipBuffer
 from ..runtime import Backend
@@ -205,6 +209,7 @@ def _measure(transport: str, scattered: bool, cache: KvCache, link: Any, desc: A
     nbytes = done.nbytes
     copy_s = _copy_seconds(source, dst, nbytes, iters)
     transfer, whole = statistics.median(reads[1:]), statistics.median(imports[1:])
+    host = [p.host_s for p in parts[1:] if isinstance(p, ReadTime)]  # IPC, peer
     backend, peer = dst.backend, source.device != dst.device
     return {"transport": transport, "layout": "scattered" if scattered else "consecutive",
             "sender_device": source.device, "receiver_device": dst.device,
@@ -212,7 +217,8 @@ def _measure(transport: str, scattered: bool, cache: KvCache, link: Any, desc: A
             "bytes": nbytes, "blocks": done.blocks_moved, "spans": _spans(desc, cache.config),
             "transfer_gb_per_s": nbytes / transfer / 1e9,
             "import_gb_per_s": nbytes / whole / 1e9, "copy_gb_per_s": nbytes / copy_s / 1e9,
-            "pct_of_copy": 100.0 * copy_s / transfer}
+            "pct_of_copy": 100.0 * copy_s / transfer,
+            "host_us": 1e6 * statistics.median(host) if host else None}
 
 
 def _against_the_engine(row: dict[str, Any], link: Any, parts: list[Any], cache: KvCache,

@@ -179,19 +179,24 @@ def transfer_legend(iters: int) -> Legend:
         (("copy GB/s",), "one copy of the same bytes through the same copy engine (a peer copy "
                          f"across devices), median of {iters}"),
         (("% copy",), "transfer GB/s over copy GB/s"),
+        (("host us",), "the host's work in one read (checks, the piece table, queuing the "
+                       "copies, the sender's checks), median; the rest is waiting for the "
+                       "device (on the host backend the copies are host work too; -: the "
+                       "transport does not say)"),
     ]
 
 
 def transfer_table(rows: list[dict[str, Any]], iters: int) -> list[str]:
     lines = [f"{'transport':>9} {'devices':>7} {'peer':>5} {'blocks':>11} {'MiB':>7} "
              f"{'spans':>6} {'transfer GB/s':>14} {'import GB/s':>12} {'copy GB/s':>10} "
-             f"{'% copy':>7}"]
+             f"{'% copy':>7} {'host us':>8}"]
     peer = {None: "-", True: "on", False: "off"}
     lines += [f"{r['transport']:>9} {r['sender_device']:>3}->{r['receiver_device']:<2} "
               f"{peer[r['peer_access']]:>5} {r['layout']:>11} "
               f"{r['bytes'] / 2**20:7.0f} {r['spans']:6} "
               f"{r['transfer_gb_per_s']:14.2f} {r['import_gb_per_s']:12.2f} "
-              f"{r['copy_gb_per_s']:10.2f} {r['pct_of_copy']:6.1f}%" for r in rows]
+              f"{r['copy_gb_per_s']:10.2f} {r['pct_of_copy']:6.1f}% "
+              f"{_us(r.get('host_us')):>8}" for r in rows]
     return lines + legend_lines(transfer_legend(iters))
 
 

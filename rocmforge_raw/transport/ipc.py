@@ -10,17 +10,20 @@ the sender's slab is not freed (a closed sender cache frees it when the last map
 A mapping is only as good as its exporter: every read first lets go of the mappings whose
 exporter exited or closed its slab (so a closed sender's deferred free is not held up), and
 checks the source again once the copies arrived: a sender that exited or closed its slab
-during the read fails it (``IpcError``; the import is undone), its bytes undefined.
+during the read fails it (``IpcError``; the import is undone), its bytes undefined. Each
+check is a read of the slab's lease and a poll of the sender's pidfd (``procs.Exit``).
+``last_read`` says how much of the last read was host work and how much waiting.
 """
 
 from __future__ import annotations
 
 import contextlib
+import time
 from typing import Any
 
 import numpy as np
 
-from ..cache.transfer.transport import Transport, copy_spans, read_timeout
+from ..cache.transfer.transport import ReadTime, Transport, copy_spans, read_timeout
 from ..common import checks
 from ..errors import IpcError
 from ..memory import ipc
@@ -33,6 +36,8 @@ class IpcTransport(Transport):
     """Reads spans of a slab another process of this host exported."""
 
     name = "ipc"
+    #: Where the last read's time went (host work, waiting for the device).
+    last_read: ReadTime | None = None
 
     def __init__(self) -> None:
         self._mapped: dict[bytes, HipBuffer] = {}
@@ -47,6 +52,7 @@ class IpcTransport(Transport):
 
     def read(self, endpoint: Any, dst: HipBuffer, spans: np.ndarray,
              stream: Stream | None = None, *, timeout: float | None = None) -> None:
+        start = time.perf_counter()
         self._check_open()
         timeout = read_timeout(timeout)
         handle = self._handle(endpoint)
@@ -54,8 +60,9 @@ class IpcTransport(Transport):
         if src.backend is not dst.backend:
             raise ValueError(f"the sender's slab is {src.backend.name} memory, the receiver's "
                              f"{dst.backend.name}: IPC copies within one backend")
-        copy_spans(dst, src, spans, stream, timeout)
+        waited = copy_spans(dst, src, spans, stream, timeout)
         self._check_source(handle)  # a sender gone during the copies: what arrived is undefined
+        self.last_read = ReadTime(time.perf_counter() - start - waited, waited)
 
     @staticmethod
     def _handle(endpoint: Any) -> IpcHandle:

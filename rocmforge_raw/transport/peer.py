@@ -11,13 +11,14 @@ from __future__ import annotations
 import functools
 import itertools
 import os
+import time
 import weakref
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from ..cache.transfer.transport import Transport, copy_spans, read_timeout
+from ..cache.transfer.transport import ReadTime, Transport, copy_spans, read_timeout
 from ..common import checks
 from ..errors import BufferClosedError
 from ..memory.buffer import HipBuffer
@@ -44,6 +45,8 @@ class PeerTransport(Transport):
     """Reads spans of a slab published in this same process."""
 
     name = "peer"
+    #: Where the last read's time went (host work, waiting for the device).
+    last_read: ReadTime | None = None
 
     def _publish(self, buffer: HipBuffer) -> PeerEndpoint:
         number = next(_ids)
@@ -55,13 +58,15 @@ class PeerTransport(Transport):
 
     def read(self, endpoint: Any, dst: HipBuffer, spans: np.ndarray,
              stream: Stream | None = None, *, timeout: float | None = None) -> None:
+        start = time.perf_counter()
         self._check_open()
         timeout = read_timeout(timeout)
         src = _source(endpoint)
         if src.backend is not dst.backend:
             raise ValueError(f"the sender's slab is {src.backend.name} memory, the receiver's "
                              f"{dst.backend.name}: peer copies stay within one backend")
-        copy_spans(dst, src, spans, stream, timeout)
+        waited = copy_spans(dst, src, spans, stream, timeout)
+        self.last_read = ReadTime(time.perf_counter() - start - waited, waited)
 
 
 def _source(endpoint: Any, open_only: bool = True) -> HipBuffer:

@@ -16,9 +16,12 @@ waits for it first. Offsets and sizes are bytes.
 
 from __future__ import annotations
 
+import os
+import threading
 import time
 import weakref
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import numpy as np
@@ -43,6 +46,17 @@ def published(buffer: HipBuffer) -> dict[str, Any]:
     return {name: endpoint for name, (transport, endpoint) in
             _published.get(buffer.root, {}).items()
             if (live := transport()) is not None and not live.closed}
+
+
+@dataclass(frozen=True)
+class ReadTime:
+    """Where a read through the runtime's copies went (``IpcTransport``, ``PeerTransport``:
+    ``last_read``): ``host_s`` seconds of host work (checks, the piece table, queuing the
+    copies, the exporter's checks) and ``wait_s`` seconds blocked on the device until the
+    bytes arrived (on the host backend the copies themselves are host work)."""
+
+    host_s: float
+    wait_s: float
 
 
 class Transport(ABC):
@@ -134,30 +148,55 @@ def read_timeout(timeout: Any) -> float | None:
     return seconds
 
 
-def wait(dst: HipBuffer, stream: Stream | None, timeout: float | None = None) -> None:
+def _event(dst: HipBuffer) -> Event:
+    """This thread's event of ``dst``'s device, made once and re-recorded by each ``wait``
+    of the thread (one thread waits on it at a time; a wait that timed out leaves it
+    pending, and the next record replaces that point)."""
+    events = getattr(_events, "by_device", None)
+    if events is None:
+        events = _events.by_device = {}
+    event = events.get((dst.backend, dst.device))
+    if event is None or event.closed:
+        event = events[(dst.backend, dst.device)] = Event(dst.device, dst.backend)
+    return event
+
+
+def _forget_events() -> None:
+    """In a forked child: the events are the parent's."""
+    global _events
+    _events = threading.local()
+
+
+_events = threading.local()
+os.register_at_fork(after_in_child=_forget_events)
+
+
+def wait(dst: HipBuffer, stream: Stream | None, timeout: float | None = None) -> float:
     """Block until the work queued on ``stream`` of ``dst``'s device has passed (the copies a
     transport queued, or what ran before an outside engine may write); ``TransferError``
-    once ``timeout`` seconds passed first (the work stays queued)."""
-    with Event(dst.device, dst.backend) as event:
-        event.record(stream)
-        if timeout is None:
-            event.synchronize()
-            return
-        deadline = time.monotonic() + timeout
-        while not dst.backend.event_query(event.handle):
-            if time.monotonic() >= deadline:
-                raise TransferError(f"the read did not complete within timeout={timeout:g} s")
-            time.sleep(_POLL_S)
+    once ``timeout`` seconds passed first (the work stays queued). Returns the seconds spent
+    blocked on the device (after the event's record)."""
+    event = _event(dst).record(stream)
+    start = time.perf_counter()
+    if timeout is None:
+        event.synchronize()
+        return time.perf_counter() - start
+    deadline = time.monotonic() + timeout
+    while not dst.backend.event_query(event.handle):
+        if time.monotonic() >= deadline:
+            raise TransferError(f"the read did not complete within timeout={timeout:g} s")
+        time.sleep(_POLL_S)
+    return time.perf_counter() - start
 
 
 def copy_spans(dst: HipBuffer, src: HipBuffer, spans: np.ndarray,
-               stream: Stream | None, timeout: float | None = None) -> None:
+               stream: Stream | None, timeout: float | None = None) -> float:
     """Copy ``spans`` of ``src`` (on ``dst``'s device or another device of its backend)
     into ``dst`` on ``stream`` (``ops.copy_spans``: one launch where ``dst``'s device
     reaches ``src``, runtime copies where it does not), then wait for them (at most
-    ``timeout`` seconds, as ``wait``)."""
+    ``timeout`` seconds, as ``wait``); returns the seconds blocked in that wait."""
     ops.copy_spans(dst, src, spans, stream=stream)
-    wait(dst, stream, timeout)
+    return wait(dst, stream, timeout)
 
 
 def merged_spans(spans: np.ndarray) -> np.ndarray:
