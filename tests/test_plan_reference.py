@@ -139,3 +139,28 @@ def test_query_slots_past_a_sequences_tokens_are_refused():
         query_slots(tables, np.array([4]), np.array([5]), ref_cnt, 2)
     with pytest.raises(ValueError, match=r"3 query tokens of 5 do not fit .* 2 blocks of 2"):
         query_slots(tables, np.array([5]), np.array([3]), ref_cnt, 2)
+
+
+@pytest.mark.parametrize("args,match", [
+    ((2, 4, 0, 32), "bm must be 1..any, got 0"),
+    ((2, 4, -64, 32), "bm must be 1..any, got -64"),
+    ((2, 4, 64, 0), "bn must be 1..any, got 0"),
+    ((2, 0, 64, 32), "ratio must be 1..any, got 0"),
+    ((0, 4, 64, 32), "num_kv_heads must be 1..65535, got 0"),
+    ((1 << 16, 4, 64, 32), "num_kv_heads must be 1..65535, got 65536"),  # x is 16 bits
+])
+def test_a_plan_over_impossible_tiles_or_heads_is_refused_not_a_crash(args, match):
+    """(The planning runs in C: a zero tile divided by zero, a negative one wrote past its
+    array.)"""
+    with pytest.raises(ValueError, match=match):
+        plan_prefill(np.array([2, 200]), np.array([5, 300]), *args, 264)
+
+
+@pytest.mark.parametrize("lens,match", [
+    (np.array([2**32 + 5]), r"lens must be int32 values, got int64"),
+    (np.array([5.0]), r"lens must be int32 values, got float64"),
+])
+def test_query_slots_refuse_lengths_int32_would_change(lens, match):
+    tables, ref_cnt = np.array([[1, 2, 3]], np.int32), np.ones(4, np.int32)
+    with pytest.raises(ValueError, match=match):
+        query_slots(tables, lens, np.array([3]), ref_cnt, 2)

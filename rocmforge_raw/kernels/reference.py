@@ -10,6 +10,9 @@ holds codes with a per-layer K and V scale (``quantize``/``dequantize``, ml_dtyp
 
 from __future__ import annotations
 
+import math
+import numbers
+
 import ml_dtypes
 import numpy as np
 
@@ -35,11 +38,11 @@ def _check_variants(num_q_heads: int, window: int | None, logit_softcap: float |
                     sinks: np.ndarray | None) -> None:
     """Refuse a window below 1, a cap not above 0 (or NaN) and sinks not ``[num_q_heads]``,
     naming the value."""
-    if window is not None and (isinstance(window, bool) or int(window) != window
-                               or window < 1):
+    if window is not None and (isinstance(window, bool) or not isinstance(
+            window, numbers.Integral) or window < 1):
         raise ValueError(f"window must be an integer >= 1 (tokens), got {window!r}")
-    if logit_softcap is not None and not float(logit_softcap) > 0:
-        raise ValueError(f"logit_softcap must be > 0, got {logit_softcap!r}")
+    if logit_softcap is not None and not 0 < float(logit_softcap) < math.inf:
+        raise ValueError(f"logit_softcap must be finite and > 0, got {logit_softcap!r}")
     if sinks is not None and np.shape(sinks) != (num_q_heads,):
         raise ValueError(f"sinks must have shape ({num_q_heads},) (one per query head), got "
                          f"{np.shape(sinks)}")

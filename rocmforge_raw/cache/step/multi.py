@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from ...common import checks
 from ...kernels.planning import SCALE_ARG, plan_work
 from ...kernels.planning.prefill import (
     PrefillKernel,
@@ -39,11 +40,21 @@ def query_slots(tables: np.ndarray, lens: np.ndarray, query_lens: np.ndarray,
     """The slots of each sequence's last ``query_lens`` tokens (int64, sequence by sequence):
     where a step writes their K/V; -1 for a token in a block another sequence shares (a
     prefix hit, a fork: the block holds its K/V already). One loop in C (``_rows``)."""
-    i32 = np.int32
-    found: np.ndarray = _query_slots(np.asarray(tables, i32), np.asarray(lens, i32),
-                                     np.asarray(query_lens, i32), np.asarray(ref_cnt, i32),
-                                     block_size)
+    found: np.ndarray = _query_slots(_int32("tables", tables), _int32("lens", lens),
+                                     _int32("query_lens", query_lens),
+                                     _int32("ref_cnt", ref_cnt), block_size)
     return found
+
+
+def _int32(name: str, values: np.ndarray) -> np.ndarray:
+    """``values`` as int32, refused (naming them) where that would change one."""
+    array = np.asarray(values)
+    limits = np.iinfo(np.int32)
+    if array.dtype != np.int32 and (array.dtype.kind not in "iu" or (array.size > 0 and (
+            array.min() < limits.min or array.max() > limits.max))):
+        raise ValueError(f"{name} must be int32 values, got {array.dtype} "
+                         f"{checks.show(array)}")
+    return array.astype(np.int32, copy=False)
 
 
 @dataclass

@@ -30,6 +30,11 @@ def prefill_items(const long long[::1] q_lens, const long long[::1] kv_lens,
     cdef long long p, per, piece, hi, tiles, cost, first = 0
     if kv_lens.shape[0] != num_seqs:
         raise ValueError(f"{kv_lens.shape[0]} seq_lens for {num_seqs} query_lens")
+    for name, value, most in (("num_kv_heads", num_kv_heads, 0xFFFF), ("ratio", ratio, 0),
+                              ("bm", bm, 0), ("bn", bn, 0)):
+        # (C below divides by them and steps by bm; the kernel reads x in 16 bits)
+        if value < 1 or (most and value > most):
+            raise ValueError(f"{name} must be 1..{most or 'any'}, got {value}")
     starts = np.empty(num_seqs + 1, np.int32)
     cdef int[::1] q_starts = starts
     q_starts[0] = 0
