@@ -132,6 +132,33 @@ def test_rows_past_a_long_prefix_see_the_whole_prefix(backend, rng):
     assert relative_error(run(backend, *inputs), want(*inputs)) < tolerance(np.float16)
 
 
+@pytest.mark.parametrize("dtype", [np.float16, ml_dtypes.bfloat16],
+                         ids=lambda d: np.dtype(d).name)
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_scores_rising_along_the_positions_move_the_running_max_and_still_match(
+        backend, rng, dtype, head_dim):
+    """Keys with a ramp along one direction: half the query heads of each group score it
+    rising (their running max passes its slack, 2^8, over and over, with output already
+    summed: the rescale after a settled start), the other half falling (their max never
+    moves), in the same tiles; a few spikes jump a row's max far at once. Long rows (the
+    two-m-tile instance), short ones and few items (pieces and their combine)."""
+    q_lens, kv_lens = [1, 180, 3, 40], [300, 1500, 1003, 700]
+    q, k, v, tables, lens, q_lens, _, _ = random_inputs(rng, np.float32, head_dim, 16, 4,
+                                                        q_lens, kv_lens)
+    u = rng.standard_normal(head_dim)
+    u /= np.linalg.norm(u)
+    for s, length in enumerate(kv_lens):
+        p = np.arange(length)
+        ramp = 0.5 * p * np.sqrt(head_dim / 128)  # ~8 log2 units a 64-token tile
+        ramp[rng.choice(length, 3, replace=False)] += 60  # spikes
+        k[tables[s, p // 16], :, p % 16, :] += ramp[:, None, None] * u
+    sign = np.where(np.arange(q.shape[1]) % 2 == 0, 2.0, -2.0)[None, :, None]
+    q = (q + sign * u).astype(dtype)
+    k, v = k.astype(dtype), v.astype(dtype)
+    inputs = (q, k, v, tables, lens, q_lens)
+    assert relative_error(run(backend, *inputs), want(*inputs)) < tolerance(dtype)
+
+
 # --- the work plan ------------------------------------------------------------------------
 @pytest.mark.parametrize("slots", [1, 8, 10_000])
 def test_the_plan_covers_every_row_and_position_once(rng, slots):
