@@ -25,6 +25,7 @@ consecutive blocks on both sides moves as one span per plane.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import time
 from collections.abc import Hashable
@@ -55,6 +56,18 @@ def fingerprint(fields: dict[str, Any]) -> str:
     """A digest of ``layout()`` (hex): equal layouts, equal fingerprints."""
     text = repr([(name, fields[name]) for name in _LAYOUT])
     return hashlib.blake2b(text.encode(), digest_size=16).hexdigest()
+
+
+@functools.lru_cache(maxsize=32)
+def _constants(config: CacheConfig) -> tuple[dict[str, Any], str, int, np.ndarray]:
+    """Per receiving layout, made once: ``layout(config)`` (never handed out: descriptions
+    get their own), its fingerprint, the bytes of one block of one plane, and each plane's
+    offset in this config's slab (read-only)."""
+    fields = layout(config)
+    chunk = config.block_bytes // (2 * config.num_layers)
+    planes = np.arange(2 * config.num_layers, dtype=np.int64) * (config.num_blocks * chunk)
+    planes.flags.writeable = False
+    return fields, fingerprint(fields), chunk, planes
 
 
 @dataclass(frozen=True)
@@ -208,16 +221,17 @@ def _import(cache: TierOps, desc: Any, transport: Any, seq_id: Hashable | None =
 def _check(desc: SequenceDescription, config: CacheConfig) -> np.ndarray:
     """The sender's block ids, once ``desc`` is known to fit ``config``: the same layout
     (each differing field named), a matching fingerprint, consistent counts."""
-    ours = layout(config)
+    ours, digest = _constants(config)[:2]
     theirs = desc.layout if isinstance(desc.layout, dict) else {}
-    differ = [f"{name} {theirs.get(name)!r} (this cache: {ours[name]!r})"
-              for name in _LAYOUT if theirs.get(name) != ours[name]]
+    differ = [] if theirs == ours else [  # (one C comparison where they are equal)
+        f"{name} {theirs.get(name)!r} (this cache: {ours[name]!r})"
+        for name in _LAYOUT if theirs.get(name) != ours[name]]
     if differ:
         raise ValueError("the sequence comes from a cache of another layout: "
                          + ", ".join(differ))
-    if desc.fingerprint != fingerprint(ours):
+    if desc.fingerprint != digest:
         raise ValueError(f"fingerprint {desc.fingerprint!r} does not match the layout "
-                         f"{fingerprint(ours)!r}: the description was altered")
+                         f"{digest!r}: the description was altered")
     num_tokens = checks.integer(desc.num_tokens, "desc.num_tokens", 1)
     src_blocks = checks.integer(desc.num_blocks, "desc.num_blocks", 2)
     _check_types(desc)
@@ -262,15 +276,18 @@ def block_spans(src: np.ndarray, dst: np.ndarray, src_blocks: int,
     src, dst = np.asarray(src, np.int64), np.asarray(dst, np.int64)
     if not src.size:
         return np.zeros((0, 3), np.int64)
-    if (np.diff(dst) < 0).any():  # in destination order (the runs stay consecutive runs)
+    dst_step = np.diff(dst)
+    if (dst_step < 0).any():  # in destination order (the runs stay consecutive runs)
         order = np.argsort(dst, kind="stable")
         src, dst = src[order], dst[order]
-    chunk = config.block_bytes // (2 * config.num_layers)  # one block of one plane
-    cut = np.flatnonzero((np.diff(src) != 1) | (np.diff(dst) != 1)) + 1
-    starts = np.concatenate([[0], cut])
-    lengths = np.diff(np.append(starts, src.size))
-    planes = np.arange(2 * config.num_layers, dtype=np.int64)[:, None]
-    src_offsets = (planes * src_blocks + src[starts]) * chunk
-    dst_offsets = (planes * config.num_blocks + dst[starts]) * chunk
-    sizes = np.broadcast_to(lengths * chunk, src_offsets.shape)
-    return np.stack([src_offsets.ravel(), dst_offsets.ravel(), sizes.ravel()], 1)
+        dst_step = np.diff(dst)
+    _, _, chunk, planes = _constants(config)  # one block of one plane; planes' offsets here
+    starts = np.flatnonzero((np.diff(src) != 1) | (dst_step != 1)) + 1
+    starts = np.concatenate([[0], starts])
+    lengths = np.diff(starts, append=src.size)
+    spans = np.empty((planes.size, starts.size, 3), np.int64)
+    spans[:, :, 0] = (planes[:, None] // config.num_blocks) * src_blocks
+    spans[:, :, 0] += src[starts] * chunk
+    spans[:, :, 1] = planes[:, None] + dst[starts] * chunk
+    spans[:, :, 2] = lengths * chunk
+    return spans.reshape(-1, 3)
