@@ -192,7 +192,7 @@ def _tables(iters):
     transfer = {"transport": "ipc", "sender_device": 0, "receiver_device": 0,
                 "peer_access": None, "layout": "consecutive", "bytes": 2**30, "spans": 64,
                 "transfer_gb_per_s": 10.0, "import_gb_per_s": 9.0, "copy_gb_per_s": 11.0,
-                "pct_of_copy": 91.0}
+                "pct_of_copy": 91.0, "host_us": 40.0, "import_host_us": 90.0}
     mooncake = {**transfer, "engine_gb_per_s": 1.1, "pct_of_engine": 90.9, "tcp_gb_per_s": 3.0,
                 "pct_of_tcp": 33.3, "descriptors": 16, "registration_ms": 0.1,
                 "engine_registration_ms": 0.05, "post_ms": 2.0, "engine_post_ms": 2.0,

@@ -254,6 +254,7 @@ def test_bench_transfer_reports_both_layouts_against_the_copy(capsys):
         assert row["bytes"] == 128 * 16 * 8 * 2 * 8 * 128 * 2  # blocks, tokens, layers, K/V, ...
         assert row["transfer_gb_per_s"] > 0 and row["copy_gb_per_s"] > 0
         assert row["import_gb_per_s"] <= row["transfer_gb_per_s"]
+        assert 0 < row["host_us"] <= row["import_host_us"]  # the import holds the read
         assert row["pct_of_copy"] == pytest.approx(
             100 * row["transfer_gb_per_s"] / row["copy_gb_per_s"])
     assert (consecutive["spans"], scattered["spans"]) == (2 * 8, 128 * 2 * 8)

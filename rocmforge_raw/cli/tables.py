@@ -183,20 +183,23 @@ def transfer_legend(iters: int) -> Legend:
                        "copies, the sender's checks), median; the rest is waiting for the "
                        "device (on the host backend the copies are host work too; -: the "
                        "transport does not say)"),
+        (("import host us",), "the fixed host time of one whole import_sequence (the "
+                              "import less the read's wait for the device: checks, "
+                              "allocation, bookkeeping and the read's host work), median"),
     ]
 
 
 def transfer_table(rows: list[dict[str, Any]], iters: int) -> list[str]:
     lines = [f"{'transport':>9} {'devices':>7} {'peer':>5} {'blocks':>11} {'MiB':>7} "
              f"{'spans':>6} {'transfer GB/s':>14} {'import GB/s':>12} {'copy GB/s':>10} "
-             f"{'% copy':>7} {'host us':>8}"]
+             f"{'% copy':>7} {'host us':>8} {'import host us':>14}"]
     peer = {None: "-", True: "on", False: "off"}
     lines += [f"{r['transport']:>9} {r['sender_device']:>3}->{r['receiver_device']:<2} "
               f"{peer[r['peer_access']]:>5} {r['layout']:>11} "
               f"{r['bytes'] / 2**20:7.0f} {r['spans']:6} "
               f"{r['transfer_gb_per_s']:14.2f} {r['import_gb_per_s']:12.2f} "
               f"{r['copy_gb_per_s']:10.2f} {r['pct_of_copy']:6.1f}% "
-              f"{_us(r.get('host_us')):>8}" for r in rows]
+              f"{_us(r.get('host_us')):>8} {_us(r.get('import_host_us')):>14}" for r in rows]
     return lines + legend_lines(transfer_legend(iters))
 
 
