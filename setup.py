@@ -2,10 +2,10 @@
 (``runtime/_alloc``, ``runtime/_launch``), device memory (``memory/``: the registry, ``HipBuffer``,
 ``MemoryPool`` over its stream-ordered core, the DLPack capsules' release callbacks), the
 attention's work split, the multi-token launch's items and a step's packing
-(``kernels/planning/_worksplit``, ``_prefill``, ``kernels/_pack``) and a step's bookkeeping
-(``cache/blocks/_tables``, ``_rows``). Plain C against Python's headers only: the GPU fast
-paths take the bindings' C functions at run time, so neither cuda.h nor the ROCm headers are
-needed. Everything else is in pyproject.toml.
+(``kernels/planning/_worksplit``, ``_prefill``, ``kernels/_pack``), a step's bookkeeping
+(``cache/blocks/_tables``, ``_rows``) and an import's ids and spans (``cache/transfer/_spans``).
+Plain C against Python's headers only: the GPU fast paths take the bindings' C functions at
+run time, so neither cuda.h nor the ROCm headers are needed. Everything else is in pyproject.toml.
 """
 
 import shutil
@@ -20,7 +20,8 @@ MODULES = ("rocmforge_raw.runtime._alloc", "rocmforge_raw.runtime._launch",
            "rocmforge_raw.memory._dlpack_release",
            "rocmforge_raw.kernels.planning._worksplit", "rocmforge_raw.kernels.planning._prefill",
            "rocmforge_raw.kernels._pack",
-           "rocmforge_raw.cache.blocks._tables", "rocmforge_raw.cache.blocks._rows")
+           "rocmforge_raw.cache.blocks._tables", "rocmforge_raw.cache.blocks._rows",
+           "rocmforge_raw.cache.transfer._spans")
 
 #: A step's loops over block tables want vectorizing (a copy fused with a range check, 2x
 #: faster than glibc's memcpy and a check apart), which -O2 leaves undone.

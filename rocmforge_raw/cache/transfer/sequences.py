@@ -40,6 +40,7 @@ from ..blocks.prefix import HASH_BYTES
 from ..config import CacheConfig
 from ..core import operation
 from ..tiers.swap import TierOps
+from . import _spans
 from .transport import Transport, published, read_timeout, wait
 
 _LAYOUT = ("num_layers", "num_kv_heads", "head_dim", "block_size", "dtype", "activation_dtype",
@@ -234,12 +235,13 @@ def _check(desc: SequenceDescription, config: CacheConfig) -> np.ndarray:
                          f"{digest!r}: the description was altered")
     num_tokens = checks.integer(desc.num_tokens, "desc.num_tokens", 1)
     src_blocks = checks.integer(desc.num_blocks, "desc.num_blocks", 2)
-    _check_types(desc)
-    ids = np.asarray(desc.block_ids, np.int64)
+    checked = _spans.block_ids(desc.block_ids, src_blocks)  # a tuple of plain ints in range (C)
+    _check_types(desc, checked is None)
+    ids = np.asarray(desc.block_ids, np.int64) if checked is None else checked
     if ids.size != -(-num_tokens // config.block_size):
         raise ValueError(f"{ids.size} blocks cannot hold {num_tokens} tokens of "
                          f"{config.block_size} per block")
-    if ids.min() < 1 or ids.max() >= src_blocks:
+    if checked is None and (ids.min() < 1 or ids.max() >= src_blocks):
         raise ValueError(f"block ids {checks.show(list(desc.block_ids))} leave 1.."
                          f"{src_blocks - 1}")
     hashes, full = desc.prefix_hashes, num_tokens // config.block_size  # a partial block: none
@@ -252,13 +254,14 @@ def _check(desc: SequenceDescription, config: CacheConfig) -> np.ndarray:
     return ids
 
 
-def _check_types(desc: SequenceDescription) -> None:
+def _check_types(desc: SequenceDescription, check_ids: bool = True) -> None:
     """The containers of ``desc`` as ``export_sequence`` makes them (never cast: a float
-    block id is no block)."""
+    block id is no block; the ids' types unless ``check_ids`` is false: ``block_ids`` found
+    them plain ints)."""
     ids, hashes, endpoints = desc.block_ids, desc.prefix_hashes, desc.endpoints
-    if not isinstance(ids, (tuple, list)) or not all(  # each type once: C speed over ids
+    if check_ids and (not isinstance(ids, (tuple, list)) or not all(  # each type once: C speed
             issubclass(t, (int, np.integer)) and not issubclass(t, (bool, np.bool_))
-            for t in set(map(type, ids))):
+            for t in set(map(type, ids)))):
         raise TypeError(f"desc.block_ids must be a tuple of ints, got {checks.show(ids)}")
     if not isinstance(hashes, (tuple, list)):
         raise TypeError(f"desc.prefix_hashes must be a tuple of bytes, got {checks.show(hashes)}")
@@ -273,15 +276,23 @@ def block_spans(src: np.ndarray, dst: np.ndarray, src_blocks: int,
     a slab of ``src_blocks`` blocks to blocks ``dst`` of this ``config``'s slab: one per
     plane (layer, K/V) per run of blocks consecutive on both sides, their destinations
     ascending (C-contiguous: ``ops.copy_spans`` takes such a table in one pass)."""
-    src, dst = np.asarray(src, np.int64), np.asarray(dst, np.int64)
+    src = np.ascontiguousarray(src, np.int64)
     if not src.size:
         return np.zeros((0, 3), np.int64)
+    _, _, chunk, planes = _constants(config)  # one block of one plane; planes' offsets here
+    dst = np.asarray(dst)
+    if dst.dtype != np.int32:
+        dst = np.asarray(dst, np.int64)
+    table = _spans.spans(src, np.ascontiguousarray(dst), src_blocks, config.num_blocks, chunk,
+                         planes.size)  # C, where the destinations ascend
+    if table is not None:
+        return table
+    dst = dst.astype(np.int64)
     dst_step = np.diff(dst)
     if (dst_step < 0).any():  # in destination order (the runs stay consecutive runs)
         order = np.argsort(dst, kind="stable")
         src, dst = src[order], dst[order]
         dst_step = np.diff(dst)
-    _, _, chunk, planes = _constants(config)  # one block of one plane; planes' offsets here
     starts = np.flatnonzero((np.diff(src) != 1) | (dst_step != 1)) + 1
     starts = np.concatenate([[0], starts])
     lengths = np.diff(starts, append=src.size)
