@@ -180,7 +180,7 @@ def _import(cache: TierOps, desc: Any, transport: Any, seq_id: Hashable | None =
     hits = pool.lookup(list(desc.prefix_hashes))
     need = len(src_ids)
     fresh = need - len(hits)
-    needed = fresh + int(np.count_nonzero(pool.ref_cnt[hits] == 0))
+    needed = fresh + (int(np.count_nonzero(pool.ref_cnt[hits] == 0)) if hits else 0)
     if needed > pool.num_free:
         raise CacheFullError(needed, pool.num_free, "an import never preempts")
     # Where the free stack holds every fresh block, the read goes into the blocks the
@@ -211,12 +211,14 @@ def _import(cache: TierOps, desc: Any, transport: Any, seq_id: Hashable | None =
     if fast:
         taken = cache._allocate(fresh, cache.stream, hits)
         assert np.array_equal(taken, new), "the allocation took other blocks than it peeked"
+    ids = np.concatenate([np.array(hits, np.int32), new]) if hits else new
     hashes = list(desc.prefix_hashes)
-    cache._name(np.concatenate([np.array(hits, np.int32), new]), hashes,
-                list(range(len(hits), len(hashes))), None)
-    ids = np.concatenate([np.array(hits, np.int32), new])
+    if len(hashes) > len(hits):  # hashes of blocks moved: named here
+        cache._name(ids, hashes, list(range(len(hits), len(hashes))), None)
     cache._add_row(seq_id, ids, desc.num_tokens, len(hits) == need, now)
-    return Imported(seq_id, desc.num_tokens, fresh, len(hits), int(spans[:, 2].sum()), seconds)
+    # (the spans cover each moved block's 2 * num_layers chunks once)
+    return Imported(seq_id, desc.num_tokens, fresh, len(hits), fresh * config.block_bytes,
+                    seconds)
 
 
 def _check(desc: SequenceDescription, config: CacheConfig) -> np.ndarray:
