@@ -298,9 +298,9 @@ def block_spans(src: np.ndarray, dst: np.ndarray, src_blocks: int,
     starts = np.flatnonzero((np.diff(src) != 1) | (dst_step != 1)) + 1
     starts = np.concatenate([[0], starts])
     lengths = np.diff(starts, append=src.size)
+    plane = np.arange(planes.size, dtype=np.int64)[:, None]
     spans = np.empty((planes.size, starts.size, 3), np.int64)
-    spans[:, :, 0] = (planes[:, None] // config.num_blocks) * src_blocks
-    spans[:, :, 0] += src[starts] * chunk
-    spans[:, :, 1] = planes[:, None] + dst[starts] * chunk
+    spans[:, :, 0] = (plane * src_blocks + src[starts]) * chunk  # the sender's slab
+    spans[:, :, 1] = planes[:, None] + dst[starts] * chunk  # this config's
     spans[:, :, 2] = lengths * chunk
     return spans.reshape(-1, 3)
