@@ -6,20 +6,30 @@ one token at a time, sharing no code with the planner."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import ml_dtypes
 import numpy as np
 import pytest
 
-from rocmforge_raw.cache.step.multi import query_slots
+from rocmforge_raw.cache.step.multi import (
+    PREFILL_OUT_SCALE_ARG,
+    PREFILL_SCALE_ARG,
+    prefill_launches,
+    query_slots,
+)
+from rocmforge_raw.kernels.module import Kernel
 from rocmforge_raw.kernels.planning.prefill import (
     ITEM_COST,
     MIN_PIECE_TILES,
     PIECE_WAVES,
+    PrefillKernel,
     leading_decodes,
     plan_prefill,
     prefill_shape,
     prefill_wm,
 )
+from rocmforge_raw.runtime import get_backend
 
 
 def ceil(a: int, b: int) -> int:
@@ -164,3 +174,39 @@ def test_query_slots_refuse_lengths_int32_would_change(lens, match):
     tables, ref_cnt = np.array([[1, 2, 3]], np.int32), np.ones(4, np.int32)
     with pytest.raises(ValueError, match=match):
         query_slots(tables, lens, np.array([3]), ref_cnt, 2)
+
+
+def stub_instance(wm: int) -> PrefillKernel:
+    """A multi-token instance whose kernels prepare real launches on the host backend (a
+    module that is never loaded: nothing launches)."""
+    module = SimpleNamespace(backend=get_backend("host"), device=0, _check_open=lambda: None,
+                             stream_of=lambda stream: None)
+    kernels = []
+    for handle in (1, 2):
+        kernel = Kernel.__new__(Kernel)
+        kernel.module, kernel.name, kernel.handle = module, f"k{handle}", handle
+        kernels.append(kernel)
+    shape = prefill_shape("cuda", np.dtype(np.float16), np.dtype(np.float16), 128, wm)
+    return PrefillKernel(kernels[0], kernels[1], wm, shape, 8)
+
+
+def test_a_reused_multi_token_launch_passes_what_a_fresh_one_packs():
+    found = stub_instance(4)
+    shape = found.shape
+    works = [plan_prefill(np.array(q), np.array(kv), 2, 4, shape.bm, shape.bn, 8)
+             for q, kv in (([300, 5], [900, 40]), ([7], [7]), ([64, 64, 64], [2000, 90, 64]))]
+    launches: dict = {}
+    for step, work in enumerate(works * 2):
+        at = [(step + 1) << 20 | i << 8 for i in range(6)]  # this step's addresses
+        args = (found, work, *at, 0.125 + step, 32, 8, 10 + step, 16, None)
+        reused = prefill_launches(*args, launches)
+        fresh = prefill_launches(*args)
+        assert (reused[1] is None) == (fresh[1] is None) == (not len(work.combines))
+        for old, new in zip(reused, fresh):
+            if new is not None:
+                assert old.num_args == new.num_args
+                assert [old.slot(i) for i in range(old.num_args)] == [
+                    new.slot(i) for i in range(new.num_args)]
+        reused[0].set_float(PREFILL_SCALE_ARG, 3.0)  # as an fp8 step's layers set their scales
+        reused[0].set_float(PREFILL_OUT_SCALE_ARG, 7.0)
+    assert len(launches) == 2  # one multi-token launch and one combine, reused

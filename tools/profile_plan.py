@@ -6,7 +6,8 @@ The host backend plans no kernels, so the GPU path's planning functions are call
 directly with the arrays ``batch`` hands them (a host cache's own ``gather``): ``query_slots``
 (``StepLaunches.batch``), ``leading_decodes``, ``prefill_wm``, ``plan_prefill`` and
 ``plan_work`` (``multi.plan_multi``), and ``prefill_launches`` over a stub module (the real
-``Kernel.prepare`` and ``Launch``; nothing is launched). ``host_share`` is all of them in
+``Kernel.prepare`` and ``Launch``; nothing is launched), fresh and reused from a staging
+slot's launches as ``plan_multi`` does. ``host_share`` is all of them in
 ``plan_multi``'s order: the part of ``batch`` they cost, without its uploads and the decode
 launch. With a GPU, ``--batch`` also times the cache's whole ``batch`` on it.
 
@@ -106,9 +107,11 @@ def main() -> None:
     bm, bn = found.shape.bm, found.shape.bn
     work = plan_prefill(rest_q, rest_lens, KV_HEADS, ratio, bm, bn, args.slots)
 
-    def launches() -> None:
+    reused: dict = {}  # a staging slot's launches (plan_multi passes staging.launches)
+
+    def launches(cache: dict | None = None) -> None:
         prefill_launches(found, work, 1 << 20, 1 << 21, 1 << 22, 1 << 23, 1 << 24, 1 << 25,
-                         0.088, Q_HEADS, KV_HEADS, width, BLOCK, None)
+                         0.088, Q_HEADS, KV_HEADS, width, BLOCK, None, cache)
 
     def host_share() -> None:
         d = leading_decodes(q_lens)
@@ -118,7 +121,7 @@ def main() -> None:
         plan_work(KV_HEADS * DECODE.groups, DECODE.slots, d, lens[:d], sms=DECODE.sms,
                   rule=DECODE.rule)
         prefill_launches(found, planned, 1 << 20, 1 << 21, 1 << 22, 1 << 23, 1 << 24,
-                         1 << 25, 0.088, Q_HEADS, KV_HEADS, width, BLOCK, None)
+                         1 << 25, 0.088, Q_HEADS, KV_HEADS, width, BLOCK, None, reused)
 
     timed = {
         "query_slots": lambda: query_slots(tables, lens, q_lens, ref_cnt, BLOCK),
@@ -129,6 +132,7 @@ def main() -> None:
             KV_HEADS * DECODE.groups, DECODE.slots, decodes, lens[:decodes], sms=DECODE.sms,
             rule=DECODE.rule),
         "prefill_launches": launches,
+        "prefill_launches (reused)": lambda: launches(reused),
         "host_share": host_share,
     }
     print(rocmforge_raw.__file__)
@@ -136,7 +140,7 @@ def main() -> None:
           f"({work.num_pieces} pieces, {len(work.combines)} combines), bm {bm}, bn {bn}, "
           f"slots {args.slots}, {WARPS} warps")
     for name, fn in timed.items():
-        print(f"{name:22s} {median_us(fn, args.reps):8.1f} us")
+        print(f"{name:26s} {median_us(fn, args.reps):8.1f} us")
     if args.batch:
         gpu_batch(args.reps // 10)
 
@@ -152,7 +156,7 @@ def gpu_batch(reps: int) -> None:
             cache.add_sequence(seq_id, int(n))
         us = median_us(lambda: cache.batch(ids, query_lens=Q_LENS), reps)
         backend.synchronize(0)
-    print(f"{'batch (' + backend.name + ')':22s} {us:8.1f} us")
+    print(f"{'batch (' + backend.name + ')':26s} {us:8.1f} us")
 
 
 if __name__ == "__main__":

@@ -33,6 +33,9 @@ from ..blocks._rows import query_slots as _query_slots
 #: v), the scale and the fp8 output scale.
 PREFILL_PATCH = (0, 2, 3, 4)
 PREFILL_SCALE_ARG, PREFILL_OUT_SCALE_ARG = 9, 14
+#: The arguments a step changes in a reused multi-token launch (partials, tables, lengths,
+#: query starts, items, table width) and in its combine (partials, items, combines, starts).
+STEP_PREFILL_ARGS, STEP_COMBINE_ARGS = (1, 5, 6, 7, 8, 12), (1, 2, 3, 4)
 
 
 def query_slots(tables: np.ndarray, lens: np.ndarray, query_lens: np.ndarray,
@@ -124,7 +127,7 @@ def plan_multi(planner: Any, staging: Staging, num_q_heads: int, lens: np.ndarra
     prefill, combine = prefill_launches(
         found_pf, plan, partials, tables_at + 4 * decodes * width, lens_at + 4 * decodes,
         starts_at, items_at, combines_at[0] if combines_at else 0, planner.default_scale,
-        num_q_heads, c.num_kv_heads, width, c.block_size, stream)
+        num_q_heads, c.num_kv_heads, width, c.block_size, stream, staging.launches)
     offset = decodes * num_q_heads * c.head_dim * act.itemsize
     return MultiLaunch(decode, prefill, combine, offset)
 
@@ -132,21 +135,44 @@ def plan_multi(planner: Any, staging: Staging, num_q_heads: int, lens: np.ndarra
 def prefill_launches(found: PrefillKernel, work: PrefillWork, partials: int, tables_at: int,
                      lens_at: int, starts_at: int, items_at: int, combines_at: int,
                      scale: float, num_q_heads: int, num_kv_heads: int, width: int,
-                     block_size: int, stream: Stream | None) -> tuple[Launch, Launch | None]:
+                     block_size: int, stream: Stream | None,
+                     launches: dict[Any, Any] | None = None) -> tuple[Launch, Launch | None]:
     """The multi-token launch of ``work`` and its combine (None without pieces), every
     argument packed but the per-layer pointers: the tables and lengths of its sequences
     (at ``tables_at``/``lens_at``, ``width`` blocks a row), their query starts, items and
-    combines where uploaded, and ``partials`` for the pieces' records."""
+    combines where uploaded, and ``partials`` for the pieces' records. With ``launches``
+    (a staging slot's), launches prepared by an earlier step of that slot are reused, given
+    this step's grids and every argument that may differ (``STEP_PREFILL_ARGS``,
+    ``STEP_COMBINE_ARGS``, the scales): the bytes they pass are those a fresh ``prepare``
+    packs, at a tenth of its host time."""
     i32, f32 = np.int32, np.float32
     shape = found.shape
-    prefill = found.kernel.prepare(
-        len(work.items), found.threads, 0, partials, 0, 0, 0, tables_at, lens_at, starts_at,
-        items_at, f32(scale), i32(num_q_heads), i32(num_kv_heads), i32(width),
-        i32(block_size.bit_length() - 1), f32(1.0), shared_bytes=shape.shared_bytes,
-        stream=stream, patch=PREFILL_PATCH)
-    combine = None
-    if len(work.combines):
+    key = (found.kernel, num_q_heads, num_kv_heads, block_size, stream)
+    prefill = None if launches is None else launches.get(("prefill", key))
+    if prefill is None:
+        prefill = found.kernel.prepare(
+            len(work.items), found.threads, 0, partials, 0, 0, 0, tables_at, lens_at,
+            starts_at, items_at, f32(scale), i32(num_q_heads), i32(num_kv_heads), i32(width),
+            i32(block_size.bit_length() - 1), f32(1.0), shared_bytes=shape.shared_bytes,
+            stream=stream, patch=PREFILL_PATCH)
+        if launches is not None:
+            launches[("prefill", key)] = prefill
+    else:
+        prefill.set_grid(len(work.items))
+        prefill.set_ints(STEP_PREFILL_ARGS, (partials, tables_at, lens_at, starts_at, items_at,
+                                             width))
+        prefill.set_float(PREFILL_SCALE_ARG, scale)
+        prefill.set_float(PREFILL_OUT_SCALE_ARG, 1.0)
+    if not len(work.combines):
+        return prefill, None
+    combine = None if launches is None else launches.get(("combine", key))
+    if combine is None:
         combine = found.combine.prepare(
             len(work.combines), found.threads, 0, partials, items_at, combines_at, starts_at,
             i32(num_q_heads), i32(num_kv_heads), i32(shape.bm), stream=stream, patch=(0,))
+        if launches is not None:
+            launches[("combine", key)] = combine
+    else:
+        combine.set_grid(len(work.combines))
+        combine.set_ints(STEP_COMBINE_ARGS, (partials, items_at, combines_at, starts_at))
     return prefill, combine
