@@ -15,12 +15,14 @@ from rocmforge_raw.transport import PeerTransport
 
 
 def test_a_read_says_how_long_the_host_worked_and_waited(backend):
-    with PeerTransport() as link, rf.HipBuffer(4096, DEVICE, backend) as src, \
+    values = np.arange(1024, dtype=np.int32)
+    with PeerTransport() as link, rf.HipBuffer.from_numpy(values, DEVICE, backend) as src, \
             rf.HipBuffer(4096, DEVICE, backend) as dst:
         assert link.last_read is None
         link.read(link.publish(src), dst, np.array([[0, 0, 4096]], np.int64))
         times = link.last_read
         assert isinstance(times, ReadTime) and times.host_s > 0 and times.wait_s >= 0
+        np.testing.assert_array_equal(dst.to_numpy(np.int32), values)  # (src written: initcheck)
 
 
 def test_waits_of_one_thread_reuse_one_event_and_other_threads_their_own(backend):
