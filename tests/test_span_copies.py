@@ -35,13 +35,39 @@ def scattered_spans(rng, nbytes: int) -> np.ndarray:
     return np.array(spans, np.int64)[rng.permutation(len(spans))]
 
 
-def counting(backend, monkeypatch) -> list[str]:
-    """Names of the runtime copies ``backend`` makes from now on."""
-    calls: list[str] = []
+class CountedCalls:
+    """A backend's ``driver_calls`` that names each batched copy in ``calls`` (its copies'
+    count too) and answers ``status`` instead of queueing it where that is given."""
+
+    def __init__(self, real, calls: list, status: int | None = None) -> None:
+        self.real, self.calls, self.status = real, calls, status
+
+    def __getattr__(self, name):
+        return getattr(self.real, name)
+
+    def copy_batch(self, dsts, srcs, sizes, *args):
+        self.calls.append(("copy_batch", len(sizes)))
+        if self.status is not None:
+            return self.status
+        return self.real.copy_batch(dsts, srcs, sizes, *args)
+
+
+def batches(backend) -> bool:
+    """Whether ``backend``'s binding has a batched copy (``cuMemcpyBatchAsync``)."""
+    return backend.driver_calls is not None and backend.driver_calls.batches
+
+
+def counting(backend, monkeypatch, batch_status: int | None = None) -> list:
+    """Names of the runtime copies ``backend`` makes from now on (a batched copy as
+    ``("copy_batch", copies)``; ``batch_status``: what the batch answers, not queueing)."""
+    calls: list = []
     for name in ("memcpy_dtod", "memcpy_peer"):
         method = getattr(backend, name)
         monkeypatch.setattr(backend, name, lambda *a, _m=method, _n=name, **k: (
             calls.append(_n), _m(*a, **k))[1])
+    if batches(backend):
+        monkeypatch.setattr(backend, "driver_calls",
+                            CountedCalls(backend.driver_calls, calls, batch_status))
     return calls
 
 
@@ -63,17 +89,58 @@ def test_scattered_aligned_spans_move_in_one_launch(backend, rng, monkeypatch):
         assert calls == []  # the kernel moved every span
 
 
-def test_unaligned_spans_are_copied_one_by_one(backend, rng, monkeypatch):
+UNALIGNED = np.array([[3, 100, 1000], [5000, 7, 33], [20000, 40000, 16 * KiB + 1]], np.int64)
+
+
+@pytest.mark.parametrize("on_stream", [False, True])
+def test_unaligned_spans_are_one_batched_copy_or_copied_one_by_one(backend, rng, monkeypatch,
+                                                                   on_stream):
+    """One ``cuMemcpyBatchAsync`` where the binding has it (on the thread's default stream
+    for the default stream, which the batch refuses), a runtime copy a span where not."""
     nbytes = 64 * KiB
     data = rng.integers(0, 256, nbytes, dtype=np.uint8)
-    spans = np.array([[3, 100, 1000], [5000, 7, 33], [20000, 40000, 16 * KiB + 1]], np.int64)
     with rf.HipBuffer.from_numpy(data, DEVICE, backend) as src, \
-            rf.HipBuffer.from_numpy(np.zeros(nbytes, np.uint8), DEVICE, backend) as dst:
+            rf.HipBuffer.from_numpy(np.zeros(nbytes, np.uint8), DEVICE, backend) as dst, \
+            rf.Stream(DEVICE, backend) as stream:
         calls = counting(backend, monkeypatch)
-        ops.copy_spans(dst, src, spans)
+        ops.copy_spans(dst, src, UNALIGNED, stream=stream if on_stream else None)
+        stream.synchronize()
         np.testing.assert_array_equal(dst.to_numpy(), expected(np.zeros_like(data), data,
-                                                               spans))
-    assert calls == ["memcpy_dtod"] * len(spans)
+                                                               UNALIGNED))
+    if batches(backend):
+        assert calls == [("copy_batch", len(UNALIGNED))]
+    else:
+        assert calls == ["memcpy_dtod"] * len(UNALIGNED)
+
+
+def test_a_batch_the_driver_refuses_is_copied_one_by_one(gpu, rng, monkeypatch):
+    if not batches(gpu):
+        pytest.skip(f"the {gpu.name} binding has no batched copy")
+    data = rng.integers(0, 256, 64 * KiB, dtype=np.uint8)
+    with rf.HipBuffer.from_numpy(data, DEVICE, gpu) as src, \
+            rf.HipBuffer.from_numpy(np.zeros_like(data), DEVICE, gpu) as dst:
+        calls = counting(gpu, monkeypatch, batch_status=1)  # (CUDA_ERROR_INVALID_VALUE)
+        ops.copy_spans(dst, src, UNALIGNED)
+        np.testing.assert_array_equal(dst.to_numpy(), expected(np.zeros_like(data), data,
+                                                               UNALIGNED))
+    assert calls == [("copy_batch", len(UNALIGNED))] + ["memcpy_dtod"] * len(UNALIGNED)
+
+
+def test_a_batch_on_the_default_stream_follows_its_earlier_work_and_precedes_its_later(
+        gpu, rng):
+    """The batch goes on the thread's default stream: what the legacy default stream queued
+    before (a long fill) lands first, what it queues after (a copy back) sees the batch."""
+    nbytes = 256 * 1024 * KiB
+    spans = np.array([[nbytes - 4099, 1, 4099], [nbytes // 2 + 1, 8 * KiB + 3, 999]], np.int64)
+    with rf.HipBuffer(nbytes, DEVICE, gpu) as src, \
+            rf.HipBuffer.from_numpy(np.zeros(16 * KiB, np.uint8), DEVICE, gpu) as dst, \
+            rf.HipBuffer(16 * KiB, DEVICE, gpu) as back:
+        for value in (7, 200):
+            src.fill(value)  # (the default stream: the whole 256 MiB before the batch)
+            ops.copy_spans(dst, src, spans)
+            gpu.memcpy_dtod(back.ptr, dst.ptr, back.nbytes)  # the default stream, after
+            got = back.to_numpy()
+            assert (got[1:4100] == value).all() and (got[8 * KiB + 3 : 9 * KiB + 2] == value).all()
 
 
 def test_spans_within_one_buffer_and_views_of_it(backend, rng):
@@ -205,6 +272,8 @@ def test_spans_from_another_device_move_in_one_launch_where_it_reaches_them(two_
                                                                spans))
     if backend.name != "host" and reaches:
         assert calls == []
+    elif batches(backend):
+        assert calls == [("copy_batch", np.count_nonzero(spans[:, 2]))]
     else:
         assert calls == ["memcpy_peer"] * np.count_nonzero(spans[:, 2])
 

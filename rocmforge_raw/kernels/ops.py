@@ -26,6 +26,7 @@ from ..memory.array import DeviceArray
 from ..memory.buffer import HipBuffer
 from ..memory.stream import Stream, stream_handle
 from ..runtime import Backend
+from ..runtime.base import address
 from . import multi_token, reference
 from .decode import launch_decode
 from .module import load_kernels
@@ -201,8 +202,10 @@ def copy_spans(dst: HipBuffer, src: HipBuffer, spans: Any, *,
     address on two H200s) and every address and size is a multiple of 16 bytes, one launch
     copies every span (cut into pieces of at most ``PIECE_BYTES``, a CTA each): thousands
     of small spans, a scattered sequence's blocks, move at the speed of a few large copies.
-    Otherwise each span is one runtime copy (a peer copy across devices, which the runtime
-    stages through host memory where the two have no peer access). Nothing waits for the
+    Otherwise the spans are one batched driver copy (``copy_batch``: across devices, an IPC
+    mapping of another device's memory too) where the binding and driver have one, else each
+    span is one runtime copy (a peer copy across devices, which the runtime stages through
+    host memory where the two have no peer access). Nothing waits for the
     device, and across devices nothing orders the copy after work queued on ``src``'s device
     (a runtime peer copy on the default stream would): the caller does, as
     ``export_sequence`` does by waiting before the description leaves."""
@@ -234,12 +237,32 @@ def copy_spans(dst: HipBuffer, src: HipBuffer, spans: Any, *,
     if aligned and direct:
         copy_pieces(backend, dst.device, cut_pieces(dst.ptr, src.ptr, spans), stream)
         return
+    if copy_batch(dst, src, spans, handle):
+        return
     for src_offset, dst_offset, nbytes in spans.tolist():
         if src.device == dst.device:
             backend.memcpy_dtod(dst.ptr + dst_offset, src.ptr + src_offset, nbytes, handle)
         else:
             backend.memcpy_peer(dst.ptr + dst_offset, dst.device, src.ptr + src_offset,
                                 src.device, nbytes, handle)
+
+
+def copy_batch(dst: HipBuffer, src: HipBuffer, spans: np.ndarray, stream: Any) -> bool:
+    """Queue checked, non-empty ``spans`` of ``src`` into ``dst`` on ``stream`` (a handle of
+    ``dst``'s device; None: the default stream) as one batched driver copy: True; False
+    (nothing queued) where the binding or the driver has none. For the default stream the
+    batch, which refuses the legacy one, goes on the thread's default stream (2:
+    CU_STREAM_PER_THREAD, hipStreamPerThread), which the legacy stream's work before and
+    after waits for as any blocking stream's."""
+    calls = dst.backend.driver_calls
+    if calls is None or not calls.batches:
+        return False
+    dst.backend.activate(dst.device)
+    status = calls.copy_batch((dst.ptr + spans[:, 1]).astype(np.uint64),
+                              (src.ptr + spans[:, 0]).astype(np.uint64),
+                              spans[:, 2].astype(np.uint64), src.device, dst.device,
+                              address(stream) or 2)
+    return status == 0
 
 
 def _one_pass(dst: HipBuffer, src: HipBuffer, spans: Any, stream: Stream | None) -> bool:

@@ -31,6 +31,23 @@ ctypedef int (*record_fn)(void* event, void* stream) noexcept
 ctypedef int (*query_fn)(void* event) noexcept
 ctypedef int (*upload_fn)(uintptr_t dst, const void* src, size_t nbytes, void* stream) noexcept
 
+cdef struct MemLocation:  # CUmemLocation / hipMemLocation
+    int type
+    int id
+
+cdef struct CopyAttributes:  # CUmemcpyAttributes / hipMemcpyAttributes (24 bytes)
+    int src_access_order
+    MemLocation src_hint
+    MemLocation dst_hint
+    unsigned int flags
+
+ctypedef int (*batch_fn)(const uint64_t* dsts, const uint64_t* srcs, const size_t* sizes,
+                         size_t count, CopyAttributes* attrs, size_t* attrs_idxs,
+                         size_t num_attrs, void* stream) noexcept
+ctypedef int (*batch_fail_fn)(const uint64_t* dsts, const uint64_t* srcs, const size_t* sizes,
+                              size_t count, CopyAttributes* attrs, size_t* attrs_idxs,
+                              size_t num_attrs, size_t* fail_idx, void* stream) noexcept
+
 cdef enum:
     MAX_ARGS = 32   # kernel arguments a Launch holds
     MAX_PATCH = 4   # pointer arguments a call may replace
@@ -62,16 +79,66 @@ cdef class DriverCalls:
     cdef record_fn c_record
     cdef query_fn c_query
     cdef upload_fn c_upload
+    cdef batch_fn c_batch
+    cdef batch_fail_fn c_batch_fail
     cdef int not_ready
 
-    def __init__(self, dict capi, tuple record, tuple query, tuple upload, int not_ready):
+    def __init__(self, dict capi, tuple record, tuple query, tuple upload, int not_ready,
+                 tuple batch=()):
         """``record``, ``query`` and ``upload``: (name, signature) of each C function in
         ``capi`` (see ``_alloc.binding_function``); ``not_ready``: the status of an event
-        not yet reached."""
+        not yet reached; ``batch``: the batched copy's name and its signatures without (CUDA
+        13) and with (CUDA 12.8-12.9, HIP) a failure index, where the binding may have it."""
         self.c_record = <record_fn>binding_function(capi, record[0], record[1])
         self.c_query = <query_fn>binding_function(capi, query[0], query[1])
         self.c_upload = <upload_fn>binding_function(capi, upload[0], upload[1])
         self.not_ready = not_ready
+        if batch:
+            try:
+                self.c_batch = <batch_fn>binding_function(capi, batch[0], batch[1])
+            except ImportError:
+                try:
+                    self.c_batch_fail = <batch_fail_fn>binding_function(capi, batch[0],
+                                                                        batch[2])
+                except ImportError:  # a binding without it: copies go one by one
+                    pass
+
+    @property
+    def batches(self):
+        """Whether the binding has a batched copy (the driver may still refuse it)."""
+        return self.c_batch != NULL or self.c_batch_fail != NULL
+
+    def copy_batch(self, const uint64_t[::1] dsts, const uint64_t[::1] srcs,
+                   const uint64_t[::1] sizes, int src_device, int dst_device,
+                   uintptr_t stream):
+        """Queue ``sizes[i]`` bytes from ``srcs[i]`` to ``dsts[i]`` for every i in one
+        driver call (``cuMemcpyBatchAsync`` since CUDA 12.8, ``hipMemcpyBatchAsync``) on
+        ``stream`` (not 0: the batch refuses the legacy default stream): in stream order as a
+        whole, the sources read in stream order, the copies in no order among themselves;
+        the devices are location hints. Addresses are any the driver resolves (this device's
+        memory, a peer's, an IPC mapping). Returns the driver's status (0: queued; otherwise
+        nothing was queued: the caller copies another way), -1 without ``batches``."""
+        cdef CopyAttributes attrs
+        cdef size_t first = 0, failed = 0
+        cdef size_t count = <size_t>sizes.shape[0]
+        cdef int status = -1
+        if <size_t>dsts.shape[0] != count or <size_t>srcs.shape[0] != count:
+            raise ValueError(f"{dsts.shape[0]} destinations, {srcs.shape[0]} sources and "
+                             f"{count} sizes must pair up")
+        if count == 0:
+            return 0
+        memset(&attrs, 0, sizeof(attrs))
+        attrs.src_access_order = 1  # the sources are read in stream order
+        attrs.src_hint.type = attrs.dst_hint.type = 1  # a device
+        attrs.src_hint.id, attrs.dst_hint.id = src_device, dst_device
+        if self.c_batch != NULL:
+            status = self.c_batch(&dsts[0], &srcs[0], <const size_t*>&sizes[0], count,
+                                  &attrs, &first, 1, <void*>stream)
+        elif self.c_batch_fail != NULL:
+            status = self.c_batch_fail(&dsts[0], &srcs[0], <const size_t*>&sizes[0], count,
+                                       &attrs, &first, 1, &failed, <void*>stream)
+        binding_ok(status)  # (clears an error the binding may have set)
+        return status
 
     def record(self, uintptr_t event, uintptr_t stream):
         """Record ``event`` on ``stream`` (0: the default stream); False if that failed."""

@@ -26,6 +26,10 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
 _SUCCESS = cu.CUresult.CUDA_SUCCESS
 _OOM = cu.CUresult.CUDA_ERROR_OUT_OF_MEMORY
 _NOT_READY = cu.CUresult.CUDA_ERROR_NOT_READY
+#: cuMemcpyBatchAsync's C signature: CUDA 13's, or with "size_t *, " (the failure index)
+#: 12.8-12.9's.
+_BATCH = ("CUresult (CUdeviceptr *, CUdeviceptr *, size_t *, size_t, CUmemcpyAttributes *, "
+          "size_t *, size_t, %sCUstream)")
 
 
 def _describe(status: Any) -> tuple[str, str]:
@@ -152,7 +156,8 @@ class CudaBackend(ThreadDevices, Backend):
                                ("cuEventQuery", "CUresult (CUevent)"),
                                ("cuMemcpyHtoDAsync",
                                 "CUresult (CUdeviceptr, void const *, size_t, CUstream)"),
-                               int(_NOT_READY))
+                               int(_NOT_READY), ("cuMemcpyBatchAsync", _BATCH % "",
+                                                 _BATCH % "size_t *, "))
         except (ImportError, AttributeError, TypeError):  # no matching C layer
             return None
 

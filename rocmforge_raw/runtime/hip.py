@@ -140,7 +140,11 @@ class HipBackend(ThreadDevices, Backend):
                                ("hipEventQuery", "enum hipError_t (hipEvent_t)"),
                                ("hipMemcpyHtoDAsync", "enum hipError_t (void *, void const *, "
                                                       "size_t, hipStream_t)"),
-                               int(_NOT_READY))
+                               int(_NOT_READY),
+                               ("hipMemcpyBatchAsync", "",  # (HIP's has a failure index)
+                                "enum hipError_t (void **, void **, size_t *, size_t, struct "
+                                "hipMemcpyAttributes *, size_t *, size_t, size_t *, "
+                                "hipStream_t)"))
         except (ImportError, AttributeError, TypeError):  # no matching C layer
             return None
 
