@@ -208,7 +208,32 @@ def test_both_gpu_backends_find_their_bindings_c_driver_calls():
     from rocmforge_raw.runtime.hip import HipBackend
 
     for backend_type in (CudaBackend, HipBackend):
-        assert object.__new__(backend_type).make_driver_calls() is not None
+        calls = object.__new__(backend_type).make_driver_calls()
+        assert calls is not None and calls.batches  # (CUDA 13's batch; HIP's with fail index)
+
+
+def test_a_binding_without_a_batched_copy_of_a_known_signature_has_none():
+    """Another signature (or none) leaves the batch out, never bound to the wrong C type:
+    copies then go one by one."""
+    from rocmforge_raw.runtime._launch import DriverCalls
+
+    capi = {"hipEventRecord": _capsule("enum hipError_t (hipEvent_t, hipStream_t)"),
+            "hipEventQuery": _capsule("enum hipError_t (hipEvent_t)"),
+            "hipMemcpyHtoDAsync": _capsule("enum hipError_t (void *, void const *, size_t, "
+                                           "hipStream_t)"),
+            "hipMemcpyBatchAsync": _capsule("enum hipError_t (void **, size_t)")}
+    calls = DriverCalls(capi, *[(name, _NAMES_OF[name]) for name in list(capi)[:3]], 600,
+                        ("hipMemcpyBatchAsync", "", "enum hipError_t (void **, void **)"))
+    assert not calls.batches
+    one = np.ones(1, np.uint64)
+    assert calls.copy_batch(one, one, one, 0, 0, 2) == -1
+    with pytest.raises(ValueError, match="1 destinations, 1 sources and 2 sizes"):
+        calls.copy_batch(one, one, np.ones(2, np.uint64), 0, 0, 2)
+
+
+_NAMES_OF = {"hipEventRecord": "enum hipError_t (hipEvent_t, hipStream_t)",
+             "hipEventQuery": "enum hipError_t (hipEvent_t)",
+             "hipMemcpyHtoDAsync": "enum hipError_t (void *, void const *, size_t, hipStream_t)"}
 
 
 def test_driver_calls_of_a_binding_with_another_signature_are_refused():
@@ -236,6 +261,8 @@ def test_hip_driver_calls_reach_debians_runtime_and_fall_back_to_report_its_stat
     assert calls is not None
     assert calls.record(0, 0) is False and calls.query(0) is None
     assert calls.upload(0, 0, 16, 0) is False
+    one = np.ones(1, np.uint64)
+    assert calls.copy_batch(one, one, one * 16, 0, 0, 2) != 0  # (a status: nothing queued)
     for api, call in (("hipEventRecord", lambda: hip.event_record(None)),
                       ("hipEventQuery", lambda: hip.event_query(None)),
                       ("hipMemcpyAsync", lambda: hip.upload(0, 0, 16))):
