@@ -141,6 +141,9 @@ def test_a_window_covering_the_sequence_and_a_sink_at_minus_infinity_change_noth
     ({"window": 4.0}, "got 4.0"),
     ({"logit_softcap": -1.0}, "got -1.0"),
     ({"logit_softcap": float("nan")}, "got nan"),
+    ({"logit_softcap": "2"}, "logit_softcap must be finite and > 0, got '2'"),
+    ({"logit_softcap": True}, "got True"),
+    ({"window": np.bool_(True)}, "got np.True_"),
     ({"sinks": np.zeros(3)}, r"sinks must have shape \(4,\) \(one per query head\), got \(3,\)"),
     ({"sinks": np.zeros((4, 1))}, r"got \(4, 1\)"),
 ])
@@ -154,3 +157,14 @@ def test_bad_variant_values_are_refused_by_name(kwargs, match):
     with pytest.raises(ValueError, match=match):
         reference.paged_attention_multi(q, k, v, tables, lens, np.ones(1, np.int64), 0.5,
                                         np.float64, **kwargs)
+
+
+def test_a_window_of_a_narrow_numpy_integer_is_its_value():
+    """(``last - window`` in uint8 would wrap: the window is taken as a Python int.)"""
+    rng = np.random.default_rng(2)
+    lens = np.array([300])
+    k, v, tables = paged(rng, lens)
+    q = rng.standard_normal((1, 4, 8))
+    np.testing.assert_array_equal(
+        reference.paged_attention(q, k, v, tables, lens, 0.5, np.float64, window=np.uint8(200)),
+        reference.paged_attention(q, k, v, tables, lens, 0.5, np.float64, window=200))

@@ -38,10 +38,13 @@ def _check_variants(num_q_heads: int, window: int | None, logit_softcap: float |
                     sinks: np.ndarray | None) -> None:
     """Refuse a window below 1, a cap not above 0 (or NaN) and sinks not ``[num_q_heads]``,
     naming the value."""
-    if window is not None and (isinstance(window, bool) or not isinstance(
+    if window is not None and (isinstance(window, (bool, np.bool_)) or not isinstance(
             window, numbers.Integral) or window < 1):
         raise ValueError(f"window must be an integer >= 1 (tokens), got {window!r}")
-    if logit_softcap is not None and not 0 < float(logit_softcap) < math.inf:
+    if logit_softcap is not None and (
+            isinstance(logit_softcap, (bool, np.bool_))
+            or not isinstance(logit_softcap, numbers.Real)
+            or not 0 < float(logit_softcap) < math.inf):
         raise ValueError(f"logit_softcap must be finite and > 0, got {logit_softcap!r}")
     if sinks is not None and np.shape(sinks) != (num_q_heads,):
         raise ValueError(f"sinks must have shape ({num_q_heads},) (one per query head), got "
@@ -57,6 +60,7 @@ def _attend(q: np.ndarray, k: np.ndarray, v: np.ndarray, last: np.ndarray, scale
     ``cap * tanh(s / cap)``; a head's sink joins the softmax's denominator only. Returns
     ``[rows, kv_heads, group, dim]``. Positions no row sees are never read (a window's
     freed blocks may hold anything)."""
+    window = None if window is None else int(window)  # (a NumPy uint8 would wrap below)
     first = 0 if window is None else max(0, int(last.min()) - window + 1)
     k, v = k[:, first:], v[:, first:]
     scores = np.einsum("ihgd,htd->ihgt", q, k) * accum(scale)
