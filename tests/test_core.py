@@ -212,28 +212,26 @@ def test_both_gpu_backends_find_their_bindings_c_driver_calls():
         assert calls is not None and calls.batches  # (CUDA 13's batch; HIP's with fail index)
 
 
+#: HIP's event record and query and its pinned upload: name and C signature.
+_HIP_CALLS = {"hipEventRecord": "enum hipError_t (hipEvent_t, hipStream_t)",
+              "hipEventQuery": "enum hipError_t (hipEvent_t)",
+              "hipMemcpyHtoDAsync": "enum hipError_t (void *, void const *, size_t, hipStream_t)"}
+
+
 def test_a_binding_without_a_batched_copy_of_a_known_signature_has_none():
     """Another signature (or none) leaves the batch out, never bound to the wrong C type:
     copies then go one by one."""
     from rocmforge_raw.runtime._launch import DriverCalls
 
-    capi = {"hipEventRecord": _capsule("enum hipError_t (hipEvent_t, hipStream_t)"),
-            "hipEventQuery": _capsule("enum hipError_t (hipEvent_t)"),
-            "hipMemcpyHtoDAsync": _capsule("enum hipError_t (void *, void const *, size_t, "
-                                           "hipStream_t)"),
-            "hipMemcpyBatchAsync": _capsule("enum hipError_t (void **, size_t)")}
-    calls = DriverCalls(capi, *[(name, _NAMES_OF[name]) for name in list(capi)[:3]], 600,
+    capi = {name: _capsule(signature) for name, signature in _HIP_CALLS.items()}
+    capi["hipMemcpyBatchAsync"] = _capsule("enum hipError_t (void **, size_t)")
+    calls = DriverCalls(capi, *_HIP_CALLS.items(), 600,
                         ("hipMemcpyBatchAsync", "", "enum hipError_t (void **, void **)"))
     assert not calls.batches
     one = np.ones(1, np.uint64)
     assert calls.copy_batch(one, one, one, 0, 0, 2) == -1
     with pytest.raises(ValueError, match="1 destinations, 1 sources and 2 sizes"):
         calls.copy_batch(one, one, np.ones(2, np.uint64), 0, 0, 2)
-
-
-_NAMES_OF = {"hipEventRecord": "enum hipError_t (hipEvent_t, hipStream_t)",
-             "hipEventQuery": "enum hipError_t (hipEvent_t)",
-             "hipMemcpyHtoDAsync": "enum hipError_t (void *, void const *, size_t, hipStream_t)"}
 
 
 def test_driver_calls_of_a_binding_with_another_signature_are_refused():

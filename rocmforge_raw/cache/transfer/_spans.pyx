@@ -40,8 +40,6 @@ def block_ids(object ids, int64_t limit):
     return out
 
 
-
-
 def spans(const int64_t[::1] src, object dst, int64_t src_blocks, int64_t num_blocks,
           int64_t chunk, int64_t planes):
     """``block_spans``'s table (int64 ``[planes * runs, 3]``: per plane, per run of blocks
