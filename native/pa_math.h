@@ -78,7 +78,8 @@ struct rf_pa_core {
       for (int e = 0; e < CPL * PV; ++e) acc[g][e] = 0.f;
     }
   }
-  RF_DEVICE void tile(const char* k_plane, const char* v_plane, int t0, int end, float) {
+  RF_DEVICE void tile(const char* k_plane, const char* v_plane, int t0, int end, float,
+                      float cap) {
     // scores: TPT threads per token, each over CHUNKS chunks, then summed across them
     const int my_row = th.tid / TPT;
     const int tok = t0 + my_row;
@@ -116,7 +117,7 @@ struct rf_pa_core {
     const bool leader = th.tid % TPT == 0;
 #pragma unroll
     for (int g = 0; g < G; ++g) {
-      s[g] = rf_xor_sum<1, TPT>(s[g]);
+      s[g] = rf_softcap(rf_xor_sum<1, TPT>(s[g]), cap);
       if (tok >= end) s[g] = -RF_INF;
       const float m_new = rf_fmax(m_run[g], rf_warp_max(s[g]));
       const float alpha = m_run[g] == -RF_INF ? 0.f : rf_exp2(m_run[g] - m_new);
@@ -263,7 +264,8 @@ struct rf_pa_mma {
       l_part[g] = 0.f;
     }
   }
-  RF_DEVICE void tile(const char* k_plane, const char* v_plane, int t0, int end, float qscale) {
+  RF_DEVICE void tile(const char* k_plane, const char* v_plane, int t0, int end, float qscale,
+                      float cap) {
     const int lane = th.lane, warp = th.warp;
     float sc[MTILES][4];
     const int row_in = (lane % 8) + 8 * ((lane / 8) % 2);
@@ -325,6 +327,16 @@ struct rf_pa_mma {
           mx[hh] = rf_fmax(mx[hh], sc[mt][r * 2 + hh]);
         }
       }
+    if (cap > 0.f) {  // (uniform) tanh is increasing: the capped scores' max is the max capped
+#pragma unroll
+      for (int mt = 0; mt < MTILES; ++mt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+          sc[mt][e] = sc[mt][e] == -RF_INF ? -RF_INF : rf_softcap(sc[mt][e], cap);
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh)
+        mx[hh] = mx[hh] == -RF_INF ? -RF_INF : rf_softcap(mx[hh], cap);
+    }
     mx[0] = rf_xor_max<4, 32>(mx[0]);
     mx[1] = rf_xor_max<4, 32>(mx[1]);
     float m_new[G], alpha_h[2] = {1.f, 1.f};
@@ -464,6 +476,10 @@ struct rf_pa_matrix {
   static constexpr int R = 8;
 #endif
   static constexpr bool QUERIES_SHARED = WMMA;
+  // Whether tile() applies a logit cap: not on wave32 (WMMA) at head_dim 256 in groups of 8,
+  // whose 255 registers hold no more (planning.attention_instance gives capped calls there
+  // groups of 4).
+  static constexpr bool CAPS = !(WMMA && D == 256 && G == 8);
   static constexpr float UNIT = 1.f;
   static_assert(G <= 16, "one head per lane of a 16-column tile");
   struct Shared {
@@ -515,7 +531,8 @@ struct rf_pa_matrix {
     }
     return v;
   }
-  RF_DEVICE void tile(const char* k_plane, const char* v_plane, int t0, int end, float qscale) {
+  RF_DEVICE void tile(const char* k_plane, const char* v_plane, int t0, int end, float qscale,
+                      float cap) {
     const int lane = th.lane, base = th.warp * WROWS;
     const bool my_row = lane % 16 < MROWS;  // the A operand's row is one of this warp's
 #if defined(RF_HAVE_WMMA)
@@ -553,6 +570,12 @@ struct rf_pa_matrix {
         s[mt][i] = row < WROWS && t0 + base + row < end ? c[i] * qscale : -RF_INF;
       }
     }
+    if (CAPS && cap > 0.f)  // (uniform, after the products: no registers held across them)
+#pragma unroll
+      for (int mt = 0; mt < MTILES; ++mt)
+#pragma unroll
+        for (int i = 0; i < R; ++i)
+          s[mt][i] = s[mt][i] == -RF_INF ? -RF_INF : rf_softcap(s[mt][i], cap);
     // online softmax of this lane's head: its own values, then the lanes that share the head
     float mx = -RF_INF;
 #pragma unroll

@@ -223,7 +223,8 @@ struct rf_pa_record {
 // batches 9-30 % slower).
 template <class E, int D, int G, int LOADS>
 RF_DEVICE void combine_pieces(typename E::storage* __restrict__ out, const float* partials,
-                              rf_i64 c0, int pieces, int nh, int tid, float* scratch) {
+                              rf_i64 c0, int pieces, int nh, int tid, float* scratch,
+                              const float* sinks) {
   constexpr int COLS = D / 4, COLUMNS = G * COLS;  // 4-dim columns per head, per group
   constexpr int SLICES = COLUMNS < RF_PA_THREADS ? RF_PA_THREADS / COLUMNS : 1;
   constexpr int TASKS = COLUMNS > RF_PA_THREADS ? COLUMNS / RF_PA_THREADS : 1;
@@ -294,7 +295,8 @@ RF_DEVICE void combine_pieces(typename E::storage* __restrict__ out, const float
 #pragma unroll
   for (int k = 0; k < TASKS; ++k) {
     if (head(k) >= nh) continue;
-    const float inv = l[k] > 0.f ? 1.f / l[k] : 0.f;
+    const float sink = sinks != nullptr ? rf_exp2(sinks[head(k)] * RF_LOG2E - m[k]) : 0.f;
+    const float inv = l[k] > 0.f ? 1.f / (l[k] + sink) : 0.f;
     typename E::storage* row = out + head(k) * D + dims;
     row[0] = E::from_float(acc[k].x * inv);
     row[1] = E::from_float(acc[k].y * inv);
@@ -393,6 +395,9 @@ struct rf_pa_reg_copy {
 // widens to E on their way into the stage, NVIDIA's math in registers: rf_pa_stage::S).
 // `scale` multiplies the scores, `out_scale` the outputs of an fp8 cache (the host folds the
 // layer's K and V scales and the codes' factor into them; other caches ignore out_scale).
+// `softcap` > 0 soft-caps the scaled scores (softcap * tanh(s / softcap): Gemma 2; 0: none);
+// `sinks` (null: none) holds one logit a query head that joins each head's softmax
+// denominator only (gpt-oss): out = sum_t e^(s_t - m) v_t / (sum_t e^(s_t - m) + e^(sink - m)).
 template <class E, class C, int D, int G>
 RF_DEVICE void paged_attention(
     typename E::storage* __restrict__ out, float* __restrict__ partials,
@@ -400,7 +405,8 @@ RF_DEVICE void paged_attention(
     const typename C::storage* __restrict__ k_cache,
     const typename C::storage* __restrict__ v_cache, const int* __restrict__ block_tables,
     const rf_pa_work& w, const int* __restrict__ first_seq, float scale, int num_q_heads,
-    int num_kv_heads, int max_blocks, int block_shift, float out_scale) {
+    int num_kv_heads, int max_blocks, int block_shift, float out_scale, float softcap,
+    const float* __restrict__ sinks) {
   typedef rf_pa_stage<E, C, D, G> Stage;
   constexpr bool FP8 = Stage::FP8;
   typedef rf_pa_tile<E, typename Stage::S, D, Stage::BYTES, G> Tile;
@@ -439,6 +445,7 @@ RF_DEVICE void paged_attention(
   // on tensor cores: rf_e4m3::moved); it multiplies the scores and the outputs
   const float qscale = scale * RF_LOG2E * Math::UNIT;
   const float o_scale = out_scale * Math::UNIT;
+  const float cap = softcap * RF_LOG2E;  // the logit cap in the scores' log2 units (0: none)
   const int row0 = warp * WROWS;
 
   // The walks: each warp's walk of the pieces STAGES tiles ahead of the computation, and the
@@ -652,7 +659,7 @@ RF_DEVICE void paged_attention(
       }
       const char* k_plane = stage_s + stage * 2 * Tile::PLANE;
 #if !defined(RF_PA_NO_MATH)  // tuning builds: the copy path alone (outputs meaningless)
-      math.tile(k_plane, k_plane + Tile::PLANE, t0, end, qscale);
+      math.tile(k_plane, k_plane + Tile::PLANE, t0, end, qscale, cap);
 #endif
 #if !defined(RF_AMD)
       if constexpr (!REG) {
@@ -717,7 +724,8 @@ RF_DEVICE void paged_attention(
       if constexpr (FP8) o *= o_scale;
       if (pieces == 1) {
         const rf_i64 head = (rf_i64)piece.s * num_q_heads + q0 + g;
-        out[head * D + d] = E::from_float(l > 0.f ? o / l : 0.f);
+        const float sink = sinks != nullptr ? rf_exp2(sinks[q0 + g] * RF_LOG2E - m) : 0.f;
+        out[head * D + d] = E::from_float(l > 0.f ? o / (l + sink) : 0.f);
       } else {
         float* record = partials + (slot * G + g) * rf_pa_record<D>::FLOATS;
         record[d] = o;
@@ -758,7 +766,7 @@ RF_DEVICE void paged_attention(
 #endif
         constexpr int LOADS = FP8 || G * D >= 1024 ? TIGHT : 8;
         combine_pieces<E, D, G, LOADS>(out + first_row * D, partials, c0, pieces, nh, tid,
-                                       out_s);
+                                       out_s, sinks != nullptr ? sinks + q0 : nullptr);
       }
     }
     if (!more) return;
@@ -782,12 +790,13 @@ RF_DEVICE void paged_attention(
       const C::storage* k_cache, const C::storage* v_cache, const int* block_tables,           \
       const int* seq_lens, const rf_i64* cum16, const int* first_seq, float scale,             \
       int num_q_heads, int num_kv_heads, int max_blocks, int block_shift, int num_seqs,        \
-      int uniform16, rf_i64 per_cta, rf_i64 total, float out_scale) {                          \
+      int uniform16, rf_i64 per_cta, rf_i64 total, float out_scale, float softcap,             \
+      const float* sinks) {                                                                    \
     const int groups = num_kv_heads * ((num_q_heads / num_kv_heads + G - 1) / G);              \
     const rf_pa_work w{seq_lens, cum16, num_seqs, groups, uniform16, per_cta, total};          \
     paged_attention<E, C, D, G>(out, partials, counters, q, k_cache, v_cache,                 \
                                 block_tables, w, first_seq, scale, num_q_heads, num_kv_heads,  \
-                                max_blocks, block_shift, out_scale);                           \
+                                max_blocks, block_shift, out_scale, softcap, sinks);           \
   }
 
 #define RF_PA_HEAD_DIM(NAME, E, C, D)                                                          \

@@ -69,12 +69,15 @@ def wave(request):
 
 # --- paged attention ---------------------------------------------------------------------
 def attention(emulator, rng, dtype, head_dim, block_size, ratio, lens, num_kv_heads=2,
-              num_partitions=None, seed=0, slots=7, uniform=False, cache_dtype=None, sms=0):
+              num_partitions=None, seed=0, slots=7, uniform=False, cache_dtype=None, sms=0,
+              softcap=0.0, sinks=None, plain=None):
     """One emulated launch planned by ``rocmforge_raw.planning`` as ops.paged_attention plans
     it for the hip backend, on a device of ``slots`` resident workgroups (``uniform``: the
     lengths stay on the device; ``cache_dtype``: an fp8 cache of codes, quantized with
     per-tensor scales; ``sms``: the multiprocessors, which pad a short launch's sequences to
-    whole pieces): (output as float64, float64 reference, counters after)."""
+    whole pieces; ``softcap``, ``sinks``: the Gemma 2 / gpt-oss variants, and ``plain``
+    gets the reference without them): (output as float64, float64 reference, counters
+    after)."""
     num_q_heads, num_seqs = num_kv_heads * ratio, len(lens)
     k, v, k_scale, v_scale = random_kv(rng, dtype, lens, num_kv_heads, block_size, head_dim,
                                        cache_dtype)
@@ -84,7 +87,8 @@ def attention(emulator, rng, dtype, head_dim, block_size, ratio, lens, num_kv_he
     out = np.empty_like(q)
     out.view(np.uint8)[...] = POISON
 
-    name, group = planning.attention_instance(dtype, head_dim, ratio, cache_dtype)
+    name, group = planning.attention_instance(dtype, head_dim, ratio, cache_dtype,
+                                              capped=softcap > 0)
     shared = planning.attention_shared_bytes("hip", head_dim * dtype.itemsize, group,
                                              cache_dtype is not None, itemsize=dtype.itemsize)
     work = planning.plan_work(num_kv_heads * math.ceil(ratio / group), slots, num_seqs,
@@ -102,9 +106,13 @@ def attention(emulator, rng, dtype, head_dim, block_size, ratio, lens, num_kv_he
     arrays = [ptr(a) for a in work.arrays] or [0, 0]
     plan.kernel.launch(plan.grid, planning.THREADS, *plan.arguments(
         ptr(out), ptr(q), ptr(k), ptr(v), ptr(tables), ptr(lens), kernel_scale, ptr(partials),
-        ptr(counters), *arrays, out_scale), shared_bytes=plan.shared_bytes)
+        ptr(counters), *arrays, out_scale, softcap, 0 if sinks is None else ptr(sinks)),
+        shared_bytes=plan.shared_bytes)
     want = reference.paged_attention(q, k, v, tables, lens, scale, np.float64, k_scale,
-                                     v_scale)
+                                     v_scale, logit_softcap=softcap or None, sinks=sinks)
+    if plain is not None:
+        plain.append(reference.paged_attention(q, k, v, tables, lens, scale, np.float64,
+                                               k_scale, v_scale))
     return out.astype(np.float64), want, counters
 
 
@@ -135,6 +143,26 @@ def test_paged_attention_matches_reference(libraries, wave, rng, row, mode):
     # wave64, WMMA on wave32), the rest on the vector units
     matrix = dtype.itemsize == 2 and ratio >= 4
     assert (emulator.matrix_ops > ops_before) == matrix
+
+
+@pytest.mark.parametrize("mode", ["balanced", "partitions", "one piece"])
+@pytest.mark.parametrize("row", range(len(CASES)),
+                         ids=[f"{d.name}-d{h}-r{r}-bs{b}" for d, h, r, b in CASES])
+def test_softcap_and_sinks_match_reference(libraries, wave, rng, row, mode):
+    """Gemma 2's logit cap (small enough to bend the scores) and gpt-oss's sinks (one
+    logit a query head, in the denominator only) on every path: scores on the vector or the
+    matrix units, outputs written whole or combined from pieces."""
+    dtype, head_dim, ratio, block_size = CASES[row]
+    lens = [0, 1, block_size + 1, LONG]
+    options = {"balanced": {}, "partitions": {"num_partitions": 3},
+               "one piece": {"slots": 64}}[mode]
+    sinks = rng.standard_normal(2 * ratio).astype(np.float32) * 2
+    got, want, counters = attention(libraries["paged_attention", wave], rng, dtype, head_dim,
+                                    block_size, ratio, lens, seed=row + 1, softcap=1.5,
+                                    sinks=sinks, plain=(plain := []), **options)
+    assert relative_error(got, want) < TOLERANCE[dtype]
+    assert not counters.any()
+    assert relative_error(got, plain[0]) > 5 * TOLERANCE[dtype]  # the variants matter here
 
 
 @pytest.mark.parametrize("parts", [1, 4])

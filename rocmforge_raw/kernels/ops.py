@@ -46,6 +46,7 @@ from .planning import (
     check_options,
     check_slots,
     check_tables,
+    check_variants,
     check_write_arrays,
     default_scale,
     expect,
@@ -69,10 +70,16 @@ def paged_attention(out: DeviceArray, query: DeviceArray, k_cache: DeviceArray,
                     scale: float | None = None, *, query_lens: Any = None,
                     num_partitions: int | None = None, stream: Stream | None = None,
                     workspace: Workspace | None = None, check: bool = True,
-                    k_scale: float = 1.0, v_scale: float = 1.0) -> None:
+                    k_scale: float = 1.0, v_scale: float = 1.0,
+                    logit_softcap: float | None = None, sinks: DeviceArray | None = None
+                    ) -> None:
     """``out[s, h] = softmax(scale * q[s, h] . K[s]) V[s]`` over the first ``seq_lens[s]``
-    tokens of sequence ``s``'s blocks. An fp8 cache (float16/bfloat16 queries) holds codes:
-    K = code * ``k_scale``, V = code * ``v_scale``, dequantized in the kernel. The work is
+    tokens of sequence ``s``'s blocks; ``logit_softcap`` makes each score ``cap * tanh(s /
+    cap)`` first (Gemma 2), and ``sinks`` (float32 ``[num_q_heads]``, on the query's device)
+    adds ``exp(sinks[h] - m)`` to head h's softmax denominator only (gpt-oss's attention
+    sinks; multi-token calls take neither yet). An fp8 cache (float16/bfloat16 queries)
+    holds codes: K = code * ``k_scale``, V = code * ``v_scale``, dequantized in the kernel.
+    The work is
     split over the CTAs as ``planning.plan_work`` says (one wave of equal shares, or one CTA
     a unit where the units are many), over the real lengths when ``seq_lens`` is on the
     host (else every sequence counts the block tables' width); ``num_partitions`` instead
@@ -94,7 +101,11 @@ def paged_attention(out: DeviceArray, query: DeviceArray, k_cache: DeviceArray,
     scale = default_scale(head_dim, scale)
     k_scale, v_scale = check_kv_scales(k_cache.dtype, k_scale, v_scale)
     kernel_scale, out_scale = kernel_scales(k_cache.dtype, scale, k_scale, v_scale)
+    softcap, sinks = check_variants(query, logit_softcap, sinks)
     if query_lens is not None:
+        if softcap or sinks is not None:
+            raise NotImplementedError("logit_softcap and sinks take one query token a "
+                                      "sequence: the multi-token kernel has neither yet")
         multi_token.paged_attention_multi(
             out, query, k_cache, v_cache, block_tables, seq_lens, query_lens, scale,
             (kernel_scale, out_scale, k_scale, v_scale), num_partitions, stream, workspace)
@@ -109,13 +120,15 @@ def paged_attention(out: DeviceArray, query: DeviceArray, k_cache: DeviceArray,
         return
     if on_host:
         assert tables is not None and lens is not None  # host metadata is always NumPy
-        result = reference.paged_attention(host_view(query), host_view(k_cache),
-                                           host_view(v_cache), tables, lens, scale,
-                                           k_scale=k_scale, v_scale=v_scale)
+        result = reference.paged_attention(
+            host_view(query), host_view(k_cache), host_view(v_cache), tables, lens, scale,
+            k_scale=k_scale, v_scale=v_scale, logit_softcap=softcap or None,
+            sinks=None if sinks is None else host_view(sinks))
         host_view(out)[...] = result.astype(out.dtype)
         return
     launch_decode(out, query, k_cache, v_cache, block_tables, tables, seq_lens, lens,
-                  kernel_scale, out_scale, num_partitions, stream, workspace)
+                  kernel_scale, out_scale, num_partitions, stream, workspace, softcap,
+                  0 if sinks is None else sinks.ptr)
 
 
 # --- cache writes and copies -------------------------------------------------------------

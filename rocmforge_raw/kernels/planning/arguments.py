@@ -121,6 +121,30 @@ def check_attention_arrays(out: Any, query: Any, k_cache: Any, v_cache: Any
     return num_seqs, num_q_heads, head_dim, num_blocks, num_kv_heads, block_size
 
 
+def check_variants(query: DeviceArray, logit_softcap: Any, sinks: Any
+                   ) -> tuple[float, DeviceArray | None]:
+    """A call's attention variants, checked against ``query``: ``logit_softcap`` (None, or
+    finite and > 0 as a float32: scores become ``cap * tanh(s / cap)``, Gemma 2) as the
+    kernels' float (0.0: none), and ``sinks`` (None, or a float32 DeviceArray ``[num_q_heads]``
+    beside ``query``: one logit a query head in its softmax's denominator only, gpt-oss)."""
+    cap = 0.0
+    if logit_softcap is not None:
+        cap = checks.real(logit_softcap, "logit_softcap")
+        with np.errstate(over="ignore"):
+            single = np.float32(cap)
+        if not (0 < cap < math.inf and 0 < single < np.inf):
+            raise ValueError("logit_softcap must be finite and > 0 (as a float32), got "
+                             f"{checks.show(logit_softcap)}")
+    if sinks is not None:
+        expect(sinks, "sinks", 1, np.float32)
+        if sinks.shape != (query.shape[1],):
+            raise ValueError(f"sinks must have shape ({query.shape[1]},) (one logit a query "
+                             f"head), got {sinks.shape}")
+        checks.colocated("sinks", sinks.backend, sinks.device, "query", query.backend,
+                         query.device)
+    return cap, sinks
+
+
 def check_disjoint(written: DeviceArray, name: str, **read: DeviceArray) -> None:
     """``written`` (named ``name``) shares no byte with any of ``read`` (by name): a kernel
     would overwrite what it, or another of its CTAs, still reads."""

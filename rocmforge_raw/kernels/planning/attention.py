@@ -114,10 +114,12 @@ class AttentionPlan:
 
     def arguments(self, out: Any, query: Any, k_cache: Any, v_cache: Any, tables: Any,
                   lens: Any, scale: float, partials: int, counters: int, cum16: int = 0,
-                  first_seq: int = 0, out_scale: float = 1.0) -> tuple:
+                  first_seq: int = 0, out_scale: float = 1.0, softcap: float = 0.0,
+                  sinks: int = 0) -> tuple:
         """The kernel's arguments in order (``partials``/``counters``: workspace addresses;
         ``cum16``/``first_seq``: device copies of the work split's arrays, 0 in uniform
-        mode; ``scale``/``out_scale``: ``kernel_scales``)."""
+        mode; ``scale``/``out_scale``: ``kernel_scales``; ``softcap``: the logit cap, 0 for
+        none; ``sinks``: the address of one float32 logit a query head, 0 for none)."""
         i32, i64 = np.int32, np.int64
         work = self.work
         if work.cum16 is None:
@@ -126,7 +128,8 @@ class AttentionPlan:
                 cum16, first_seq, np.float32(scale), i32(self.num_q_heads),
                 i32(self.num_kv_heads), i32(self.max_blocks),
                 i32(self.block_size.bit_length() - 1), i32(self.num_seqs), i32(work.uniform16),
-                i64(work.per_cta), i64(work.total), np.float32(out_scale))
+                i64(work.per_cta), i64(work.total), np.float32(out_scale),
+                np.float32(softcap), sinks)
 
 
 #: Indices in ``AttentionPlan.arguments``: the scale, the work split's numbers (uniform16,
@@ -135,6 +138,8 @@ class AttentionPlan:
 SCALE_ARG = 10
 WORK_ARGS = (16, 17, 18)
 OUT_SCALE_ARG = 19
+#: The logit cap and the sinks' address (``AttentionPlan.arguments``).
+SOFTCAP_ARG, SINKS_ARG = 20, 21
 ATTENTION_PATCH = (0, 3, 4, 5)  # out, query, k_cache, v_cache
 #: Indices in ``AttentionPlan.arguments`` that differ between two steps of one shape (same
 #: kernel, sequences and query heads): workspace, metadata addresses, table width and the
@@ -214,21 +219,28 @@ def kernel_scales(cache: np.dtype, scale: float, k_scale: float, v_scale: float
 
 
 def attention_instance(dtype: np.dtype, head_dim: int, ratio: int,
-                       cache_dtype: np.dtype | None = None) -> tuple[str, int]:
+                       cache_dtype: np.dtype | None = None, capped: bool = False
+                       ) -> tuple[str, int]:
     """The attention kernel's name for ``ratio`` query heads per kv head of ``dtype``
     activations over a cache of ``cache_dtype`` (None: ``dtype``), and its group size G
-    (the fewest heads of GROUP_SIZES that hold the ratio, at most the largest)."""
+    (the fewest heads of GROUP_SIZES that hold the ratio, at most the largest). A call with a
+    logit cap (``capped``) on 16-bit activations of head_dim 256 takes groups of at most 4:
+    gfx11's groups of 8 there have no register left for the cap (their instances skip it)."""
     group = next(g for g in GROUP_SIZES if g >= min(ratio, GROUP_SIZES[-1]))
+    if capped and head_dim == 256 and dtype.itemsize == 2:
+        group = min(group, 4)
     codes = "_e4m3" if cache_dtype in FP8_DTYPES else ""
     return f"rf_paged_attention_{DTYPES[dtype]}{codes}_d{head_dim}_g{group}", group
 
 
 @functools.lru_cache(maxsize=256)
 def attention_kernel(backend: Backend, device: int, dtype: np.dtype, head_dim: int,
-                     ratio: int, cache_dtype: np.dtype | None = None) -> AttentionKernel:
+                     ratio: int, cache_dtype: np.dtype | None = None, capped: bool = False
+                     ) -> AttentionKernel:
     """The kernel for ``ratio`` query heads per kv head of ``dtype`` activations over a
-    cache of ``cache_dtype`` (None: ``dtype``), looked up once per process."""
-    name, group = attention_instance(dtype, head_dim, ratio, cache_dtype)
+    cache of ``cache_dtype`` (None: ``dtype``), looked up once per process (``capped``: for
+    calls with a logit cap, ``attention_instance``)."""
+    name, group = attention_instance(dtype, head_dim, ratio, cache_dtype, capped)
     kernel = load_kernels("paged_attention", device, backend).function(name)
     shared = attention_shared_bytes(backend.name, head_dim * dtype.itemsize, group,
                                     cache_dtype in FP8_DTYPES, itemsize=dtype.itemsize)
@@ -247,13 +259,14 @@ def attention_kernel(backend: Backend, device: int, dtype: np.dtype, head_dim: i
 def plan_attention(backend: Backend, device: int, dtype: np.dtype, num_seqs: int,
                    num_q_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
                    max_blocks: int, lens: np.ndarray | None = None,
-                   num_partitions: int | None = None, cache_dtype: np.dtype | None = None
-                   ) -> AttentionPlan:
+                   num_partitions: int | None = None, cache_dtype: np.dtype | None = None,
+                   capped: bool = False) -> AttentionPlan:
     """The launch plan for checked shapes. ``lens`` (host) balances the split over the
     real lengths; without it the block tables' width stands for every length.
-    ``num_partitions`` cuts the longest sequence into that many pieces instead."""
+    ``num_partitions`` cuts the longest sequence into that many pieces instead; ``capped``:
+    the call has a logit cap (``attention_instance``)."""
     found = attention_kernel(backend, device, dtype, head_dim, num_q_heads // num_kv_heads,
-                             cache_dtype)
+                             cache_dtype, capped)
     work = plan_work(num_kv_heads * found.groups, found.slots, num_seqs, lens,
                      max_blocks * block_size, num_partitions, found.sms, found.rule)
     return AttentionPlan(found.kernel, found.group, work, found.shared_for(work), num_seqs,

@@ -1,0 +1,146 @@
+"""The decode op's attention variants (``ops.paged_attention(logit_softcap=, sinks=)``):
+Gemma 2's soft-capped scores and gpt-oss's sinks against the float64 reference, on every
+backend (the host backend runs the reference itself; the GPU kernels split and combine), and
+bad values refused by name before anything is queued."""
+
+from __future__ import annotations
+
+import math
+
+import ml_dtypes
+import numpy as np
+import pytest
+from conftest import DEVICE, MULTI_DEVICE
+from test_ops import POISON, TOLERANCE, random_cache, random_tables, relative_error
+
+from rocmforge_raw.kernels import ops, reference
+from rocmforge_raw.memory.array import DeviceArray
+
+LENS = [0, 1, 15, 17, 700, 3000]
+
+
+def attend(backend, rng, dtype, head_dim, ratio, softcap, with_sinks, num_partitions=None,
+           num_kv_heads=2, block_size=16):
+    """One decode call with the variants: (output, reference with them, reference without)
+    as float64."""
+    num_q_heads = num_kv_heads * ratio
+    num_blocks = sum(math.ceil(n / block_size) for n in LENS) + 3
+    k, v, dk, dv = random_cache(rng, backend, dtype, num_blocks, num_kv_heads, block_size,
+                                head_dim)
+    tables = random_tables(rng, LENS, block_size, num_blocks)
+    lens = np.asarray(LENS, np.int32)
+    q = rng.standard_normal((len(LENS), num_q_heads, head_dim), np.float32).astype(dtype)
+    sinks = (rng.standard_normal(num_q_heads).astype(np.float32) * 3) if with_sinks else None
+    arrays = [DeviceArray.from_numpy(a, DEVICE, backend) for a in
+              (q, *(() if sinks is None else (sinks,)))]
+    out = DeviceArray.empty(q.shape, dtype, DEVICE, backend)
+    out.buffer.fill(POISON)
+    ops.paged_attention(out, arrays[0], dk, dv, tables, lens, num_partitions=num_partitions,
+                        logit_softcap=softcap, sinks=arrays[1] if with_sinks else None)
+    got = out.to_numpy().astype(np.float64)
+    scale = 1.0 / math.sqrt(head_dim)
+    want = reference.paged_attention(q, k, v, tables, lens, scale, np.float64,
+                                     logit_softcap=softcap, sinks=sinks)
+    plain = reference.paged_attention(q, k, v, tables, lens, scale, np.float64)
+    for array in (out, dk, dv, *arrays):
+        array.buffer.root.close()
+    return got, want, plain
+
+
+@pytest.mark.parametrize("softcap, with_sinks", [(1.5, False), (None, True), (2.0, True)],
+                         ids=["softcap", "sinks", "both"])
+@pytest.mark.parametrize("dtype, head_dim, ratio", [
+    (np.float16, 128, 4), (ml_dtypes.bfloat16, 64, 8), (np.float32, 128, 1),
+    (np.float16, 256, 2)], ids=lambda p: getattr(p, "__name__", str(p)))
+@pytest.mark.parametrize("num_partitions", [None, 3], ids=["balanced", "three-pieces"])
+def test_softcap_and_sinks_match_the_reference(backend, rng, dtype, head_dim, ratio, softcap,
+                                               with_sinks, num_partitions):
+    """Scores on the vector and the matrix units, outputs written whole and combined from
+    pieces (the sinks join the combine once); the variants change these outputs."""
+    got, want, plain = attend(backend, rng, dtype, head_dim, ratio, softcap, with_sinks,
+                              num_partitions)
+    assert relative_error(got, want) < TOLERANCE[np.dtype(dtype)]
+    assert relative_error(got, plain) > 5 * TOLERANCE[np.dtype(dtype)]
+
+
+def _call(backend, **variants):
+    """A decode call of one sequence with ``variants``; where it raises, its output is
+    still all poison (nothing was queued) and the error goes on."""
+    q = DeviceArray.from_numpy(np.ones((1, 4, 64), np.float16), DEVICE, backend)
+    k = DeviceArray.from_numpy(np.ones((2, 2, 16, 64), np.float16), DEVICE, backend)
+    out = DeviceArray.empty((1, 4, 64), np.float16, DEVICE, backend)
+    out.buffer.fill(POISON)
+    try:
+        ops.paged_attention(out, q, k, k, np.array([[1]], np.int32), np.array([3], np.int32),
+                            **variants)
+    except Exception:
+        assert (out.to_numpy().view(np.uint8) == POISON).all()
+        raise
+    finally:
+        for array in (q, k, out):
+            array.buffer.root.close()
+
+
+def _sinks(backend, values, device=DEVICE):
+    return DeviceArray.from_numpy(np.asarray(values), device, backend)
+
+
+@pytest.mark.parametrize("cap, error, words", [
+    (0, ValueError, "logit_softcap must be finite and > 0 (as a float32), got 0"),
+    (-1.5, ValueError, "logit_softcap must be finite and > 0 (as a float32), got -1.5"),
+    (1e39, ValueError, "got 1e+39"),
+    (1e-50, ValueError, "got 1e-50"),
+    (math.nan, ValueError, "logit_softcap must be a finite number"),
+    (math.inf, ValueError, "logit_softcap must be a finite number"),
+    (True, TypeError, "logit_softcap must be a number"),
+    ("30", TypeError, "logit_softcap must be a number"),
+])
+def test_a_bad_logit_cap_is_refused_before_anything_is_queued(backend, cap, error, words):
+    with pytest.raises(error, match=words.replace("(", r"\(").replace(")", r"\)")
+                       .replace("+", r"\+")):
+        _call(backend, logit_softcap=cap)
+
+
+def test_bad_sinks_are_refused_before_anything_is_queued(backend):
+    for sinks, error, words in (
+            (np.zeros(4, np.float32), TypeError, "sinks must be a DeviceArray, got"),
+            (_sinks(backend, np.zeros(4, np.float16)), ValueError,
+             "sinks must be float32, got float16"),
+            (_sinks(backend, np.zeros(8, np.float32)), ValueError,
+             r"sinks must have shape \(4,\) \(one logit a query head\), got \(8,\)"),
+            (_sinks(backend, np.zeros((1, 4), np.float32)), ValueError,
+             "sinks must have 1 dimensions, got shape")):
+        with pytest.raises(error, match=words):
+            _call(backend, sinks=sinks)
+        if isinstance(sinks, DeviceArray):
+            sinks.buffer.root.close()
+
+
+def test_sinks_on_another_device_are_refused(rng):
+    if "host" not in MULTI_DEVICE:
+        pytest.skip("the host backend has one device here")
+    from rocmforge_raw.runtime import get_backend
+
+    host = get_backend("host")
+    other = _sinks(host, np.zeros(4, np.float32), 1 - DEVICE)
+    with pytest.raises(ValueError, match=f"sinks is on host:{1 - DEVICE}, query on host"):
+        _call(host, sinks=other)
+    other.buffer.root.close()
+
+
+def test_the_multi_token_op_refuses_the_variants_it_does_not_take_yet(backend):
+    with pytest.raises(NotImplementedError, match="the multi-token kernel has neither yet"):
+        _call(backend, logit_softcap=30.0, query_lens=np.array([1], np.int32))
+
+
+def test_a_capped_call_at_head_dim_256_takes_groups_of_at_most_four():
+    """gfx11's 16-bit groups of 8 at head_dim 256 have no register left for the cap (their
+    instances skip it, pa_math.h's CAPS): planning must never give them a capped call."""
+    from rocmforge_raw.kernels import planning
+
+    for dtype in (np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16)):
+        assert planning.attention_instance(dtype, 256, 8)[1] == 8
+        assert planning.attention_instance(dtype, 256, 8, capped=True) == (
+            f"rf_paged_attention_{planning.DTYPES[dtype]}_d256_g4", 4)
+        assert planning.attention_instance(dtype, 128, 8, capped=True)[1] == 8
+    assert planning.attention_instance(np.dtype(np.float32), 256, 8, capped=True)[1] == 8
