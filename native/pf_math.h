@@ -91,7 +91,7 @@ struct rf_pf_mma {
     }
   }
   RF_DEVICE void tile(const char* k_plane, const char* v_plane, int t0, bool masked,
-                      float qscale) {
+                      float qscale, float cap) {
     const int lane = w.lane;
     const unsigned k_at = rf_smem_u32(k_plane), v_at = rf_smem_u32(v_plane);
     float s[MT][NT][4];
@@ -142,6 +142,17 @@ struct rf_pf_mma {
             const int p = t0 + w.tok0 + 8 * j + 2 * (lane % 4) + e % 2;
             s[mt][j][e] = p <= lim[mt][e / 2] ? s[mt][j][e] : -RF_INF;
           }
+    }
+    if (cap > 0.f) {  // (uniform) each score capped, back in the unscaled units used below
+      const float unscale = 1.f / qscale;
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int j = 0; j < NT; ++j)
+#pragma unroll
+          for (int e = 0; e < 4; ++e)
+            s[mt][j][e] = s[mt][j][e] == -RF_INF ? -RF_INF
+                                                 : rf_softcap(s[mt][j][e] * qscale, cap) * unscale;
     }
     // The running max moves only when a row's tile max passes it by more than RF_PF_SLACK
     // (log2 units): weights stay below 2^RF_PF_SLACK, and the warp rescales an m-tile's sums
@@ -262,6 +273,9 @@ struct rf_pf_matrix {
   static constexpr int R = 8;
 #endif
   static_assert(Shape::NTOK_W % 16 == 0, "whole 16-token m-tiles");
+  // Whether tile() applies a logit cap: not on wave32 (WMMA) at head_dim 256, whose 256
+  // registers hold no more (multi_token refuses a capped call there before queueing).
+  static constexpr bool CAPS = !(WMMA && D == 256);
   static constexpr int ROWS = 1;  // rows a lane holds
   struct Shared {};
   rf_pf_warp w;
@@ -305,7 +319,7 @@ struct rf_pf_matrix {
   // One KV tile, an m-tile of 16 tokens at a time: its scores, the online softmax over them,
   // and its P V (a running max per m-tile keeps one m-tile's scores in registers).
   RF_DEVICE void tile(const char* k_plane, const char* v_plane, int t0, bool masked,
-                      float qscale) {
+                      float qscale, float cap) {
     const int lane = w.lane;
 #pragma unroll 1  // one m-tile's code: unrolled, the m-tiles' loads were all hoisted (spills)
     for (int mt = 0; mt < MT; ++mt) {
@@ -339,6 +353,7 @@ struct rf_pf_matrix {
       for (int i = 0; i < R; ++i) {
         const int p = t0 + base + token(i);
         s[i] = !masked || p <= lim ? s[i] * qscale : -RF_INF;
+        if (CAPS && cap > 0.f && s[i] != -RF_INF) s[i] = rf_softcap(s[i], cap);  // (uniform)
         mx = rf_fmax(mx, s[i]);
       }
       mx = rf_xor_max<16, RF_WARP>(mx);
@@ -449,7 +464,7 @@ struct rf_pf_core {
     l_part = 0.f;
   }
   RF_DEVICE void tile(const char* k_plane, const char* v_plane, int t0, bool masked,
-                      float qscale) {
+                      float qscale, float cap) {
     typedef typename Shape::SRows KRows;
     typedef typename Shape::QRows QRows;
     float s[TPL];
@@ -464,6 +479,7 @@ struct rf_pf_core {
       }
       const int p = t0 + tok;
       s[i] = !masked || p <= lim ? dot * qscale : -RF_INF;
+      if (cap > 0.f && s[i] != -RF_INF) s[i] = rf_softcap(s[i], cap);  // (cap: uniform)
     }
     float mx = -RF_INF;
 #pragma unroll

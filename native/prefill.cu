@@ -82,7 +82,8 @@ RF_DEVICE void prefill(typename E::storage* __restrict__ out, float* __restrict_
                        const int* __restrict__ block_tables, const int* __restrict__ seq_lens,
                        const int* __restrict__ q_starts, const int* __restrict__ items,
                        float scale, int num_q_heads, int num_kv_heads, int max_blocks,
-                       int block_shift, float out_scale) {
+                       int block_shift, float out_scale, float softcap,
+                       const float* __restrict__ sinks) {
   typedef rf_pf_shape<E, C, D, WM> Shape;
   typedef typename rf_pf_math<E, D, Shape>::type Math;
   typedef typename Shape::QRows QRows;
@@ -219,6 +220,7 @@ RF_DEVICE void prefill(typename E::storage* __restrict__ out, float* __restrict_
   if constexpr (sizeof(typename Math::Shared) > 1) math.sh = &math_s;
   math.reset();
   const float qscale = scale * RF_PF_LOG2E;
+  const float cap = softcap * RF_PF_LOG2E;  // the logit cap in the scores' log2 units (0: none)
   const int first_tile = it.lo / BN, tiles = (it.end - it.lo + BN - 1) / BN;
   const int full_lim = it.limit(0, ratio);  // row 0 sees least: a tile up to it needs no mask
   rf_copy_commit();  // the queries: group 0
@@ -244,7 +246,7 @@ RF_DEVICE void prefill(typename E::storage* __restrict__ out, float* __restrict_
     }
     const char* v_plane = k_plane + (Shape::CODE_STAGE ? Shape::WIDE_PLANE : Shape::PLANE);
     const int t0 = (first_tile + t) * BN;
-    math.tile(k_plane, v_plane, t0, t0 + BN - 1 > full_lim, qscale);
+    math.tile(k_plane, v_plane, t0, t0 + BN - 1 > full_lim, qscale, cap);
     rf_sync();  // every warp is done with stage st (and `wide`) before they are refilled
   }
 
@@ -268,7 +270,9 @@ RF_DEVICE void prefill(typename E::storage* __restrict__ out, float* __restrict_
       at.factor = o_scale;
     } else {
       at.out = out + it.at(r, ratio, num_q_heads, D);
-      at.factor = l > 0.f ? o_scale / l : 0.f;
+      const int head = it.x * ratio + (it.row0 + r) % ratio;  // the row's query head
+      const float sink = sinks != nullptr ? rf_exp2(sinks[head] * RF_PF_LOG2E - m) : 0.f;
+      at.factor = l > 0.f ? o_scale / (l + sink) : 0.f;
     }
     return at;
   };
@@ -334,7 +338,8 @@ template <class E, int D, int WM>
 RF_DEVICE void prefill_combine(typename E::storage* __restrict__ out,
                                const float* __restrict__ partials, const int* __restrict__ items,
                                const int* __restrict__ combines, const int* __restrict__ q_starts,
-                               int num_q_heads, int num_kv_heads, int BM) {
+                               int num_q_heads, int num_kv_heads, int BM,
+                               const float* __restrict__ sinks) {
   const int c = (int)rf_bid_x(), tid = (int)rf_tid(), ratio = num_q_heads / num_kv_heads;
   const int first = combines[2 * c], n = combines[2 * c + 1];
   if (n == 0) return;  // a padding combine (a graph's fixed grid)
@@ -361,7 +366,9 @@ RF_DEVICE void prefill_combine(typename E::storage* __restrict__ out,
     const int p = row0 + r;
     typename E::storage* row =
         out + ((rf_i64)(q_begin + p / ratio) * num_q_heads + x * ratio + p % ratio) * D + d;
-    const float inv = l > 0.f ? 1.f / l : 0.f;
+    const float sink = sinks != nullptr ? rf_exp2(sinks[x * ratio + p % ratio] * RF_PF_LOG2E - mx)
+                                        : 0.f;
+    const float inv = l > 0.f ? 1.f / (l + sink) : 0.f;
 #pragma unroll
     for (int j = 0; j < 4; ++j) row[j] = E::from_float(o[j] * inv);
   }
@@ -375,19 +382,19 @@ RF_DEVICE void prefill_combine(typename E::storage* __restrict__ out,
       E::storage* out, float* partials, const E::storage* q, const C::storage* k_cache,        \
       const C::storage* v_cache, const int* block_tables, const int* seq_lens,                 \
       const int* q_starts, const int* items, float scale, int num_q_heads, int num_kv_heads,  \
-      int max_blocks, int block_shift, float out_scale) {                                      \
+      int max_blocks, int block_shift, float out_scale, float softcap, const float* sinks) {   \
     prefill<E, C, D, WM>(out, partials, q, k_cache, v_cache, block_tables, seq_lens,          \
                          q_starts, items, scale, num_q_heads, num_kv_heads, max_blocks,       \
-                         block_shift, out_scale);                                              \
+                         block_shift, out_scale, softcap, sinks);                              \
   }
 #define RF_PF_COMBINE(NAME, E, D, WM)                                                          \
   RF_KERNEL(RF_PF_THREADS)                                                                     \
   rf_prefill_combine_##NAME##_d##D##_m##WM(E::storage* out, const float* partials,            \
                                            const int* items, const int* combines,              \
                                            const int* q_starts, int num_q_heads,               \
-                                           int num_kv_heads, int rows) {                       \
+                                           int num_kv_heads, int rows, const float* sinks) {   \
     prefill_combine<E, D, WM>(out, partials, items, combines, q_starts, num_q_heads,          \
-                              num_kv_heads, rows);                                             \
+                              num_kv_heads, rows, sinks);                                      \
   }
 
 // The instances: WM = 4 and 1 for 16-bit caches and fp8 (AMD's d256: WM = 4 only, its

@@ -128,9 +128,31 @@ def test_sinks_on_another_device_are_refused(rng):
     other.buffer.root.close()
 
 
-def test_the_multi_token_op_refuses_the_variants_it_does_not_take_yet(backend):
-    with pytest.raises(NotImplementedError, match="the multi-token kernel has neither yet"):
-        _call(backend, logit_softcap=30.0, query_lens=np.array([1], np.int32))
+@pytest.mark.parametrize("dtype, head_dim, ratio", [
+    (np.float16, 128, 4), (ml_dtypes.bfloat16, 256, 8), (np.float32, 64, 2)],
+    ids=lambda p: getattr(p, "__name__", str(p)))
+def test_the_multi_token_op_takes_them_too(backend, rng, dtype, head_dim, ratio):
+    """Decodes first (the decode kernel), then prefill rows past a cached prefix, a chunk and
+    a long range cut into pieces (the multi-token kernel and its combine)."""
+    from test_multi_token import random_inputs
+
+    q, k, v, tables, lens, q_lens, *_ = random_inputs(
+        rng, dtype, head_dim, 16, ratio, [1, 1, 37, 5, 4], [9, 200, 37, 300, 2000])
+    sinks = rng.uniform(3, 7, q.shape[1]).astype(np.float32)
+    arrays = [DeviceArray.from_numpy(a, DEVICE, backend) for a in (q, k, v, sinks)]
+    out = DeviceArray.empty(q.shape, q.dtype, DEVICE, backend)
+    out.buffer.fill(POISON)
+    ops.paged_attention(out, arrays[0], arrays[1], arrays[2], tables, lens, query_lens=q_lens,
+                        logit_softcap=2.0, sinks=arrays[3])
+    got = out.to_numpy().astype(np.float64)
+    for array in (out, *arrays):
+        array.buffer.root.close()
+    scale = 1.0 / math.sqrt(head_dim)
+    want = reference.paged_attention_multi(q, k, v, tables, lens, q_lens, scale, np.float64,
+                                           logit_softcap=2.0, sinks=sinks)
+    plain = reference.paged_attention_multi(q, k, v, tables, lens, q_lens, scale, np.float64)
+    assert relative_error(got, want) < TOLERANCE[np.dtype(dtype)]
+    assert relative_error(got, plain) > 5 * TOLERANCE[np.dtype(dtype)]
 
 
 def test_a_capped_call_at_head_dim_256_takes_groups_of_at_most_four():

@@ -104,12 +104,13 @@ class PrefillLaunch:
             len(work.items), found.threads, out_at, self.partials.ptr, q_at, k, v, tables_d,
             lens_d, starts, items, f32(planning.default_scale(q.shape[2], None)),
             i32(q.shape[1]), i32(k.shape[1]), i32(tables.shape[1]),
-            i32(k.shape[2].bit_length() - 1), f32(1.0), shared_bytes=found.shape.shared_bytes)
+            i32(k.shape[2].bit_length() - 1), f32(1.0), f32(0.0), 0,
+            shared_bytes=found.shape.shared_bytes)
         self.combine = None
         if combines:
             self.combine = found.combine.prepare(
                 len(work.combines), found.threads, out_at, self.partials.ptr, items,
-                combines[0], starts, i32(q.shape[1]), i32(k.shape[1]), i32(found.shape.bm))
+                combines[0], starts, i32(q.shape[1]), i32(k.shape[1]), i32(found.shape.bm), 0)
         self.items, self.wm = len(work.items), found.wm
 
     def __call__(self) -> None:

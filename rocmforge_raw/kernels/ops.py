@@ -77,7 +77,7 @@ def paged_attention(out: DeviceArray, query: DeviceArray, k_cache: DeviceArray,
     tokens of sequence ``s``'s blocks; ``logit_softcap`` makes each score ``cap * tanh(s /
     cap)`` first (Gemma 2), and ``sinks`` (float32 ``[num_q_heads]``, on the query's device)
     adds ``exp(sinks[h] - m)`` to head h's softmax denominator only (gpt-oss's attention
-    sinks; multi-token calls take neither yet). An fp8 cache (float16/bfloat16 queries)
+    sinks), with or without ``query_lens``. An fp8 cache (float16/bfloat16 queries)
     holds codes: K = code * ``k_scale``, V = code * ``v_scale``, dequantized in the kernel.
     The work is
     split over the CTAs as ``planning.plan_work`` says (one wave of equal shares, or one CTA
@@ -103,12 +103,10 @@ def paged_attention(out: DeviceArray, query: DeviceArray, k_cache: DeviceArray,
     kernel_scale, out_scale = kernel_scales(k_cache.dtype, scale, k_scale, v_scale)
     softcap, sinks = check_variants(query, logit_softcap, sinks)
     if query_lens is not None:
-        if softcap or sinks is not None:
-            raise NotImplementedError("logit_softcap and sinks take one query token a "
-                                      "sequence: the multi-token kernel has neither yet")
         multi_token.paged_attention_multi(
             out, query, k_cache, v_cache, block_tables, seq_lens, query_lens, scale,
-            (kernel_scale, out_scale, k_scale, v_scale), num_partitions, stream, workspace)
+            (kernel_scale, out_scale, k_scale, v_scale), num_partitions, stream, workspace,
+            (softcap, sinks))
         return
     on_host = query.backend.name == "host"
     tables = metadata(block_tables, "block_tables", np.int32, 2, None, query, "query")

@@ -153,8 +153,8 @@ def prefill_launches(found: PrefillKernel, work: PrefillWork, partials: int, tab
         prefill = found.kernel.prepare(
             len(work.items), found.threads, 0, partials, 0, 0, 0, tables_at, lens_at,
             starts_at, items_at, f32(scale), i32(num_q_heads), i32(num_kv_heads), i32(width),
-            i32(block_size.bit_length() - 1), f32(1.0), shared_bytes=shape.shared_bytes,
-            stream=stream, patch=PREFILL_PATCH)
+            i32(block_size.bit_length() - 1), f32(1.0), f32(0.0), 0,
+            shared_bytes=shape.shared_bytes, stream=stream, patch=PREFILL_PATCH)
         if launches is not None:
             launches[("prefill", key)] = prefill
     else:
@@ -169,7 +169,7 @@ def prefill_launches(found: PrefillKernel, work: PrefillWork, partials: int, tab
     if combine is None:
         combine = found.combine.prepare(
             len(work.combines), found.threads, 0, partials, items_at, combines_at, starts_at,
-            i32(num_q_heads), i32(num_kv_heads), i32(shape.bm), stream=stream, patch=(0,))
+            i32(num_q_heads), i32(num_kv_heads), i32(shape.bm), 0, stream=stream, patch=(0,))
         if launches is not None:
             launches[("combine", key)] = combine
     else:
