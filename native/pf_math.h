@@ -143,17 +143,6 @@ struct rf_pf_mma {
             s[mt][j][e] = p <= lim[mt][e / 2] ? s[mt][j][e] : -RF_INF;
           }
     }
-    if (cap > 0.f) {  // (uniform) each score capped, back in the unscaled units used below
-      const float unscale = 1.f / qscale;
-#pragma unroll
-      for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-        for (int j = 0; j < NT; ++j)
-#pragma unroll
-          for (int e = 0; e < 4; ++e)
-            s[mt][j][e] = s[mt][j][e] == -RF_INF ? -RF_INF
-                                                 : rf_softcap(s[mt][j][e] * qscale, cap) * unscale;
-    }
     // The running max moves only when a row's tile max passes it by more than RF_PF_SLACK
     // (log2 units): weights stay below 2^RF_PF_SLACK, and the warp rescales an m-tile's sums
     // and outputs only in the tiles where one of its rows' max moved (few, once it settled)
@@ -169,6 +158,10 @@ struct rf_pf_mma {
       for (int r = 0; r < 2; ++r) {
         mx[r] = rf_fmaxnum(mx[r], rf_shfl_xor_c<1>(mx[r]));  // the row's 4 lanes
         mx[r] = rf_fmaxnum(mx[r], rf_shfl_xor_c<2>(mx[r])) * qscale;  // (qscale > 0)
+        // a logit cap (uniform): tanh is increasing, so the capped scores' max is the max
+        // capped; each score is capped where it is exponentiated (no pass of its own: the
+        // two-m-tile instance has no registers to spare)
+        if (cap > 0.f && mx[r] != -RF_INF) mx[r] = rf_softcap(mx[r], cap);
         grow[r] = mx[r] > m_run[mt][r] + RF_PF_SLACK;  // (-inf + slack: any finite max)
       }
       if (rf_warp_any(grow[0] || grow[1])) {
@@ -184,13 +177,24 @@ struct rf_pf_mma {
           for (int e = 0; e < 4; ++e) acc[mt][dt][e] *= alpha[e / 2];
       }
       const float base[2] = {rf_pf_safe(m_run[mt][0]), rf_pf_safe(m_run[mt][1])};
+      if (cap > 0.f) {
 #pragma unroll
-      for (int j = 0; j < NT; ++j)
+        for (int j = 0; j < NT; ++j)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {  // 2^(s qscale - max): one FMA and one exp2
-          s[mt][j][e] = rf_exp2(s[mt][j][e] * qscale - base[e / 2]);
-          l_part[mt][e / 2] += s[mt][j][e];
-        }
+          for (int e = 0; e < 4; ++e) {  // 2^(cap(s qscale) - max), masked scores 0
+            const float x = s[mt][j][e];
+            s[mt][j][e] = x == -RF_INF ? 0.f : rf_exp2(rf_softcap(x * qscale, cap) - base[e / 2]);
+            l_part[mt][e / 2] += s[mt][j][e];
+          }
+      } else {
+#pragma unroll
+        for (int j = 0; j < NT; ++j)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {  // 2^(s qscale - max): one FMA and one exp2
+            s[mt][j][e] = rf_exp2(s[mt][j][e] * qscale - base[e / 2]);
+            l_part[mt][e / 2] += s[mt][j][e];
+          }
+      }
     }
     // O += P V: P's A fragments straight from s (16 tokens a k-step), V's B fragments by
     // ldmatrix.trans (x4: tokens 0-7 and 8-15 of the k-step, each at dims 0-7 and 8-15 of a
