@@ -90,6 +90,7 @@ struct rf_pf_mma {
       l_part[mt][0] = l_part[mt][1] = 0.f;
     }
   }
+  template <bool CAP>  // whether `cap` (> 0: the logit cap) is applied
   RF_DEVICE void tile(const char* k_plane, const char* v_plane, int t0, bool masked,
                       float qscale, float cap) {
     const int lane = w.lane;
@@ -161,7 +162,7 @@ struct rf_pf_mma {
         // a logit cap (uniform): tanh is increasing, so the capped scores' max is the max
         // capped; each score is capped where it is exponentiated (no pass of its own: the
         // two-m-tile instance has no registers to spare)
-        if (cap > 0.f && mx[r] != -RF_INF) mx[r] = rf_softcap(mx[r], cap);
+        if (CAP && cap > 0.f && mx[r] != -RF_INF) mx[r] = rf_softcap(mx[r], cap);
         grow[r] = mx[r] > m_run[mt][r] + RF_PF_SLACK;  // (-inf + slack: any finite max)
       }
       if (rf_warp_any(grow[0] || grow[1])) {
@@ -177,7 +178,7 @@ struct rf_pf_mma {
           for (int e = 0; e < 4; ++e) acc[mt][dt][e] *= alpha[e / 2];
       }
       const float base[2] = {rf_pf_safe(m_run[mt][0]), rf_pf_safe(m_run[mt][1])};
-      if (cap > 0.f) {
+      if (CAP && cap > 0.f) {
 #pragma unroll
         for (int j = 0; j < NT; ++j)
 #pragma unroll
@@ -322,6 +323,7 @@ struct rf_pf_matrix {
   }
   // One KV tile, an m-tile of 16 tokens at a time: its scores, the online softmax over them,
   // and its P V (a running max per m-tile keeps one m-tile's scores in registers).
+  template <bool CAP>  // whether `cap` (> 0: the logit cap) is applied
   RF_DEVICE void tile(const char* k_plane, const char* v_plane, int t0, bool masked,
                       float qscale, float cap) {
     const int lane = w.lane;
@@ -357,7 +359,7 @@ struct rf_pf_matrix {
       for (int i = 0; i < R; ++i) {
         const int p = t0 + base + token(i);
         s[i] = !masked || p <= lim ? s[i] * qscale : -RF_INF;
-        if (CAPS && cap > 0.f && s[i] != -RF_INF) s[i] = rf_softcap(s[i], cap);  // (uniform)
+        if (CAP && CAPS && cap > 0.f && s[i] != -RF_INF) s[i] = rf_softcap(s[i], cap);
         mx = rf_fmax(mx, s[i]);
       }
       mx = rf_xor_max<16, RF_WARP>(mx);
@@ -467,6 +469,7 @@ struct rf_pf_core {
     m_run = -RF_INF;
     l_part = 0.f;
   }
+  template <bool CAP>  // whether `cap` (> 0: the logit cap) is applied
   RF_DEVICE void tile(const char* k_plane, const char* v_plane, int t0, bool masked,
                       float qscale, float cap) {
     typedef typename Shape::SRows KRows;
@@ -483,7 +486,7 @@ struct rf_pf_core {
       }
       const int p = t0 + tok;
       s[i] = !masked || p <= lim ? dot * qscale : -RF_INF;
-      if (cap > 0.f && s[i] != -RF_INF) s[i] = rf_softcap(s[i], cap);  // (cap: uniform)
+      if (CAP && cap > 0.f && s[i] != -RF_INF) s[i] = rf_softcap(s[i], cap);  // (uniform)
     }
     float mx = -RF_INF;
 #pragma unroll

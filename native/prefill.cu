@@ -74,7 +74,7 @@ struct rf_pf_item {
   }
 };
 
-template <class E, class C, int D, int WM>
+template <class E, class C, int D, int WM, bool CAP>
 RF_DEVICE void prefill(typename E::storage* __restrict__ out, float* __restrict__ partials,
                        const typename E::storage* __restrict__ q,
                        const typename C::storage* __restrict__ k_cache,
@@ -220,7 +220,7 @@ RF_DEVICE void prefill(typename E::storage* __restrict__ out, float* __restrict_
   if constexpr (sizeof(typename Math::Shared) > 1) math.sh = &math_s;
   math.reset();
   const float qscale = scale * RF_PF_LOG2E;
-  const float cap = softcap * RF_PF_LOG2E;  // the logit cap in the scores' log2 units (0: none)
+  const float cap = CAP ? softcap * RF_PF_LOG2E : 0.f;  // the cap in the scores' log2 units
   const int first_tile = it.lo / BN, tiles = (it.end - it.lo + BN - 1) / BN;
   const int full_lim = it.limit(0, ratio);  // row 0 sees least: a tile up to it needs no mask
   rf_copy_commit();  // the queries: group 0
@@ -246,7 +246,7 @@ RF_DEVICE void prefill(typename E::storage* __restrict__ out, float* __restrict_
     }
     const char* v_plane = k_plane + (Shape::CODE_STAGE ? Shape::WIDE_PLANE : Shape::PLANE);
     const int t0 = (first_tile + t) * BN;
-    math.tile(k_plane, v_plane, t0, t0 + BN - 1 > full_lim, qscale, cap);
+    math.template tile<CAP>(k_plane, v_plane, t0, t0 + BN - 1 > full_lim, qscale, cap);
     rf_sync();  // every warp is done with stage st (and `wide`) before they are refilled
   }
 
@@ -374,19 +374,23 @@ RF_DEVICE void prefill_combine(typename E::storage* __restrict__ out,
   }
 }
 
-// rf_prefill_<E>[_e4m3]_d<D>_m<WM>: queries and outputs of E over a cache of E (or of fp8
-// e4m3 codes: _e4m3), WM warps along the rows; rf_prefill_combine_<E>_d<D>_m<WM>.
-#define RF_PF_KERNEL(NAME, E, C, D, WM)                                                        \
+// rf_prefill_<E>[_e4m3][_cap]_d<D>_m<WM>: queries and outputs of E over a cache of E (or of
+// fp8 e4m3 codes: _e4m3), WM warps along the rows; _cap: the instance that applies `softcap`
+// (the others ignore it: the cap's code costs the two-m-tile instances registers, spills on
+// sm_90, that calls without a cap should not pay); rf_prefill_combine_<E>_d<D>_m<WM>.
+#define RF_PF_ONE(NAME, CAPPED, CAP, E, C, D, WM)                                              \
   RF_KERNEL(RF_PF_THREADS)                                                                     \
-  rf_prefill_##NAME##_d##D##_m##WM(                                                            \
+  rf_prefill_##NAME##CAPPED##_d##D##_m##WM(                                                    \
       E::storage* out, float* partials, const E::storage* q, const C::storage* k_cache,        \
       const C::storage* v_cache, const int* block_tables, const int* seq_lens,                 \
       const int* q_starts, const int* items, float scale, int num_q_heads, int num_kv_heads,  \
       int max_blocks, int block_shift, float out_scale, float softcap, const float* sinks) {   \
-    prefill<E, C, D, WM>(out, partials, q, k_cache, v_cache, block_tables, seq_lens,          \
-                         q_starts, items, scale, num_q_heads, num_kv_heads, max_blocks,       \
-                         block_shift, out_scale, softcap, sinks);                              \
+    prefill<E, C, D, WM, CAP>(out, partials, q, k_cache, v_cache, block_tables, seq_lens,     \
+                              q_starts, items, scale, num_q_heads, num_kv_heads, max_blocks,  \
+                              block_shift, out_scale, softcap, sinks);                         \
   }
+#define RF_PF_KERNEL(NAME, E, C, D, WM)                                                        \
+  RF_PF_ONE(NAME, , false, E, C, D, WM) RF_PF_ONE(NAME, _cap, true, E, C, D, WM)
 #define RF_PF_COMBINE(NAME, E, D, WM)                                                          \
   RF_KERNEL(RF_PF_THREADS)                                                                     \
   rf_prefill_combine_##NAME##_d##D##_m##WM(E::storage* out, const float* partials,            \

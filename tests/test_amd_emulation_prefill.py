@@ -50,7 +50,7 @@ def emulate(emulator, wave, q, k, v, tables, lens, q_lens, k_scale=1.0, v_scale=
     wm = prefill_wm("hip", dtype, head_dim, int(q_lens.max()) * ratio)
     shape = prefill_shape("hip", dtype, k.dtype, head_dim, wm)
     work = plan_prefill(q_lens, lens, num_kv_heads, ratio, shape.bm, shape.bn, slots)
-    name, combine = prefill_instance(dtype, head_dim, k.dtype, wm)
+    name, combine = prefill_instance(dtype, head_dim, k.dtype, wm, capped=softcap > 0)
     partials = np.full(max(work.partial_bytes(shape.bm, head_dim) // 4, 1), np.nan, np.float32)
     out = np.empty_like(q)
     out.view(np.uint8)[...] = POISON

@@ -211,8 +211,8 @@ def test_markdown_has_a_row_per_instance_and_json_the_same_rows(capsys):
     # per target: 60 attention instances (3 dtypes + 2 fp8 x 3 head dims x 4 groups), the 5
     # cache ops (write, two fp8 writes, block and piece copies), basic.cu's 5 and the
     # multi-token kernels: 23 (4 dtypes x head dims 64 and 128 x WM 1 and 4, and 256 at WM 4;
-    # f32 at WM 1) and their 15 combines
-    assert len(table) == 2 + len(rows) == 2 + 3 * (60 + 5 + 5 + 23 + 15)
+    # f32 at WM 1), each twice (without and with the logit cap), and their 15 combines
+    assert len(table) == 2 + len(rows) == 2 + 3 * (60 + 5 + 5 + 2 * 23 + 15)
     first = rows[0]
     assert table[2].startswith(f"| {first.object} | {first.kernel} | {first.wave} | 128 |")
     assert amd.main(["--json"]) == 0

@@ -143,7 +143,7 @@ def launch_prefill(out: DeviceArray, query: DeviceArray, k_cache: DeviceArray,
     _, num_q_heads, head_dim = query.shape
     _, num_kv_heads, block_size, _ = k_cache.shape
     found, work = prefill_launch(backend, device, query.dtype, head_dim, k_cache.dtype, q_lens,
-                                 lens, num_kv_heads, num_q_heads // num_kv_heads)
+                                 lens, num_kv_heads, num_q_heads // num_kv_heads, softcap > 0)
     shape = found.shape
     source = d_tables if tables is None else tables
     assert source is not None  # one of the two

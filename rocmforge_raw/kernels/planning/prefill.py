@@ -92,12 +92,13 @@ def prefill_wm(backend: str, dtype: np.dtype, head_dim: int, rows: int) -> int:
     return 1 if rows <= 16 else 4
 
 
-def prefill_instance(dtype: np.dtype, head_dim: int, cache_dtype: np.dtype, wm: int
-                     ) -> tuple[str, str]:
-    """The (attention, combine) kernel names of an instance."""
+def prefill_instance(dtype: np.dtype, head_dim: int, cache_dtype: np.dtype, wm: int,
+                     capped: bool = False) -> tuple[str, str]:
+    """The (attention, combine) kernel names of an instance; ``capped``: the one that
+    applies a logit cap (the others ignore it, and do not pay its registers)."""
     codes = "_e4m3" if cache_dtype in FP8_DTYPES else ""
     suffix = f"_d{head_dim}_m{wm}"
-    return (f"rf_prefill_{DTYPES[dtype]}{codes}{suffix}",
+    return (f"rf_prefill_{DTYPES[dtype]}{codes}{'_cap' if capped else ''}{suffix}",
             f"rf_prefill_combine_{DTYPES[dtype]}{suffix}")
 
 
@@ -120,9 +121,10 @@ class PrefillKernel:
 
 @functools.lru_cache(maxsize=256)
 def prefill_kernel(backend: object, device: int, dtype: np.dtype, head_dim: int,
-                   cache_dtype: np.dtype, wm: int) -> PrefillKernel:
-    """The instance for these shapes, looked up once per process."""
-    name, combine = prefill_instance(dtype, head_dim, cache_dtype, wm)
+                   cache_dtype: np.dtype, wm: int, capped: bool = False) -> PrefillKernel:
+    """The instance for these shapes (``capped``: ``prefill_instance``), looked up once per
+    process."""
+    name, combine = prefill_instance(dtype, head_dim, cache_dtype, wm, capped)
     module = load_kernels("prefill", device, backend)
     kernel = module.function(name)
     shape = prefill_shape(backend.name, dtype, cache_dtype, head_dim, wm)  # type: ignore[attr-defined]
@@ -203,12 +205,14 @@ def leading_decodes(query_lens: np.ndarray) -> int:
 
 def prefill_launch(backend: object, device: int, dtype: np.dtype, head_dim: int,
                    cache_dtype: np.dtype, query_lens: np.ndarray, seq_lens: np.ndarray,
-                   num_kv_heads: int, ratio: int) -> tuple[PrefillKernel, PrefillWork]:
+                   num_kv_heads: int, ratio: int, capped: bool = False
+                   ) -> tuple[PrefillKernel, PrefillWork]:
     """The instance for a multi-token launch over these lengths (``prefill_wm`` by its
-    longest packed-row run), loaded, and the launch's work (``plan_prefill``)."""
+    longest packed-row run; ``capped``: with a logit cap), loaded, and the launch's work
+    (``plan_prefill``)."""
     wm = prefill_wm(backend.name, dtype, head_dim,  # type: ignore[attr-defined]
                     int(np.max(query_lens)) * ratio)
-    found = prefill_kernel(backend, device, dtype, head_dim, cache_dtype, wm)
+    found = prefill_kernel(backend, device, dtype, head_dim, cache_dtype, wm, capped)
     work = plan_prefill(query_lens, seq_lens, num_kv_heads, ratio, found.shape.bm,
                         found.shape.bn, found.slots)
     return found, work
