@@ -78,8 +78,8 @@ struct rf_pa_core {
       for (int e = 0; e < CPL * PV; ++e) acc[g][e] = 0.f;
     }
   }
-  RF_DEVICE void tile(const char* k_plane, const char* v_plane, int t0, int end, float,
-                      float cap) {
+  RF_DEVICE void tile(const char* k_plane, const char* v_plane, int t0, int first, int end,
+                      float, float cap) {
     // scores: TPT threads per token, each over CHUNKS chunks, then summed across them
     const int my_row = th.tid / TPT;
     const int tok = t0 + my_row;
@@ -118,10 +118,10 @@ struct rf_pa_core {
 #pragma unroll
     for (int g = 0; g < G; ++g) {
       s[g] = rf_softcap(rf_xor_sum<1, TPT>(s[g]), cap);
-      if (tok >= end) s[g] = -RF_INF;
+      if (tok >= end || tok < first) s[g] = -RF_INF;
       const float m_new = rf_fmax(m_run[g], rf_warp_max(s[g]));
       const float alpha = m_run[g] == -RF_INF ? 0.f : rf_exp2(m_run[g] - m_new);
-      const float p = tok < end ? rf_exp2(s[g] - m_new) : 0.f;
+      const float p = tok < end && tok >= first ? rf_exp2(s[g] - m_new) : 0.f;
       if (leader) sh.p[g][my_row] = p;
       l_part[g] = l_part[g] * alpha + (leader ? p : 0.f);
       m_run[g] = m_new;
@@ -264,8 +264,8 @@ struct rf_pa_mma {
       l_part[g] = 0.f;
     }
   }
-  RF_DEVICE void tile(const char* k_plane, const char* v_plane, int t0, int end, float qscale,
-                      float cap) {
+  RF_DEVICE void tile(const char* k_plane, const char* v_plane, int t0, int first, int end,
+                      float qscale, float cap) {
     const int lane = th.lane, warp = th.warp;
     float sc[MTILES][4];
     const int row_in = (lane % 8) + 8 * ((lane / 8) % 2);
@@ -320,7 +320,7 @@ struct rf_pa_mma {
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
         const int row = warp * WROWS + mt * 16 + lane / 4 + 8 * r;
-        const bool valid = (r == 0 || MROWS == 16) && t0 + row < end;
+        const bool valid = (r == 0 || MROWS == 16) && t0 + row < end && t0 + row >= first;
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh) {
           sc[mt][r * 2 + hh] = valid ? sc[mt][r * 2 + hh] * qscale : -RF_INF;
@@ -531,8 +531,8 @@ struct rf_pa_matrix {
     }
     return v;
   }
-  RF_DEVICE void tile(const char* k_plane, const char* v_plane, int t0, int end, float qscale,
-                      float cap) {
+  RF_DEVICE void tile(const char* k_plane, const char* v_plane, int t0, int first, int end,
+                      float qscale, float cap) {
     const int lane = th.lane, base = th.warp * WROWS;
     const bool my_row = lane % 16 < MROWS;  // the A operand's row is one of this warp's
 #if defined(RF_HAVE_WMMA)
@@ -567,7 +567,8 @@ struct rf_pa_matrix {
 #pragma unroll
       for (int i = 0; i < R; ++i) {
         const int row = mt * 16 + token(i);
-        s[mt][i] = row < WROWS && t0 + base + row < end ? c[i] * qscale : -RF_INF;
+        const int tok = t0 + base + row;
+        s[mt][i] = row < WROWS && tok < end && tok >= first ? c[i] * qscale : -RF_INF;
       }
     }
     if (CAPS && cap > 0.f)  // (uniform, after the products: no registers held across them)

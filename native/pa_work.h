@@ -10,6 +10,7 @@ struct rf_pa_work {
   const rf_i64* cum16;   // [num_seqs + 1] or null (uniform16 for every sequence)
   int num_seqs, groups, uniform16;
   rf_i64 per_cta, total;  // work tokens per CTA (a multiple of 16) and in all
+  int window;             // > 0: a sequence attends to its last `window` tokens only
 };
 
 // One CTA's way through its work range: a piece [start, end) of one unit at a time.
@@ -17,7 +18,11 @@ struct rf_pa_work {
 // are loaded one sequence ahead, so stepping into it waits for no load.
 struct rf_pa_walker {
   int s, x;             // the unit: sequence, group
-  int len, len16;       // tokens and work tokens of sequence s
+  int len, len16;       // tokens the unit attends to and work tokens of sequence s
+  int lo;               // work position p of the unit is token lo + p (a window's first
+                        // token rounded down to 16: tiles start on 16 tokens, their rows
+                        // within blocks; else 0), the tokens before are never read
+  int first;            // the first token attended: tokens lo .. first - 1 are masked
   rf_i64 unit;          // work position of the unit's token 0
   rf_i64 range_end;     // end of this CTA's work range
   int start, end;       // this piece's tokens of the unit (end <= len)
@@ -32,6 +37,13 @@ struct rf_pa_walker {
     const rf_i64 work_end = range_end - unit < len16 ? range_end - unit : len16;
     end = work_end < len ? (int)work_end : len;
     start = (int)(from - unit) < end ? (int)(from - unit) : end;
+    start += lo;  // as tokens
+    end += lo;
+  }
+  RF_DEVICE void attend(int tokens, int window) {  // sequence s has `tokens` tokens
+    first = window > 0 && tokens > window ? tokens - window : 0;
+    lo = first & ~15;
+    len = tokens - lo;
   }
   // Positions the walker at CTA c's first piece.
   RF_DEVICE void begin(const rf_pa_work& w, const int* first_seq, int c) {
@@ -47,7 +59,7 @@ struct rf_pa_walker {
       s = (int)(p0 / ((rf_i64)w.groups * len16));
       base = (rf_i64)s * w.groups * len16;
     }
-    len = w.seq_lens[s];
+    attend(w.seq_lens[s], w.window);
     x = (int)((p0 - base) / len16);
     unit = base + (rf_i64)x * len16;
     fetch_next(w);
@@ -61,7 +73,7 @@ struct rf_pa_walker {
       x = 0;
       ++s;
       len16 = w.cum16 != nullptr ? (int)(next_end16 - (unit / w.groups)) : w.uniform16;
-      len = next_len;
+      attend(next_len, w.window);
       fetch_next(w);
     }
     clip(unit);

@@ -330,13 +330,13 @@ struct rf_pa_reg_copy {
   rf_vec16 k[N], v[N];  // [row j][pass s] at j * SPAN + s
   int c, g;
 
-  RF_DEVICE Rows rows(const int* table, int kvh, int t, int end, bool ok, int row0,
+  RF_DEVICE Rows rows(const int* table, int kvh, int t, int first, int end, bool ok, int row0,
                       int block_shift) const {
     const int tok = t + row0 + RPL * g;
     if (!ok || tok >= end) return Rows{0, 0, 0u};
-    unsigned valid = 0;
+    unsigned valid = 0;  // rows before `first` (a window's) are never read: zeros
 #pragma unroll
-    for (int j = 0; j < RPL; ++j) valid |= tok + j < end ? 1u << j : 0u;
+    for (int j = 0; j < RPL; ++j) valid |= tok + j < end && tok + j >= first ? 1u << j : 0u;
     return Rows{table[tok >> block_shift],
                 (kvh << block_shift) + (tok & ((1 << block_shift) - 1)), valid};
   }
@@ -395,6 +395,8 @@ struct rf_pa_reg_copy {
 // widens to E on their way into the stage, NVIDIA's math in registers: rf_pa_stage::S).
 // `scale` multiplies the scores, `out_scale` the outputs of an fp8 cache (the host folds the
 // layer's K and V scales and the codes' factor into them; other caches ignore out_scale).
+// `window` > 0: each sequence attends to its last `window` tokens (Mistral, Gemma's local
+// layers), the work split planned over those and the blocks before them never read.
 // `softcap` > 0 soft-caps the scaled scores (softcap * tanh(s / softcap): Gemma 2; 0: none);
 // `sinks` (null: none) holds one logit a query head that joins each head's softmax
 // denominator only (gpt-oss): out = sum_t e^(s_t - m) v_t / (sum_t e^(s_t - m) + e^(sink - m)).
@@ -465,12 +467,14 @@ RF_DEVICE void paged_attention(
   rf_syncwarp();
   const int* a_table = nullptr;  // the tile ahead: its sequence's block table, kv head, first
   int a_kvh = 0, a_t = 0, a_end = 0;  // token and its piece's end; a_ok: it exists
+  int a_first = 0;  // the piece's first token attended (a window's): rows before it are zeros
   bool a_ok = true;
   auto enter_piece = [&]() {  // the registers from the walk (scalar registers on AMD)
     a_table = block_tables + (rf_i64)rf_uniform(ahead.s) * max_blocks;
     a_kvh = rf_uniform(ahead.x) / chunks;
     a_t = rf_uniform(ahead.start);
     a_end = rf_uniform(ahead.end);
+    a_first = rf_uniform(ahead.first);
   };
   auto next_piece = [&]() {  // the walk to the next piece with tokens (warp-uniform call)
     rf_syncwarp();  // every lane has read the walk
@@ -495,7 +499,7 @@ RF_DEVICE void paged_attention(
   Copy copy;
   typename Copy::Rows pending{0, 0, 0u};
   auto place = [&]() {  // the rows of the tile ahead, then the walk moves on
-    const auto r = copy.rows(a_table, a_kvh, a_t, a_end, a_ok, row0, block_shift);
+    const auto r = copy.rows(a_table, a_kvh, a_t, a_first, a_end, a_ok, row0, block_shift);
     advance();
     return r;
   };
@@ -528,7 +532,7 @@ RF_DEVICE void paged_attention(
   RF_SHARED bool ok_s[STAGES][RF_PA_WARPS];
   auto row_offset = [&]() -> int {  // cache row of row row0 + lane of the tile ahead
     const int tok = a_t + row0 + lane;
-    if (!a_ok || lane >= WROWS || tok >= a_end) return -1;
+    if (!a_ok || lane >= WROWS || tok >= a_end || tok < a_first) return -1;
     return (a_table[tok >> block_shift] * num_kv_heads + a_kvh) * block_size +
            (tok & (block_size - 1));
   };
@@ -621,7 +625,7 @@ RF_DEVICE void paged_attention(
   for (;;) {  // pieces
     const rf_pa_walker& piece = pieces_s[now];
     math.reset();
-    const int end = rf_uniform(piece.end);
+    const int end = rf_uniform(piece.end), first = rf_uniform(piece.first);
     for (int t0 = rf_uniform(piece.start); t0 < end;
          t0 += T, ++tile, stage = stage + 1 == STAGES ? 0 : stage + 1) {
       int next_row = 0;
@@ -659,7 +663,7 @@ RF_DEVICE void paged_attention(
       }
       const char* k_plane = stage_s + stage * 2 * Tile::PLANE;
 #if !defined(RF_PA_NO_MATH)  // tuning builds: the copy path alone (outputs meaningless)
-      math.tile(k_plane, k_plane + Tile::PLANE, t0, end, qscale, cap);
+      math.tile(k_plane, k_plane + Tile::PLANE, t0, first, end, qscale, cap);
 #endif
 #if !defined(RF_AMD)
       if constexpr (!REG) {
@@ -791,9 +795,9 @@ RF_DEVICE void paged_attention(
       const int* seq_lens, const rf_i64* cum16, const int* first_seq, float scale,             \
       int num_q_heads, int num_kv_heads, int max_blocks, int block_shift, int num_seqs,        \
       int uniform16, rf_i64 per_cta, rf_i64 total, float out_scale, float softcap,             \
-      const float* sinks) {                                                                    \
+      const float* sinks, int window) {                                                        \
     const int groups = num_kv_heads * ((num_q_heads / num_kv_heads + G - 1) / G);              \
-    const rf_pa_work w{seq_lens, cum16, num_seqs, groups, uniform16, per_cta, total};          \
+    const rf_pa_work w{seq_lens, cum16, num_seqs, groups, uniform16, per_cta, total, window};  \
     paged_attention<E, C, D, G>(out, partials, counters, q, k_cache, v_cache,                 \
                                 block_tables, w, first_seq, scale, num_q_heads, num_kv_heads,  \
                                 max_blocks, block_shift, out_scale, softcap, sinks);           \

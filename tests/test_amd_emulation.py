@@ -70,19 +70,24 @@ def wave(request):
 # --- paged attention ---------------------------------------------------------------------
 def attention(emulator, rng, dtype, head_dim, block_size, ratio, lens, num_kv_heads=2,
               num_partitions=None, seed=0, slots=7, uniform=False, cache_dtype=None, sms=0,
-              softcap=0.0, sinks=None, plain=None):
+              softcap=0.0, sinks=None, plain=None, window=0, poison_before=0):
     """One emulated launch planned by ``rocmforge_raw.planning`` as ops.paged_attention plans
     it for the hip backend, on a device of ``slots`` resident workgroups (``uniform``: the
     lengths stay on the device; ``cache_dtype``: an fp8 cache of codes, quantized with
     per-tensor scales; ``sms``: the multiprocessors, which pad a short launch's sequences to
     whole pieces; ``softcap``, ``sinks``: the Gemma 2 / gpt-oss variants, and ``plain``
-    gets the reference without them): (output as float64, float64 reference, counters
-    after)."""
+    gets the reference without them; ``window``: each sequence's last tokens only, and
+    ``poison_before``: NaN in the K/V of each sequence's tokens before its last that many):
+    (output as float64, float64 reference, counters after)."""
     num_q_heads, num_seqs = num_kv_heads * ratio, len(lens)
     k, v, k_scale, v_scale = random_kv(rng, dtype, lens, num_kv_heads, block_size, head_dim,
                                        cache_dtype)
     q = rng.standard_normal((num_seqs, num_q_heads, head_dim), np.float32).astype(dtype)
     tables = random_tables(rng, lens, block_size, k.shape[0])
+    for s, n in enumerate(lens):  # tokens a window leaves out: a read of them gives NaN
+        for t in range(max(n - poison_before, 0) if poison_before else 0):
+            k[tables[s, t // block_size], :, t % block_size] = np.nan
+            v[tables[s, t // block_size], :, t % block_size] = np.nan
     lens = np.asarray(lens, np.int32)
     out = np.empty_like(q)
     out.view(np.uint8)[...] = POISON
@@ -91,9 +96,12 @@ def attention(emulator, rng, dtype, head_dim, block_size, ratio, lens, num_kv_he
                                               capped=softcap > 0)
     shared = planning.attention_shared_bytes("hip", head_dim * dtype.itemsize, group,
                                              cache_dtype is not None, itemsize=dtype.itemsize)
+    most, seen = tables.shape[1] * block_size, lens  # (plan_attention's window rule)
+    if window:
+        most, seen = min(most, window + 15), np.where(lens > window,
+                                                      lens - ((lens - window) & ~15), lens)
     work = planning.plan_work(num_kv_heads * math.ceil(ratio / group), slots, num_seqs,
-                              None if uniform else lens, tables.shape[1] * block_size,
-                              num_partitions, sms)
+                              None if uniform else seen, most, num_partitions, sms)
     if sms:  # padded: each sequence's work is whole pieces, more than its length
         assert (np.diff(work.cum16) % work.per_cta == 0).all() and work.total > sum(lens)
     plan = planning.AttentionPlan(emulator.kernel(name, seed), group, work, shared, num_seqs,
@@ -106,10 +114,12 @@ def attention(emulator, rng, dtype, head_dim, block_size, ratio, lens, num_kv_he
     arrays = [ptr(a) for a in work.arrays] or [0, 0]
     plan.kernel.launch(plan.grid, planning.THREADS, *plan.arguments(
         ptr(out), ptr(q), ptr(k), ptr(v), ptr(tables), ptr(lens), kernel_scale, ptr(partials),
-        ptr(counters), *arrays, out_scale, softcap, 0 if sinks is None else ptr(sinks)),
+        ptr(counters), *arrays, out_scale, softcap, 0 if sinks is None else ptr(sinks),
+        window),
         shared_bytes=plan.shared_bytes)
     want = reference.paged_attention(q, k, v, tables, lens, scale, np.float64, k_scale,
-                                     v_scale, logit_softcap=softcap or None, sinks=sinks)
+                                     v_scale, logit_softcap=softcap or None, sinks=sinks,
+                                     window=window or None)
     if plain is not None:
         plain.append(reference.paged_attention(q, k, v, tables, lens, scale, np.float64,
                                                k_scale, v_scale))
@@ -163,6 +173,30 @@ def test_softcap_and_sinks_match_reference(libraries, wave, rng, row, mode):
     assert relative_error(got, want) < TOLERANCE[dtype]
     assert not counters.any()
     assert relative_error(got, plain[0]) > 5 * TOLERANCE[dtype]  # the variants matter here
+
+
+@pytest.mark.parametrize("mode", ["balanced", "partitions", "uniform", "padded"])
+@pytest.mark.parametrize("row", range(len(CASES)),
+                         ids=[f"{d.name}-d{h}-r{r}-bs{b}" for d, h, r, b in CASES])
+def test_a_sliding_window_reads_only_its_tokens(libraries, wave, rng, row, mode):
+    """Each sequence attends to its last 37 tokens (300 padded; not a multiple of a block or
+    a tile):
+    sequences shorter than the window see all, longer ones their tail; the work is planned
+    over the window (split, partitioned, uniform and padded), and the tokens before it are
+    poisoned in the cache, so a read of them fails the comparison."""
+    dtype, head_dim, ratio, block_size = CASES[row]
+    window = 37
+    lens = [0, 1, window - 1, window + 5, LONG]
+    options = {"balanced": {}, "partitions": {"num_partitions": 3},
+               "uniform": {"uniform": True, "slots": 5}, "padded": {"slots": 24, "sms": 8}}[mode]
+    if mode == "padded":  # lengths close enough, in the window too, to pad to whole pieces
+        lens, window = [LONG, LONG - 30, LONG - 60, 17, 0], LONG - 33
+    emulator = libraries["paged_attention", wave]
+    got, want, counters = attention(emulator, rng, dtype, head_dim, block_size, ratio, lens,
+                                    seed=row + 3, window=window, poison_before=window,
+                                    **options)
+    assert relative_error(got, want) < TOLERANCE[dtype]
+    assert not counters.any()
 
 
 @pytest.mark.parametrize("parts", [1, 4])

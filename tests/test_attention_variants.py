@@ -20,15 +20,23 @@ LENS = [0, 1, 15, 17, 700, 3000]
 
 
 def attend(backend, rng, dtype, head_dim, ratio, softcap, with_sinks, num_partitions=None,
-           num_kv_heads=2, block_size=16):
+           num_kv_heads=2, block_size=16, window=None):
     """One decode call with the variants: (output, reference with them, reference without)
-    as float64."""
+    as float64. With a ``window``, the K/V of each sequence's tokens before it are NaN: a
+    read of them shows."""
     num_q_heads = num_kv_heads * ratio
     num_blocks = sum(math.ceil(n / block_size) for n in LENS) + 3
     k, v, dk, dv = random_cache(rng, backend, dtype, num_blocks, num_kv_heads, block_size,
                                 head_dim)
     tables = random_tables(rng, LENS, block_size, num_blocks)
     lens = np.asarray(LENS, np.int32)
+    if window:
+        for s, n in enumerate(LENS):
+            for t in range(max(n - window, 0)):
+                for cache in (k, v):
+                    cache[tables[s, t // block_size], :, t % block_size] = np.nan
+        dk.copy_from_host(k)
+        dv.copy_from_host(v)
     q = rng.standard_normal((len(LENS), num_q_heads, head_dim), np.float32).astype(dtype)
     sinks = (rng.standard_normal(num_q_heads).astype(np.float32) * 3) if with_sinks else None
     arrays = [DeviceArray.from_numpy(a, DEVICE, backend) for a in
@@ -36,12 +44,13 @@ def attend(backend, rng, dtype, head_dim, ratio, softcap, with_sinks, num_partit
     out = DeviceArray.empty(q.shape, dtype, DEVICE, backend)
     out.buffer.fill(POISON)
     ops.paged_attention(out, arrays[0], dk, dv, tables, lens, num_partitions=num_partitions,
-                        logit_softcap=softcap, sinks=arrays[1] if with_sinks else None)
+                        logit_softcap=softcap, sinks=arrays[1] if with_sinks else None,
+                        window=window)
     got = out.to_numpy().astype(np.float64)
     scale = 1.0 / math.sqrt(head_dim)
     want = reference.paged_attention(q, k, v, tables, lens, scale, np.float64,
-                                     logit_softcap=softcap, sinks=sinks)
-    plain = reference.paged_attention(q, k, v, tables, lens, scale, np.float64)
+                                     logit_softcap=softcap, sinks=sinks, window=window)
+    plain = reference.paged_attention(q, k, v, tables, lens, scale, np.float64, window=window)
     for array in (out, dk, dv, *arrays):
         array.buffer.root.close()
     return got, want, plain
@@ -61,6 +70,23 @@ def test_softcap_and_sinks_match_the_reference(backend, rng, dtype, head_dim, ra
                               num_partitions)
     assert relative_error(got, want) < TOLERANCE[np.dtype(dtype)]
     assert relative_error(got, plain) > 5 * TOLERANCE[np.dtype(dtype)]
+
+
+@pytest.mark.parametrize("window", [37, 700], ids=["window-37", "window-700"])
+@pytest.mark.parametrize("dtype, head_dim, ratio", [
+    (np.float16, 128, 4), (ml_dtypes.bfloat16, 64, 8), (np.float32, 128, 1)],
+    ids=lambda p: getattr(p, "__name__", str(p)))
+@pytest.mark.parametrize("num_partitions", [None, 3], ids=["balanced", "three-pieces"])
+def test_a_sliding_window_reads_only_its_tokens(backend, rng, dtype, head_dim, ratio, window,
+                                                num_partitions):
+    """Each sequence sees its last ``window`` tokens (37: not a multiple of a block; 700:
+    longer than most); the tokens before are NaN in the cache and never read."""
+    got, want, _ = attend(backend, rng, dtype, head_dim, ratio, 1.5, True, num_partitions,
+                          window=window)
+    assert relative_error(got, want) < TOLERANCE[np.dtype(dtype)]
+    got, want, _ = attend(backend, rng, dtype, head_dim, ratio, None, False, num_partitions,
+                          window=window)  # (the NaN before the window: a read of it shows)
+    assert relative_error(got, want) < TOLERANCE[np.dtype(dtype)]
 
 
 def _call(backend, **variants):
@@ -99,6 +125,21 @@ def test_a_bad_logit_cap_is_refused_before_anything_is_queued(backend, cap, erro
     with pytest.raises(error, match=words.replace("(", r"\(").replace(")", r"\)")
                        .replace("+", r"\+")):
         _call(backend, logit_softcap=cap)
+
+
+@pytest.mark.parametrize("window, error, words", [
+    (0, ValueError, "window must be"), (-3, ValueError, "window must be"),
+    (1 << 31, ValueError, "window must be"), (True, TypeError, "window must be an integer"),
+    (2.5, TypeError, "window must be an integer"), ("9", TypeError, "window must be an integer"),
+])
+def test_a_bad_window_is_refused_before_anything_is_queued(backend, window, error, words):
+    with pytest.raises(error, match=words):
+        _call(backend, window=window)
+
+
+def test_a_window_with_query_lens_is_refused_for_now(backend):
+    with pytest.raises(NotImplementedError, match="the multi-token kernel has no window yet"):
+        _call(backend, window=8, query_lens=np.array([1], np.int32))
 
 
 def test_bad_sinks_are_refused_before_anything_is_queued(backend):

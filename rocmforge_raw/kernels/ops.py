@@ -71,13 +71,15 @@ def paged_attention(out: DeviceArray, query: DeviceArray, k_cache: DeviceArray,
                     num_partitions: int | None = None, stream: Stream | None = None,
                     workspace: Workspace | None = None, check: bool = True,
                     k_scale: float = 1.0, v_scale: float = 1.0,
-                    logit_softcap: float | None = None, sinks: DeviceArray | None = None
-                    ) -> None:
+                    logit_softcap: float | None = None, sinks: DeviceArray | None = None,
+                    window: int | None = None) -> None:
     """``out[s, h] = softmax(scale * q[s, h] . K[s]) V[s]`` over the first ``seq_lens[s]``
-    tokens of sequence ``s``'s blocks; ``logit_softcap`` makes each score ``cap * tanh(s /
-    cap)`` first (Gemma 2), and ``sinks`` (float32 ``[num_q_heads]``, on the query's device)
-    adds ``exp(sinks[h] - m)`` to head h's softmax denominator only (gpt-oss's attention
-    sinks), with or without ``query_lens``. An fp8 cache (float16/bfloat16 queries)
+    tokens of sequence ``s``'s blocks (with a ``window``, its last ``window``: Mistral's
+    sliding window, the blocks before it never read; decode calls only, for now);
+    ``logit_softcap`` makes each score ``cap * tanh(s / cap)`` first (Gemma 2), and
+    ``sinks`` (float32 ``[num_q_heads]``, on the query's device) adds ``exp(sinks[h] - m)``
+    to head h's softmax denominator only (gpt-oss's attention sinks), with or without
+    ``query_lens``. An fp8 cache (float16/bfloat16 queries)
     holds codes: K = code * ``k_scale``, V = code * ``v_scale``, dequantized in the kernel.
     The work is
     split over the CTAs as ``planning.plan_work`` says (one wave of equal shares, or one CTA
@@ -101,8 +103,11 @@ def paged_attention(out: DeviceArray, query: DeviceArray, k_cache: DeviceArray,
     scale = default_scale(head_dim, scale)
     k_scale, v_scale = check_kv_scales(k_cache.dtype, k_scale, v_scale)
     kernel_scale, out_scale = kernel_scales(k_cache.dtype, scale, k_scale, v_scale)
-    softcap, sinks = check_variants(query, logit_softcap, sinks)
+    softcap, sinks, window = check_variants(query, logit_softcap, sinks, window)
     if query_lens is not None:
+        if window:
+            raise NotImplementedError("window takes one query token a sequence: the "
+                                      "multi-token kernel has no window yet")
         multi_token.paged_attention_multi(
             out, query, k_cache, v_cache, block_tables, seq_lens, query_lens, scale,
             (kernel_scale, out_scale, k_scale, v_scale), num_partitions, stream, workspace,
@@ -121,12 +126,12 @@ def paged_attention(out: DeviceArray, query: DeviceArray, k_cache: DeviceArray,
         result = reference.paged_attention(
             host_view(query), host_view(k_cache), host_view(v_cache), tables, lens, scale,
             k_scale=k_scale, v_scale=v_scale, logit_softcap=softcap or None,
-            sinks=None if sinks is None else host_view(sinks))
+            sinks=None if sinks is None else host_view(sinks), window=window or None)
         host_view(out)[...] = result.astype(out.dtype)
         return
     launch_decode(out, query, k_cache, v_cache, block_tables, tables, seq_lens, lens,
                   kernel_scale, out_scale, num_partitions, stream, workspace, softcap,
-                  0 if sinks is None else sinks.ptr)
+                  0 if sinks is None else sinks.ptr, window)
 
 
 # --- cache writes and copies -------------------------------------------------------------

@@ -121,12 +121,16 @@ def check_attention_arrays(out: Any, query: Any, k_cache: Any, v_cache: Any
     return num_seqs, num_q_heads, head_dim, num_blocks, num_kv_heads, block_size
 
 
-def check_variants(query: DeviceArray, logit_softcap: Any, sinks: Any
-                   ) -> tuple[float, DeviceArray | None]:
+def check_variants(query: DeviceArray, logit_softcap: Any, sinks: Any, window: Any = None
+                   ) -> tuple[float, DeviceArray | None, int]:
     """A call's attention variants, checked against ``query``: ``logit_softcap`` (None, or
     finite and > 0 as a float32: scores become ``cap * tanh(s / cap)``, Gemma 2) as the
-    kernels' float (0.0: none), and ``sinks`` (None, or a float32 DeviceArray ``[num_q_heads]``
-    beside ``query``: one logit a query head in its softmax's denominator only, gpt-oss)."""
+    kernels' float (0.0: none), ``sinks`` (None, or a float32 DeviceArray ``[num_q_heads]``
+    beside ``query``: one logit a query head in its softmax's denominator only, gpt-oss) and
+    ``window`` (None, or tokens >= 1: each query sees its last ``window`` positions, itself
+    included, Mistral) as the kernels' int (0: every position)."""
+    if window is not None:
+        window = checks.integer(window, "window", 1, MAX_TOKENS)
     cap = 0.0
     if logit_softcap is not None:
         cap = checks.real(logit_softcap, "logit_softcap")
@@ -142,7 +146,7 @@ def check_variants(query: DeviceArray, logit_softcap: Any, sinks: Any
                              f"head), got {sinks.shape}")
         checks.colocated("sinks", sinks.backend, sinks.device, "query", query.backend,
                          query.device)
-    return cap, sinks
+    return cap, sinks, window or 0
 
 
 def check_disjoint(written: DeviceArray, name: str, **read: DeviceArray) -> None:

@@ -115,11 +115,12 @@ class AttentionPlan:
     def arguments(self, out: Any, query: Any, k_cache: Any, v_cache: Any, tables: Any,
                   lens: Any, scale: float, partials: int, counters: int, cum16: int = 0,
                   first_seq: int = 0, out_scale: float = 1.0, softcap: float = 0.0,
-                  sinks: int = 0) -> tuple:
+                  sinks: int = 0, window: int = 0) -> tuple:
         """The kernel's arguments in order (``partials``/``counters``: workspace addresses;
         ``cum16``/``first_seq``: device copies of the work split's arrays, 0 in uniform
         mode; ``scale``/``out_scale``: ``kernel_scales``; ``softcap``: the logit cap, 0 for
-        none; ``sinks``: the address of one float32 logit a query head, 0 for none)."""
+        none; ``sinks``: the address of one float32 logit a query head, 0 for none;
+        ``window``: the tokens a sequence attends to, its last, 0 for all)."""
         i32, i64 = np.int32, np.int64
         work = self.work
         if work.cum16 is None:
@@ -129,7 +130,7 @@ class AttentionPlan:
                 i32(self.num_kv_heads), i32(self.max_blocks),
                 i32(self.block_size.bit_length() - 1), i32(self.num_seqs), i32(work.uniform16),
                 i64(work.per_cta), i64(work.total), np.float32(out_scale),
-                np.float32(softcap), sinks)
+                np.float32(softcap), sinks, i32(window))
 
 
 #: Indices in ``AttentionPlan.arguments``: the scale, the work split's numbers (uniform16,
@@ -139,7 +140,7 @@ SCALE_ARG = 10
 WORK_ARGS = (16, 17, 18)
 OUT_SCALE_ARG = 19
 #: The logit cap and the sinks' address (``AttentionPlan.arguments``).
-SOFTCAP_ARG, SINKS_ARG = 20, 21
+SOFTCAP_ARG, SINKS_ARG, WINDOW_ARG = 20, 21, 22
 ATTENTION_PATCH = (0, 3, 4, 5)  # out, query, k_cache, v_cache
 #: Indices in ``AttentionPlan.arguments`` that differ between two steps of one shape (same
 #: kernel, sequences and query heads): workspace, metadata addresses, table width and the
@@ -260,14 +261,20 @@ def plan_attention(backend: Backend, device: int, dtype: np.dtype, num_seqs: int
                    num_q_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
                    max_blocks: int, lens: np.ndarray | None = None,
                    num_partitions: int | None = None, cache_dtype: np.dtype | None = None,
-                   capped: bool = False) -> AttentionPlan:
+                   capped: bool = False, window: int = 0) -> AttentionPlan:
     """The launch plan for checked shapes. ``lens`` (host) balances the split over the
     real lengths; without it the block tables' width stands for every length.
     ``num_partitions`` cuts the longest sequence into that many pieces instead; ``capped``:
-    the call has a logit cap (``attention_instance``)."""
+    the call has a logit cap (``attention_instance``); ``window`` > 0: each sequence
+    attends to its last ``window`` tokens, the split planned over those."""
     found = attention_kernel(backend, device, dtype, head_dim, num_q_heads // num_kv_heads,
                              cache_dtype, capped)
-    work = plan_work(num_kv_heads * found.groups, found.slots, num_seqs, lens,
-                     max_blocks * block_size, num_partitions, found.sms, found.rule)
+    most = max_blocks * block_size
+    if window:  # each sequence's work: its last `window` tokens, from a multiple of 16
+        most = min(most, window + 15)
+        if lens is not None:
+            lens = np.where(lens > window, lens - ((lens - window) & ~15), lens)
+    work = plan_work(num_kv_heads * found.groups, found.slots, num_seqs, lens, most,
+                     num_partitions, found.sms, found.rule)
     return AttentionPlan(found.kernel, found.group, work, found.shared_for(work), num_seqs,
                          num_q_heads, num_kv_heads, head_dim, block_size, max_blocks)
