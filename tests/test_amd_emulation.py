@@ -175,6 +175,17 @@ def test_softcap_and_sinks_match_reference(libraries, wave, rng, row, mode):
     assert relative_error(got, plain[0]) > 5 * TOLERANCE[dtype]  # the variants matter here
 
 
+@pytest.mark.parametrize("cap", [0.05, 1e3, 1e6, 1e12, 2e38])
+@pytest.mark.parametrize("row", [0, 4], ids=lambda r: "-".join(map(str, CASES[r][1:])))
+def test_small_and_large_caps_match_the_reference(libraries, wave, rng, cap, row):
+    """Caps from one that flattens every score to one tanh leaves as they are (scores a
+    millionth of the cap and less: the series, not 1 - 2^(-2x) / ..., where that cancels)."""
+    dtype, head_dim, ratio, block_size = CASES[row]
+    got, want, _ = attention(libraries["paged_attention", wave], rng, dtype, head_dim,
+                             block_size, ratio, [1, 17, LONG], softcap=cap)
+    assert relative_error(got, want) < TOLERANCE[dtype]
+
+
 @pytest.mark.parametrize("mode", ["balanced", "partitions", "uniform", "padded"])
 @pytest.mark.parametrize("row", range(len(CASES)),
                          ids=[f"{d.name}-d{h}-r{r}-bs{b}" for d, h, r, b in CASES])

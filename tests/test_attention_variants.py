@@ -6,6 +6,7 @@ bad values refused by name before anything is queued."""
 from __future__ import annotations
 
 import math
+import re
 
 import ml_dtypes
 import numpy as np
@@ -112,18 +113,20 @@ def _sinks(backend, values, device=DEVICE):
 
 
 @pytest.mark.parametrize("cap, error, words", [
-    (0, ValueError, "logit_softcap must be finite and > 0 (as a float32), got 0"),
-    (-1.5, ValueError, "logit_softcap must be finite and > 0 (as a float32), got -1.5"),
+    (0, ValueError, "logit_softcap must lie in [1.1754944e-38, 2.3350708e+38] (> 0: a normal "
+                    "float32, and times log2(e) too), got 0"),
+    (-1.5, ValueError, "(> 0: a normal float32, and times log2(e) too), got -1.5"),
     (1e39, ValueError, "got 1e+39"),
+    (2.4e38, ValueError, "got 2.4e+38"),  # (times log2(e): past float32)
     (1e-50, ValueError, "got 1e-50"),
+    (1e-40, ValueError, "got 1e-40"),  # (subnormal: a GPU may flush it to 0, no cap)
     (math.nan, ValueError, "logit_softcap must be a finite number"),
     (math.inf, ValueError, "logit_softcap must be a finite number"),
     (True, TypeError, "logit_softcap must be a number"),
     ("30", TypeError, "logit_softcap must be a number"),
 ])
 def test_a_bad_logit_cap_is_refused_before_anything_is_queued(backend, cap, error, words):
-    with pytest.raises(error, match=words.replace("(", r"\(").replace(")", r"\)")
-                       .replace("+", r"\+")):
+    with pytest.raises(error, match=re.escape(words)):
         _call(backend, logit_softcap=cap)
 
 
@@ -155,6 +158,22 @@ def test_bad_sinks_are_refused_before_anything_is_queued(backend):
             _call(backend, sinks=sinks)
         if isinstance(sinks, DeviceArray):
             sinks.buffer.root.close()
+
+
+def test_sinks_overlapping_the_output_are_refused(backend):
+    """The kernels write ``out`` while other CTAs, and the combine, still read the sinks."""
+    q = DeviceArray.from_numpy(np.ones((1, 4, 64), np.float16), DEVICE, backend)
+    k = DeviceArray.from_numpy(np.ones((2, 2, 16, 64), np.float16), DEVICE, backend)
+    out = DeviceArray.empty((1, 4, 64), np.float16, DEVICE, backend)
+    out.buffer.fill(POISON)
+    inside = DeviceArray(out.buffer, np.float32, (4,), 0)
+    for query_lens in (None, np.array([1], np.int32)):
+        with pytest.raises(ValueError, match=r"out .*overlaps sinks"):
+            ops.paged_attention(out, q, k, k, np.array([[1]], np.int32),
+                                np.array([3], np.int32), sinks=inside, query_lens=query_lens)
+        assert (out.to_numpy().view(np.uint8) == POISON).all()
+    for array in (q, k, out):
+        array.buffer.root.close()
 
 
 def test_sinks_on_another_device_are_refused(rng):

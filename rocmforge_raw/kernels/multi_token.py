@@ -93,7 +93,8 @@ def paged_attention_multi(out: DeviceArray, query: DeviceArray, k_cache: DeviceA
         s = int(lens.argmax())
         raise ValueError(f"seq_lens[{s}] = {int(lens[s])} tokens exceeds the block table's "
                          f"{width} blocks x {block_size} = {width * block_size} tokens")
-    check_disjoint(out, "out", query=query, k_cache=k_cache, v_cache=v_cache)
+    check_disjoint(out, "out", query=query, k_cache=k_cache, v_cache=v_cache,
+                   **({} if variants[1] is None else {"sinks": variants[1]}))
     kernel_scale, out_scale, k_scale, v_scale = scales
     softcap, sinks = variants
     sinks_at = 0 if sinks is None else sinks.ptr

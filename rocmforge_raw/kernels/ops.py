@@ -118,7 +118,8 @@ def paged_attention(out: DeviceArray, query: DeviceArray, k_cache: DeviceArray,
     lens = metadata(seq_lens, "seq_lens", np.int32, 1, (num_seqs,), query, "query")
     if (check or on_host) and tables is not None and lens is not None:
         check_tables(tables, lens, num_seqs, num_blocks, block_size)
-    check_disjoint(out, "out", query=query, k_cache=k_cache, v_cache=v_cache)
+    check_disjoint(out, "out", query=query, k_cache=k_cache, v_cache=v_cache,
+                   **({} if sinks is None else {"sinks": sinks}))
     if num_seqs == 0:
         return
     if on_host:

@@ -121,12 +121,21 @@ def check_attention_arrays(out: Any, query: Any, k_cache: Any, v_cache: Any
     return num_seqs, num_q_heads, head_dim, num_blocks, num_kv_heads, block_size
 
 
+#: The logit caps the kernels take: normal float32 values (a GPU that flushes subnormals
+#: would read a smaller one as 0, no cap) whose product with log2(e), the scores' unit in
+#: the kernels, stays finite.
+MIN_SOFTCAP = float(np.finfo(np.float32).tiny)
+MAX_SOFTCAP = float(np.float32(np.finfo(np.float32).max / np.float32(math.log2(math.e)) * 0.99))
+
+
 def check_variants(query: DeviceArray, logit_softcap: Any, sinks: Any, window: Any = None
                    ) -> tuple[float, DeviceArray | None, int]:
     """A call's attention variants, checked against ``query``: ``logit_softcap`` (None, or
     finite and > 0 as a float32: scores become ``cap * tanh(s / cap)``, Gemma 2) as the
     kernels' float (0.0: none), ``sinks`` (None, or a float32 DeviceArray ``[num_q_heads]``
-    beside ``query``: one logit a query head in its softmax's denominator only, gpt-oss) and
+    beside ``query``: one finite logit a query head in its softmax's denominator only,
+    gpt-oss; its values stay on the device, unread: a +inf or NaN there gives what the
+    backend's arithmetic gives) and
     ``window`` (None, or tokens >= 1: each query sees its last ``window`` positions, itself
     included, Mistral) as the kernels' int (0: every position)."""
     if window is not None:
@@ -134,10 +143,9 @@ def check_variants(query: DeviceArray, logit_softcap: Any, sinks: Any, window: A
     cap = 0.0
     if logit_softcap is not None:
         cap = checks.real(logit_softcap, "logit_softcap")
-        with np.errstate(over="ignore"):
-            single = np.float32(cap)
-        if not (0 < cap < math.inf and 0 < single < np.inf):
-            raise ValueError("logit_softcap must be finite and > 0 (as a float32), got "
+        if not MIN_SOFTCAP <= cap <= MAX_SOFTCAP:
+            raise ValueError(f"logit_softcap must lie in [{MIN_SOFTCAP:.8g}, {MAX_SOFTCAP:.8g}] "
+                             "(> 0: a normal float32, and times log2(e) too), got "
                              f"{checks.show(logit_softcap)}")
     if sinks is not None:
         expect(sinks, "sinks", 1, np.float32)
