@@ -79,13 +79,13 @@ def paged_attention(out: DeviceArray, query: DeviceArray, k_cache: DeviceArray,
     ``logit_softcap`` makes each score ``cap * tanh(s / cap)`` first (Gemma 2), and
     ``sinks`` (float32 ``[num_q_heads]``, on the query's device) adds ``exp(sinks[h] - m)``
     to head h's softmax denominator only (gpt-oss's attention sinks), with or without
-    ``query_lens``. An fp8 cache (float16/bfloat16 queries)
-    holds codes: K = code * ``k_scale``, V = code * ``v_scale``, dequantized in the kernel.
-    The work is
-    split over the CTAs as ``planning.plan_work`` says (one wave of equal shares, or one CTA
-    a unit where the units are many), over the real lengths when ``seq_lens`` is on the
-    host (else every sequence counts the block tables' width); ``num_partitions`` instead
-    cuts the longest sequence into that many pieces. Scratch for split sequences comes from
+    ``query_lens`` (``planning.check_variants`` says which values). An fp8 cache
+    (float16/bfloat16 queries) holds codes: K = code * ``k_scale``, V = code * ``v_scale``,
+    dequantized in the kernel. The work is split over the CTAs as ``planning.plan_work``
+    says (one wave of equal shares, or one CTA a unit where the units are many), over the
+    real lengths when ``seq_lens`` is on the host (else every sequence counts the block
+    tables' width); ``num_partitions`` instead cuts the longest sequence into that many
+    pieces. Scratch for split sequences comes from
     ``workspace`` or from the staging slot of this call. ``check`` validates host metadata
     against the cache (device metadata is never read back: lengths on the device must be
     at most the tables' width x block_size, and their block ids in the cache, as host

@@ -131,13 +131,12 @@ MAX_SOFTCAP = float(np.float32(np.finfo(np.float32).max / np.float32(math.log2(m
 def check_variants(query: DeviceArray, logit_softcap: Any, sinks: Any, window: Any = None
                    ) -> tuple[float, DeviceArray | None, int]:
     """A call's attention variants, checked against ``query``: ``logit_softcap`` (None, or
-    finite and > 0 as a float32: scores become ``cap * tanh(s / cap)``, Gemma 2) as the
+    in ``MIN_SOFTCAP .. MAX_SOFTCAP``: scores become ``cap * tanh(s / cap)``, Gemma 2) as the
     kernels' float (0.0: none), ``sinks`` (None, or a float32 DeviceArray ``[num_q_heads]``
     beside ``query``: one finite logit a query head in its softmax's denominator only,
     gpt-oss; its values stay on the device, unread: a +inf or NaN there gives what the
-    backend's arithmetic gives) and
-    ``window`` (None, or tokens >= 1: each query sees its last ``window`` positions, itself
-    included, Mistral) as the kernels' int (0: every position)."""
+    backend's arithmetic gives) and ``window`` (None, or tokens >= 1: each query sees its
+    last ``window`` positions, itself included, Mistral) as the kernels' int (0: all)."""
     if window is not None:
         window = checks.integer(window, "window", 1, MAX_TOKENS)
     cap = 0.0
