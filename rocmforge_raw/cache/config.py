@@ -17,7 +17,14 @@ from typing import Any
 import numpy as np
 
 from ..common import checks
-from ..kernels.planning import BLOCK_SIZES, FP8_DTYPES, HEAD_DIMS, check_kv_scales
+from ..kernels.planning import (
+    BLOCK_SIZES,
+    FP8_DTYPES,
+    HEAD_DIMS,
+    check_kv_scales,
+    check_softcap,
+    check_window,
+)
 from ..kernels.planning import DTYPES as KERNEL_DTYPES
 
 #: What the kernels support, by name: float16, bfloat16, float32, float8_e4m3fn(uz).
@@ -54,7 +61,15 @@ class CacheConfig:
     ``(k_scale, v_scale)`` pair of positive finite floats per layer) are for fp8 caches (see
     the module docstring); ``kv_scales`` becomes a tuple of float pairs. ``host_blocks``
     (0: none) reserves that many blocks of pinned host memory below the slab: preempted
-    sequences are swapped out there and freed prefix blocks demoted there (``KvCache``)."""
+    sequences are swapped out there and freed prefix blocks demoted there (``KvCache``).
+
+    Attention variants, applied by ``KvCache.attention`` to every step: ``windows`` (None:
+    every layer attends to all tokens; an int: every layer's sliding window; or one entry a
+    layer, an int or None, as Gemma alternates) becomes a tuple of ``num_layers`` entries; a
+    window of W tokens lets the query at position p see positions p - W + 1 .. p (Mistral).
+    Where every layer has one, a sequence's blocks wholly before its widest window are
+    freed as it grows (``widest_window``). ``logit_softcap`` (None, or a positive float)
+    makes each score ``cap * tanh(score / cap)`` in every layer (Gemma 2)."""
 
     num_layers: int
     num_kv_heads: int
@@ -66,6 +81,8 @@ class CacheConfig:
     activation_dtype: Any = None
     kv_scales: Any = None
     host_blocks: int = 0
+    windows: Any = None
+    logit_softcap: Any = None
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_kv_heads", "head_dim", "block_size", "num_blocks"):
@@ -99,6 +116,23 @@ class CacheConfig:
         elements = self.total_bytes // self.dtype.itemsize
         if elements > MAX_SLAB_ELEMENTS:
             raise OverflowError(f"a slab of {elements} elements overflows 64-bit indexing")
+        object.__setattr__(self, "windows", self._windows())
+        if self.logit_softcap is not None:
+            object.__setattr__(self, "logit_softcap",
+                               check_softcap(self.logit_softcap, "logit_softcap"))
+
+    def _windows(self) -> tuple[int | None, ...]:
+        """``windows`` checked, one entry a layer (None: the layer sees every token)."""
+        given = self.windows
+        if given is None or isinstance(given, (int, np.integer)):
+            window = None if given is None else check_window(given, "windows")
+            return (window,) * self.num_layers
+        entries = checks.ordered(given, "windows", "a window a layer (an int or None)")
+        if len(entries) != self.num_layers:
+            raise ValueError(f"windows must have {self.num_layers} entries (one a layer), got "
+                             f"{checks.show(given)}")
+        return tuple(None if w is None else check_window(w, f"windows[{layer}]")
+                     for layer, w in enumerate(entries))
 
     def _fp8_fields(self) -> None:
         """``activation_dtype`` and ``kv_scales`` checked and normalised."""
@@ -133,6 +167,14 @@ class CacheConfig:
     def is_fp8(self) -> bool:
         """Whether the cache stores fp8 codes (with ``kv_scales``)."""
         return self.dtype in FP8_DTYPES
+
+    @property
+    def widest_window(self) -> int | None:
+        """The largest window where every layer has one, else None: the tokens a sequence
+        keeps of its past (blocks wholly before them leave every layer's window)."""
+        if None in self.windows:
+            return None
+        return int(max(w for w in self.windows if w is not None))
 
     @property
     def bytes_per_token(self) -> int:
@@ -172,7 +214,8 @@ class CacheConfig:
                    budget_bytes: int | None = None,
                    fraction: float | None = None, device: int | None = None,
                    backend: Any = None, activation_dtype: Any = None,
-                   kv_scales: Any = None, host_blocks: int = 0) -> CacheConfig:
+                   kv_scales: Any = None, host_blocks: int = 0, windows: Any = None,
+                   logit_softcap: Any = None) -> CacheConfig:
         """The largest cache within ``budget_bytes``, or within ``fraction`` of the device's
         free memory now (exactly one of the two)."""
         if (budget_bytes is None) == (fraction is None):
@@ -192,4 +235,5 @@ class CacheConfig:
             raise ValueError(f"a budget of {budget_bytes} bytes holds {num_blocks} blocks of "
                              f"{probe.block_bytes} bytes; at least 2 are needed")
         return cls(num_layers, num_kv_heads, head_dim, block_size, num_blocks, dtype,
-                   num_q_heads, activation_dtype, kv_scales, host_blocks)
+                   num_q_heads, activation_dtype, kv_scales, host_blocks, windows,
+                   logit_softcap)

@@ -92,6 +92,12 @@ class StepGraph:
 
     def __init__(self, cache: Any, headroom: int = 128, scale: float | None = None,
                  token_budget: int | None = None, max_seqs: int | None = None) -> None:
+        c = cache.config
+        if any(w is not None for w in c.windows) or c.logit_softcap is not None:
+            raise NotImplementedError(
+                f"a step graph of a cache with windows {c.windows} and logit_softcap "
+                f"{c.logit_softcap}: graphs replay plain attention only for now (run the "
+                "steps' launches: batch, write, attention)")
         self.cache, self.backend = cache, cache.slab.backend
         self.device, self.stream = cache.slab.device, cache.stream
         self.headroom = checks.integer(headroom, "headroom", 0, 1 << 20)

@@ -124,12 +124,17 @@ class StepLaunches(TierOps):
 
     def attention(self, layer: int, out: DeviceArray, query: DeviceArray,
                   batch: BatchMetadata, scale: float | None = None,
-                  stream: Stream | None = None) -> None:
+                  stream: Stream | None = None, *, sinks: DeviceArray | None = None) -> None:
         """Attention of ``layer`` for the current ``batch()`` plan: each query row (one a
         sequence, or ``query_lens``' rows: causal, aligned to the end of its sequence) over
-        its sequence's cache, with the launches the plan prepared."""
+        its sequence's cache, with the launches the plan prepared; within the layer's
+        window and with the logit cap of the config (``CacheConfig.windows``,
+        ``logit_softcap``). ``sinks``: this layer's attention sinks, a float32 DeviceArray
+        ``[num_q_heads]`` beside the query (gpt-oss: one logit a head, in its softmax's
+        denominator only; read by the device when the launch runs)."""
         with self._lock:
-            self._steps.attention(self._current(batch, stream), layer, out, query, scale)
+            self._steps.attention(self._current(batch, stream), layer, out, query, scale,
+                                  sinks)
 
     def step_graph(self, headroom: int = 128, scale: float | None = None,
                    token_budget: int | None = None, max_seqs: int | None = None) -> StepGraph:

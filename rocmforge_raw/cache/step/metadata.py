@@ -47,6 +47,7 @@ class BatchMetadata:
     _scale: float = field(default=0.0, repr=False)
     # (last: the positional order of the fields before it is as it was before it came)
     query_lens: np.ndarray | None = None
+    _windowed: dict[int, Launch] | None = field(default=None, repr=False)  # by window
 
     def __post_init__(self) -> None:
         for array in (self.block_tables, self.seq_lens, self.slot_mapping, self.query_lens):
@@ -62,7 +63,7 @@ class BatchMetadata:
     def _planned(cls, fields: dict[str, Any]) -> BatchMetadata:
         """The planner's constructor: what ``BatchMetadata(**fields)`` makes of read-only
         arrays (``gather``'s), without the frozen ``__init__``'s ``object.__setattr__`` for
-        each of its 16 fields nor ``__post_init__``'s flags (most of a step's plan on the
+        each of its 18 fields nor ``__post_init__``'s flags (most of a step's plan on the
         host)."""
         meta = cls.__new__(cls)
         meta.__dict__.update(_DEFAULTS)

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from ...common import checks
-from ...kernels.planning import SCALE_ARG, plan_work
+from ...kernels.planning import SCALE_ARG, SINKS_ARG, plan_work
 from ...kernels.planning.prefill import (
     PrefillKernel,
     PrefillWork,
@@ -32,7 +32,9 @@ from ..blocks._rows import query_slots as _query_slots
 #: Indices in the multi-token kernel's arguments: the pointers a layer replaces (out, q, k,
 #: v), the scale and the fp8 output scale.
 PREFILL_PATCH = (0, 2, 3, 4)
-PREFILL_SCALE_ARG, PREFILL_OUT_SCALE_ARG = 9, 14
+PREFILL_SCALE_ARG, PREFILL_OUT_SCALE_ARG, PREFILL_SOFTCAP_ARG = 9, 14, 15
+#: The sinks' address in the multi-token kernel's arguments and in its combine's.
+PREFILL_SINKS_ARG, COMBINE_SINKS_ARG = 16, 8
 #: The arguments a step changes in a reused multi-token launch (partials, tables, lengths,
 #: query starts, items, table width) and in its combine (partials, items, combines, starts).
 STEP_PREFILL_ARGS, STEP_COMBINE_ARGS = (1, 5, 6, 7, 8, 12), (1, 2, 3, 4)
@@ -88,6 +90,15 @@ class MultiLaunch:
             self.prefill.set_float(PREFILL_SCALE_ARG if index == SCALE_ARG
                                    else PREFILL_OUT_SCALE_ARG, value)
 
+    def set_sinks(self, address: int) -> None:
+        """Every launch of the layer reads its sinks at ``address`` (0: none)."""
+        if self.decode is not None:
+            self.decode.set_ints((SINKS_ARG,), (address,))
+        if self.prefill is not None:
+            self.prefill.set_ints((PREFILL_SINKS_ARG,), (address,))
+        if self.combine is not None:
+            self.combine.set_ints((COMBINE_SINKS_ARG,), (address,))
+
 
 def plan_multi(planner: Any, staging: Staging, num_q_heads: int, lens: np.ndarray,
                query_lens: np.ndarray, width: int, addresses: list[int],
@@ -105,7 +116,8 @@ def plan_multi(planner: Any, staging: Staging, num_q_heads: int, lens: np.ndarra
     found_pf, plan = None, None
     if decodes < num_seqs:  # the multi-token part first: its pieces' records sized first
         found_pf, plan = prefill_launch(planner.backend, planner.device, act, c.head_dim,
-                                        c.dtype, rest_q, rest_lens, c.num_kv_heads, ratio)
+                                        c.dtype, rest_q, rest_lens, c.num_kv_heads, ratio,
+                                        bool(planner.softcap))
         staging.workspace.get(plan.partial_bytes(found_pf.shape.bm, c.head_dim), 0,
                               planner.slab, stream)
     decode = None
@@ -127,7 +139,8 @@ def plan_multi(planner: Any, staging: Staging, num_q_heads: int, lens: np.ndarra
     prefill, combine = prefill_launches(
         found_pf, plan, partials, tables_at + 4 * decodes * width, lens_at + 4 * decodes,
         starts_at, items_at, combines_at[0] if combines_at else 0, planner.default_scale,
-        num_q_heads, c.num_kv_heads, width, c.block_size, stream, staging.launches)
+        num_q_heads, c.num_kv_heads, width, c.block_size, stream, staging.launches,
+        planner.softcap)
     offset = decodes * num_q_heads * c.head_dim * act.itemsize
     return MultiLaunch(decode, prefill, combine, offset)
 
@@ -136,7 +149,8 @@ def prefill_launches(found: PrefillKernel, work: PrefillWork, partials: int, tab
                      lens_at: int, starts_at: int, items_at: int, combines_at: int,
                      scale: float, num_q_heads: int, num_kv_heads: int, width: int,
                      block_size: int, stream: Stream | None,
-                     launches: dict[Any, Any] | None = None) -> tuple[Launch, Launch | None]:
+                     launches: dict[Any, Any] | None = None, softcap: float = 0.0
+                     ) -> tuple[Launch, Launch | None]:
     """The multi-token launch of ``work`` and its combine (None without pieces), every
     argument packed but the per-layer pointers: the tables and lengths of its sequences
     (at ``tables_at``/``lens_at``, ``width`` blocks a row), their query starts, items and
@@ -144,7 +158,8 @@ def prefill_launches(found: PrefillKernel, work: PrefillWork, partials: int, tab
     (a staging slot's), launches prepared by an earlier step of that slot are reused, given
     this step's grids and every argument that may differ (``STEP_PREFILL_ARGS``,
     ``STEP_COMBINE_ARGS``, the scales): the bytes they pass are those a fresh ``prepare``
-    packs, at a tenth of its host time."""
+    packs, at a tenth of its host time. ``softcap``: the logit cap (0: none; the instance
+    ``found`` must be a capped one for a cap); the sinks start at none."""
     i32, f32 = np.int32, np.float32
     shape = found.shape
     key = (found.kernel, num_q_heads, num_kv_heads, block_size, stream)
@@ -153,7 +168,7 @@ def prefill_launches(found: PrefillKernel, work: PrefillWork, partials: int, tab
         prefill = found.kernel.prepare(
             len(work.items), found.threads, 0, partials, 0, 0, 0, tables_at, lens_at,
             starts_at, items_at, f32(scale), i32(num_q_heads), i32(num_kv_heads), i32(width),
-            i32(block_size.bit_length() - 1), f32(1.0), f32(0.0), 0,
+            i32(block_size.bit_length() - 1), f32(1.0), f32(softcap), 0,
             shared_bytes=shape.shared_bytes, stream=stream, patch=PREFILL_PATCH)
         if launches is not None:
             launches[("prefill", key)] = prefill
@@ -163,6 +178,8 @@ def prefill_launches(found: PrefillKernel, work: PrefillWork, partials: int, tab
                                              width))
         prefill.set_float(PREFILL_SCALE_ARG, scale)
         prefill.set_float(PREFILL_OUT_SCALE_ARG, 1.0)
+        prefill.set_float(PREFILL_SOFTCAP_ARG, softcap)
+        prefill.set_ints((PREFILL_SINKS_ARG,), (0,))
     if not len(work.combines):
         return prefill, None
     combine = None if launches is None else launches.get(("combine", key))
@@ -175,4 +192,5 @@ def prefill_launches(found: PrefillKernel, work: PrefillWork, partials: int, tab
     else:
         combine.set_grid(len(work.combines))
         combine.set_ints(STEP_COMBINE_ARGS, (partials, items_at, combines_at, starts_at))
+        combine.set_ints((COMBINE_SINKS_ARG,), (0,))
     return prefill, combine

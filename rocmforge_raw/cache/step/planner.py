@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 import operator
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable
 from typing import Any
 
 import numpy as np
@@ -26,24 +26,18 @@ import numpy as np
 from ...common import checks
 from ...kernels import ops
 from ...kernels.planning import (
-    ATTENTION_PATCH,
     OUT_SCALE_ARG,
     SCALE_ARG,
-    STEP_ARGS,
-    THREADS,
+    SINKS_ARG,
     WRITE_PATCH,
     WRITE_SCALE_ARGS,
     WRITE_THREADS,
     AttentionKernel,
-    AttentionPlan,
-    WorkSplit,
-    attention_kernel,
+    check_disjoint,
+    check_variants,
     default_scale,
     kernel_scales,
-    plan_work,
     split_rule,
-    split_workspace,
-    step_arguments,
     write_arguments,
     write_kernel,
 )
@@ -52,11 +46,12 @@ from ...memory.array import DeviceArray
 from ...memory.stream import Stream
 from ...runtime._launch import Launch
 from ..config import CacheConfig
+from .decode_plans import DecodePlans
 from .metadata import BatchMetadata
-from .multi import plan_multi
+from .multi import MultiLaunch, plan_multi
 
 
-class StepPlanner:
+class StepPlanner(DecodePlans):
     """Plans the steps of one cache and launches their kernels (see the module docstring)."""
 
     def __init__(self, config: CacheConfig, slab: DeviceArray) -> None:
@@ -79,6 +74,12 @@ class StepPlanner:
         self._attention_scales = [kernel_scales(c.dtype, 1.0, k, v) for k, v in c.kv_scales]
         self._extreme_scales = (min(c.kv_scales), max(c.kv_scales))  # by k_scale
         self._write_scales = [(1.0 / k, 1.0 / v) for k, v in c.kv_scales]
+        # the attention variants of the config: each layer's window (None: all tokens), the
+        # distinct windows (a step plans a split for each that bites), the logit cap (0: none)
+        self.windows = c.windows
+        self.window_values = sorted({w for w in c.windows if w is not None})
+        self.softcap = c.logit_softcap or 0.0
+        self.sinks_seen = False  # set by the first call with sinks: calls set them from then
         base = slab.ptr
         self._slab_span = (base, base + c.total_bytes)
         self._planes = [(base + 2 * layer * self.plane_bytes,
@@ -93,6 +94,8 @@ class StepPlanner:
         of many query tokens per sequence (``slots`` then one per token: ``multi``). Built
         whole, then made current: a plan that fails leaves the current one current."""
         n, num_q_heads = len(seq_ids), self.config.num_q_heads
+        if query_lens is not None and self.window_values and n:
+            self._check_multi_windows(lens)
         rows = n if query_lens is None else int(query_lens.sum())
         fields: dict[str, Any] = dict(
             seq_ids=seq_ids, block_tables=tables, seq_lens=lens, slot_mapping=slots,
@@ -128,9 +131,9 @@ class StepPlanner:
                                   _write=self._write_launch(staging, n, slots_at, stream))
                 if found is not None and query_lens is None:
                     assert num_q_heads is not None  # (found for it)
-                    fields["_attention"] = self._attention_launch(
-                        staging, found, num_q_heads, n, split, tables.shape[1], addresses,
-                        stream)
+                    fields.update(self._decode_launches(staging, found, num_q_heads, lens,
+                                                        split, tables.shape[1], addresses,
+                                                        stream))
         except BaseException:  # the upload may be queued: its slot waits for it all the same
             if staging is not None:
                 staging.fence.mark(stream)
@@ -210,11 +213,12 @@ class StepPlanner:
                                   k_scale=k_scale, v_scale=v_scale)
 
     def attention(self, meta: BatchMetadata, layer: int, out: DeviceArray, query: DeviceArray,
-                  scale: float | None) -> None:
+                  scale: float | None, sinks: DeviceArray | None = None) -> None:
         """Decode attention of ``layer`` for the plan's sequences into ``out`` (memory of
-        its own: neither the query's nor the cache's). Every argument is checked before the
-        plan changes: the first call of a plan without ``num_q_heads`` plans attention for
-        the query's heads only once its arguments are all good."""
+        its own: neither the query's nor the cache's), within the layer's window, with the
+        cache's logit cap and ``sinks`` (``ops.paged_attention``'s). Every argument is
+        checked before the plan changes: the first call of a plan without ``num_q_heads``
+        plans attention for the query's heads only once its arguments are all good."""
         q_shape = meta._q_shape
         if q_shape is None:
             self._check("query", query, None)
@@ -235,30 +239,43 @@ class StepPlanner:
         if out_ptr < query_ptr + q_bytes and query_ptr < out_ptr + q_bytes:
             raise ValueError("out overlaps query: the kernel would overwrite the queries it "
                              "reads; give out memory of its own")
+        if sinks is not None:
+            check_variants(query, None, sinks)
+            check_disjoint(out, "out", sinks=sinks)
         if meta._q_shape is None:  # every argument is good: plan now
             self._plan_attention(meta, q_shape[1])
+        launch = meta._attention
+        window = self.windows[layer]
+        if window is not None and meta._windowed is not None:
+            launch = meta._windowed.get(window, launch)  # (absent: no sequence outgrows it)
         if wanted != meta._scale:
-            if meta._attention is not None and not self.fp8:
-                meta._attention.set_float(SCALE_ARG, wanted)  # (fp8: set per layer below)
+            if not self.fp8:  # (fp8: set per layer below)
+                for each in (meta._attention, *(meta._windowed or {}).values()):
+                    if each is not None:
+                        each.set_float(SCALE_ARG, wanted)
             meta._set(_scale=wanted)
-        if meta._attention is not None:
+        if launch is not None:
             if self.fp8:  # this layer's scales, folded with the softmax scale
                 k_part, out_scale = self._attention_scales[layer]
-                meta._attention.set_float(SCALE_ARG, meta._scale * k_part)
-                meta._attention.set_float(OUT_SCALE_ARG, out_scale)
-            meta._attention(out_ptr, query_ptr, k_ptr, v_ptr)
+                launch.set_float(SCALE_ARG, meta._scale * k_part)
+                launch.set_float(OUT_SCALE_ARG, out_scale)
+            if sinks is not None or self.sinks_seen:
+                self.sinks_seen = True
+                address = 0 if sinks is None else sinks.ptr
+                if isinstance(launch, MultiLaunch):
+                    launch.set_sinks(address)
+                else:
+                    launch.set_ints((SINKS_ARG,), (address,))
+            launch(out_ptr, query_ptr, k_ptr, v_ptr)
         elif self.on_host:
             k, v = self._host_planes(layer)
             k_scale, v_scale = self.config.kv_scales[layer]
             ops.paged_attention(out, query, k, v, meta.block_tables, meta.seq_lens,
                                 meta._scale, check=False, k_scale=k_scale, v_scale=v_scale,
-                                query_lens=meta.query_lens)
+                                query_lens=meta.query_lens, logit_softcap=self.softcap or None,
+                                sinks=sinks, window=None if meta.query_lens is not None
+                                else window)
 
-    def _check_heads(self, num_q_heads: int) -> None:
-        """``num_q_heads`` serves the cache's kv heads (a positive multiple of them)."""
-        if num_q_heads < 1 or num_q_heads % self.config.num_kv_heads:
-            raise ValueError(f"num_q_heads {num_q_heads} is not a multiple of num_kv_heads "
-                             f"{self.config.num_kv_heads}")
 
     def _check_folded(self, scale: float) -> None:
         """The softmax ``scale`` folded with every layer's K scale fits float32."""
@@ -272,89 +289,6 @@ class StepPlanner:
             raise ValueError(f"{name} overlaps the cache's slab (bytes {ptr:#x}..{ptr + nbytes:#x}"
                              f" in {start:#x}..{end:#x}): the kernel would write over, or read "
                              f"while writing, cached K/V; give {name} memory of its own")
-
-    def _kernel(self, num_q_heads: int) -> AttentionKernel | None:
-        """The attention kernel for ``num_q_heads`` (checked), looked up once per count;
-        None on the host, which runs no kernel."""
-        found = self._kernels.get(num_q_heads)
-        if found is None:
-            self._check_heads(num_q_heads)
-            if self.on_host:
-                return None
-            c = self.config
-            found = self._kernels[num_q_heads] = attention_kernel(
-                self.backend, self.device, self.act, c.head_dim, num_q_heads // c.num_kv_heads,
-                c.dtype)
-        return found
-
-    def _query_fields(self, n: int, num_q_heads: int) -> dict[str, Any]:
-        """A plan's query fields: its shape and bytes, at the default scale."""
-        return dict(_q_shape=(n, num_q_heads, self.config.head_dim), _scale=self.default_scale,
-                    _q_bytes=n * num_q_heads * self.config.head_dim * self.act.itemsize)
-
-    def _plan_attention(self, meta: BatchMetadata, num_q_heads: int) -> None:
-        """Attention for ``num_q_heads`` planned into ``meta`` by its first attention call
-        (a cache without ``num_q_heads``): the work split planned and appended to the
-        slot's upload, the launch prepared. ``meta`` changes only once all of it is done."""
-        found = self._kernel(num_q_heads)
-        n = meta._kv_shape[0]
-        fields = self._query_fields(n, num_q_heads)
-        if found is not None and n and meta.query_lens is not None:
-            assert meta._staging is not None  # planned on the device
-            tables_at, lens_at, slots_at = meta._addresses
-            fields["_attention"] = plan_multi(
-                self, meta._staging, num_q_heads, meta.seq_lens, meta.query_lens,
-                meta.block_tables.shape[1], [slots_at, lens_at, tables_at], meta.stream)
-        elif found is not None and n:
-            staging = meta._staging
-            assert staging is not None  # planned on the device
-            work = plan_work(self.config.num_kv_heads * found.groups, found.slots, n,
-                             meta.seq_lens, sms=found.sms, rule=found.rule)
-            tables_at, lens_at, slots_at = meta._addresses
-            addresses = [slots_at, lens_at, tables_at,
-                         *staging.put(work.arrays, meta.stream, append=True)]
-            fields["_attention"] = self._attention_launch(
-                staging, found, num_q_heads, n,
-                (work.num_ctas, work.per_cta, work.total, work.whole, work.lean),
-                meta.block_tables.shape[1], addresses, meta.stream)
-        meta._set(**fields)
-
-    def _attention_launch(self, staging: Staging, found: AttentionKernel, num_q_heads: int,
-                          n: int, split: tuple[int, int, int, bool, bool], width: int,
-                          addresses: Sequence[int], stream: Stream | None) -> Launch:
-        """The attention launch of a step of ``n`` sequences whose work split is ``split``
-        (num_ctas, per_cta, total, whole, lean of a ``WorkSplit`` of real lengths) and whose
-        slots, lengths, tables, cum16 and first_seq are at ``addresses``: prepared once per
-        staging slot, shape, stream and occupancy, then given each step's grid, addresses,
-        table width and work split (``STEP_ARGS``) and the default scale."""
-        c = self.config
-        num_ctas, per_cta, total, whole, lean = split
-        part_bytes, counters = split_workspace(num_ctas, found.group, c.head_dim,
-                                               n * c.num_kv_heads * found.groups, whole)
-        part_buf, count_buf = staging.workspace.ready(part_bytes, counters) or (
-            staging.workspace.get(part_bytes, counters, self.slab, stream))
-        _, lens_at, tables_at, cum16_at, first_seq_at = addresses
-        key = (num_q_heads, n, stream, lean)
-        launch = staging.launches.get(key)
-        if launch is None:
-            if len(staging.launches) > 64:  # shapes and streams come and go
-                staging.launches.clear()
-            work = WorkSplit(num_ctas, per_cta, total, c.num_kv_heads * found.groups, 0,
-                             whole=whole, lean=lean)
-            plan = AttentionPlan(found.kernel, found.group, work, found.shared_for(work), n,
-                                 num_q_heads, c.num_kv_heads, c.head_dim, c.block_size, width)
-            launch = staging.launches[key] = plan.kernel.prepare(
-                plan.grid, THREADS, *plan.arguments(0, 0, 0, 0, tables_at, lens_at,
-                                                    self.default_scale, part_buf.ptr,
-                                                    count_buf.ptr),
-                shared_bytes=plan.shared_bytes, stream=stream, patch=ATTENTION_PATCH)
-        assert isinstance(launch, Launch)
-        launch.set_grid(num_ctas)  # (a prepared launch's STEP_ARGS are this step's below)
-        launch.set_ints(STEP_ARGS, step_arguments((0, per_cta, total), part_buf.ptr,
-                                                  count_buf.ptr, tables_at, lens_at, cum16_at,
-                                                  first_seq_at, width))
-        launch.set_float(SCALE_ARG, self.default_scale)  # an earlier step changed it?
-        return launch
 
     def _check(self, name: str, array: Any, shape: tuple[int, ...] | None) -> None:
         """``array`` is a DeviceArray of the cache's dtype, backend and device and of

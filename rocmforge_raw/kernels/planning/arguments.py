@@ -128,6 +128,20 @@ MIN_SOFTCAP = float(np.finfo(np.float32).tiny)
 MAX_SOFTCAP = float(np.float32(np.finfo(np.float32).max / np.float32(math.log2(math.e)) * 0.99))
 
 
+def check_softcap(value: Any, name: str) -> float:
+    """A logit cap (``name``) as a float in ``MIN_SOFTCAP .. MAX_SOFTCAP``."""
+    cap = checks.real(value, name)
+    if not MIN_SOFTCAP <= cap <= MAX_SOFTCAP:
+        raise ValueError(f"{name} must lie in [{MIN_SOFTCAP:.8g}, {MAX_SOFTCAP:.8g}] (> 0: a "
+                         f"normal float32, and times log2(e) too), got {checks.show(value)}")
+    return cap
+
+
+def check_window(value: Any, name: str) -> int:
+    """A sliding window (``name``): an int of tokens in ``1 .. MAX_TOKENS``."""
+    return checks.integer(value, name, 1, MAX_TOKENS)
+
+
 def check_variants(query: DeviceArray, logit_softcap: Any, sinks: Any, window: Any = None
                    ) -> tuple[float, DeviceArray | None, int]:
     """A call's attention variants, checked against ``query``: ``logit_softcap`` (None, or
@@ -138,14 +152,8 @@ def check_variants(query: DeviceArray, logit_softcap: Any, sinks: Any, window: A
     backend's arithmetic gives) and ``window`` (None, or tokens >= 1: each query sees its
     last ``window`` positions, itself included, Mistral) as the kernels' int (0: all)."""
     if window is not None:
-        window = checks.integer(window, "window", 1, MAX_TOKENS)
-    cap = 0.0
-    if logit_softcap is not None:
-        cap = checks.real(logit_softcap, "logit_softcap")
-        if not MIN_SOFTCAP <= cap <= MAX_SOFTCAP:
-            raise ValueError(f"logit_softcap must lie in [{MIN_SOFTCAP:.8g}, {MAX_SOFTCAP:.8g}] "
-                             "(> 0: a normal float32, and times log2(e) too), got "
-                             f"{checks.show(logit_softcap)}")
+        window = check_window(window, "window")
+    cap = 0.0 if logit_softcap is None else check_softcap(logit_softcap, "logit_softcap")
     if sinks is not None:
         expect(sinks, "sinks", 1, np.float32)
         if sinks.shape != (query.shape[1],):

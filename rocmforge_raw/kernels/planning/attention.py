@@ -257,6 +257,14 @@ def attention_kernel(backend: Backend, device: int, dtype: np.dtype, head_dim: i
                            ctas * multiprocessors, multiprocessors, rule, lean)
 
 
+def window_work(lens: np.ndarray, window: int) -> np.ndarray:
+    """Each sequence's work under a ``window`` (tokens): its last ``window`` tokens counted
+    from a multiple of 16 below them (the kernel's tiles start on 16 tokens), so
+    ``len - ((len - window) & ~15)``, at most ``window + 15``; all of a shorter one."""
+    worked: np.ndarray = np.where(lens > window, lens - ((lens - window) & ~15), lens)
+    return worked
+
+
 def plan_attention(backend: Backend, device: int, dtype: np.dtype, num_seqs: int,
                    num_q_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
                    max_blocks: int, lens: np.ndarray | None = None,
@@ -270,10 +278,10 @@ def plan_attention(backend: Backend, device: int, dtype: np.dtype, num_seqs: int
     found = attention_kernel(backend, device, dtype, head_dim, num_q_heads // num_kv_heads,
                              cache_dtype, capped)
     most = max_blocks * block_size
-    if window:  # each sequence's work: its last `window` tokens, from a multiple of 16
+    if window:
         most = min(most, window + 15)
         if lens is not None:
-            lens = np.where(lens > window, lens - ((lens - window) & ~15), lens)
+            lens = window_work(lens, window)
     work = plan_work(num_kv_heads * found.groups, found.slots, num_seqs, lens, most,
                      num_partitions, found.sms, found.rule)
     return AttentionPlan(found.kernel, found.group, work, found.shared_for(work), num_seqs,
