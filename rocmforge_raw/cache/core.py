@@ -78,6 +78,7 @@ class CacheCore:
     _fixed_now: float | None = None
     num_preemptions: int
     num_cow_copies: int
+    num_window_dropped: int = 0  # table entries given up as they left every window
     peak_used_blocks: int
     num_prefix_hits: int
     num_prefix_misses: int
@@ -288,6 +289,22 @@ class CacheCore:
         rows.created[row] = now
         rows.touch(np.array([row]), now)
         self._changed()
+
+    def _leave_windows(self, rows: np.ndarray, query_lens: np.ndarray | None, window: int
+                       ) -> None:
+        """Free the blocks of ``rows`` that lie wholly before what this step's first query
+        of each sees through the widest ``window`` (every layer has one): they are never
+        read again, as lengths only grow. The null block takes their table entries; blocks
+        shared with others (forks, prefixes) lose a holder; freed prefix blocks stay
+        cached, as a finished sequence's."""
+        rows_of = self._rows
+        asked = 1 if query_lens is None else query_lens
+        given = rows_of.drop_before(rows, rows_of.lens[rows] - asked - window + 1,
+                                    self.config.block_size)
+        if given.size:
+            self.pool.free(given)
+            self.num_window_dropped += int(given.size)
+            self._changed()
 
     def _release(self, seq_id: Hashable) -> int:
         self._chains.stop(self._rows.index[seq_id])

@@ -286,10 +286,11 @@ class KvCache(SequenceTransfer, ChunkOps, StepLaunches):
             self._fork_swapped(parent_id, child_id, now)
             return
         assert parent is not None  # a sequence on the device
-        count = int(rows.nblocks[parent])
-        self.pool.share(rows.tables[parent, :count])
+        count, dropped = int(rows.nblocks[parent]), int(rows.dropped[parent])
+        self.pool.share(rows.tables[parent, dropped:count])
         row = rows.add(child_id, count)
         rows.tables[row, :count] = rows.tables[parent, :count]
+        rows.dropped[row] = dropped
         rows.lens[row], rows.nblocks[row] = rows.lens[parent], count
         rows.last_block[row] = rows.last_block[parent]
         rows.last_slot[row] = -1
@@ -328,7 +329,9 @@ class KvCache(SequenceTransfer, ChunkOps, StepLaunches):
     def stats(self) -> dict[str, Any]:
         """Blocks free/used, usage, fragmentation (reserved but unwritten slots over slots in
         use), bytes per token, sequences, preemptions, copy-on-write copies, peak usage, and
-        the prefix cache: full prompt blocks found (hits) and not found (misses), the hit
+        the table entries given up as they left every layer's window
+        (``window_dropped_blocks``, ``KvCache.batch``), the prefix cache: full prompt blocks
+        found (hits) and not found (misses), the hit
         rate over them (0.0 before any lookup), and how many free blocks still hold a
         prefix (``cached_free_blocks``, counted in ``free_blocks``). The host tier
         (``host_*`` zeros without one): its blocks held by swapped-out sequences, cached
@@ -347,6 +350,7 @@ class KvCache(SequenceTransfer, ChunkOps, StepLaunches):
             "bytes_per_token": self.config.bytes_per_token,
             "active_sequences": len(self._rows.index), "tokens": tokens,
             "preemptions": self.num_preemptions, "cow_copies": self.num_cow_copies,
+            "window_dropped_blocks": self.num_window_dropped,
             "finished_records": len(self._finished),
             "prefix_hits": self.num_prefix_hits, "prefix_misses": self.num_prefix_misses,
             "prefix_hit_rate": self.num_prefix_hits / lookups if lookups else 0.0,

@@ -23,7 +23,7 @@ from .block_pool import NULL_BLOCK, BlockPool
 
 _NO_BLOCKS = np.zeros(0, np.int32)
 _ARRAYS = ("tables", "lens", "nblocks", "last_slot", "last_block", "created", "accessed",
-           "recency")
+           "recency", "dropped")
 
 
 class SequenceRows(RowArrays):
@@ -38,6 +38,9 @@ class SequenceRows(RowArrays):
         self.created = np.zeros(rows)
         self.accessed = np.zeros(rows)
         self.recency = np.zeros(rows, np.int64)
+        # blocks at the table's start given up as they left every layer's window
+        # (``drop_before``): the null block stands in their entries
+        self.dropped = np.zeros(rows, np.int64)
         self.tick = 0
         self.free = list(range(rows - 1, -1, -1))
         self.index: dict[Hashable, int] = {}
@@ -100,12 +103,29 @@ class SequenceRows(RowArrays):
         """Drop ``seq_id``'s row; returns the blocks it held (a copy), in order."""
         row = self.index.pop(seq_id)
         self.version += 1
-        blocks: np.ndarray = self.tables[row, : self.nblocks[row]].copy()
+        blocks: np.ndarray = self.tables[row, self.dropped[row] : self.nblocks[row]].copy()
         self.tables[row] = NULL_BLOCK
-        self.lens[row] = self.nblocks[row] = self.last_block[row] = 0
+        self.lens[row] = self.nblocks[row] = self.last_block[row] = self.dropped[row] = 0
         self.last_slot[row] = -1
         self.free.append(row)
         return blocks
+
+    def drop_before(self, rows: np.ndarray, first: np.ndarray, block_size: int
+                    ) -> np.ndarray:
+        """Give up the blocks of ``rows`` that lie wholly before token ``first`` of each
+        (the first any layer's window still sees): their entries become the null block.
+        Returns the blocks given up (for the pool to free), in row order."""
+        cut = np.maximum(first, 0) // block_size
+        moved = np.flatnonzero(cut > self.dropped[rows])
+        if not moved.size:
+            return _NO_BLOCKS
+        given = []
+        for row, end in zip(rows[moved].tolist(), cut[moved].tolist()):
+            start = int(self.dropped[row])
+            given.append(self.tables[row, start:end].copy())
+            self.tables[row, start:end] = NULL_BLOCK
+            self.dropped[row] = end
+        return np.concatenate(given)
 
     def widen(self, blocks: int) -> None:
         """Make every block table at least ``blocks`` wide (doubling)."""
@@ -156,7 +176,7 @@ class SequenceRows(RowArrays):
     def _held(self, seq_id: Hashable) -> np.ndarray:
         """The blocks ``seq_id`` holds (distinct ids)."""
         row = self.index[seq_id]
-        return self.tables[row, : self.nblocks[row]]
+        return self.tables[row, self.dropped[row] : self.nblocks[row]]
 
     def snapshot(self) -> dict[str, Any]:
         """Everything ``restore`` needs to put the rows back exactly as they are now."""
@@ -183,9 +203,12 @@ class SequenceRows(RowArrays):
         return slots
 
     def tokens_and_slots(self, block_size: int) -> tuple[int, int]:
-        """(tokens held, token slots their blocks provide), over every sequence."""
+        """(tokens held, token slots their blocks provide), over every sequence: tokens
+        whose blocks were dropped (``drop_before``) are held no more."""
         rows = np.fromiter(self.index.values(), np.int64, len(self.index))
-        return int(self.lens[rows].sum()), int(self.nblocks[rows].sum()) * block_size
+        kept = self.nblocks[rows] - self.dropped[rows]
+        return int((self.lens[rows] - self.dropped[rows] * block_size).sum()), int(
+            kept.sum()) * block_size
 
     def append_need(self, rows: np.ndarray, ref_cnt: np.ndarray, block_size: int
                     ) -> tuple[int, np.ndarray, int]:
@@ -226,7 +249,7 @@ class SequenceRows(RowArrays):
         prefix index consistent (``BlockPool.check``)."""
         pool.check()
         rows = np.fromiter(self.index.values(), np.int64, len(self.index))
-        held = np.concatenate([self.tables[r, : self.nblocks[r]] for r in rows]
+        held = np.concatenate([self.tables[r, self.dropped[r] : self.nblocks[r]] for r in rows]
                               or [np.zeros(0, np.int32)])
         counts = np.bincount(held, minlength=pool.num_blocks)
         counts[NULL_BLOCK] = 1
@@ -236,6 +259,10 @@ class SequenceRows(RowArrays):
             "block count does not match length")
         for r in rows:
             assert (self.tables[r, self.nblocks[r] :] == NULL_BLOCK).all(), "stale table"
+            assert self.dropped[r] < self.nblocks[r], "the last block dropped"
+            assert (self.tables[r, : self.dropped[r]] == NULL_BLOCK).all(), "a dropped block"
+            assert (self.tables[r, self.dropped[r] : self.nblocks[r]] != NULL_BLOCK).all(), (
+                "the null block in a table")
             assert self.last_block[r] == self.tables[r, self.nblocks[r] - 1], "last block"
             assert not self.lens[r] % block_size or int(self.last_block[r]) not in pool.hashes, (
                 "a partial block has a prefix hash")

@@ -135,7 +135,7 @@ class DecodePlans:
                 for window, work in windowed}
         return fields
 
-    def _check_multi_windows(self, lens: np.ndarray) -> None:
+    def check_multi_windows(self, lens: np.ndarray) -> None:
         """A step of many query tokens per sequence runs only where no window bites (the
         multi-token kernel has none yet): every sequence within the narrowest window."""
         narrowest, longest = self.window_values[0], int(lens.max())

@@ -47,7 +47,13 @@ class StepLaunches(TierOps):
         hit's tail, drafted tokens: reserved by ``add_sequence`` or ``extend``): ``write``
         takes their K/V (``[sum(query_lens), num_kv_heads, head_dim]``) and ``attention``
         runs each row over the tokens up to it (``ops.paged_attention``). List decodes
-        first: they run in the decode kernel. All ones is the plain decode plan."""
+        first: they run in the decode kernel. All ones is the plain decode plan.
+
+        In a cache whose every layer has a window (``CacheConfig.windows``), the blocks of
+        ``seq_ids`` that left the widest window before this step's first query are freed
+        here (``stats()['window_dropped_blocks']``); a step of many query tokens over a
+        sequence longer than a window is refused (``NotImplementedError``: the multi-token
+        kernel has no window yet) before anything changes."""
         ids = checks.id_list(seq_ids, "seq_ids")
         stream = self._stream(stream)
         rows_of = self._rows
@@ -55,10 +61,14 @@ class StepLaunches(TierOps):
         if not rows_of.distinct():
             raise ValueError(f"batch lists sequence {repeated(ids)!r} twice")
         q_lens = None if query_lens is None else self._query_lens(query_lens, rows)
+        c = self.config
+        if q_lens is not None and self._steps.window_values and (q_lens != 1).any():
+            self._steps.check_multi_windows(self._rows.lens[rows])
         if self._order is not None:
             self._order.used(stream)
         now = self._now()
-        c = self.config
+        if c.widest_window is not None:
+            self._leave_windows(rows, q_lens, c.widest_window)
         tables, lens, slots = rows_of.gather(rows, c.num_blocks, c.block_size)
         if q_lens is not None and (q_lens != 1).any():
             slots = query_slots(tables, lens, q_lens, self.pool.ref_cnt, c.block_size)

@@ -94,8 +94,6 @@ class StepPlanner(DecodePlans):
         of many query tokens per sequence (``slots`` then one per token: ``multi``). Built
         whole, then made current: a plan that fails leaves the current one current."""
         n, num_q_heads = len(seq_ids), self.config.num_q_heads
-        if query_lens is not None and self.window_values and n:
-            self._check_multi_windows(lens)
         rows = n if query_lens is None else int(query_lens.sum())
         fields: dict[str, Any] = dict(
             seq_ids=seq_ids, block_tables=tables, seq_lens=lens, slot_mapping=slots,

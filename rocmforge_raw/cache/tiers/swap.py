@@ -69,8 +69,9 @@ class TierOps(PrefixTiers):
 
     @operation
     def block_ids(self, seq_id: Hashable) -> np.ndarray:
-        """The device blocks of ``seq_id`` in order (a copy); a swapped-out sequence has
-        none (``ValueError``)."""
+        """The device blocks of ``seq_id`` in order (a copy; the null block 0 where a
+        block left every layer's window); a swapped-out sequence has none
+        (``ValueError``)."""
         rows, row = self._rows, self._resident_rows([seq_id])[0]
         blocks: np.ndarray = rows.tables[row, : rows.nblocks[row]].copy()
         return blocks
@@ -212,6 +213,12 @@ class TierOps(PrefixTiers):
         room, tables = host.room, {}
         for victim in victims:
             row = rows.index[victim]
+            if rows.dropped[row]:  # blocks that left its windows: not swapped, for now
+                if not partial:
+                    raise NotImplementedError(
+                        f"swap_out of sequence {victim!r}, whose first {int(rows.dropped[row])}"
+                        " blocks left every window (freed): only whole sequences swap for now")
+                continue  # (a preemption releases it: it is recomputed)
             table = rows.tables[row, : rows.nblocks[row]].tolist()
             named = [pool.hashes.get(b) for b in table]
             found = {host.index[h] for h in named if h is not None and h in host.index}

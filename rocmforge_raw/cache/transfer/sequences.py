@@ -135,6 +135,10 @@ class SequenceTransfer(TierOps):
 def _export(cache: TierOps, seq_id: Hashable) -> SequenceDescription:
     """The description of ``seq_id`` (lock held); see the module docstring."""
     rows, row = cache._rows, cache._rows.row(seq_id)
+    if rows.dropped[row]:
+        raise NotImplementedError(
+            f"export of sequence {seq_id!r}, whose first {int(rows.dropped[row])} blocks left "
+            "every window (freed): only whole sequences move for now")
     ids = rows.tables[row, : rows.nblocks[row]].tolist()
     hashes = []
     for block in ids:
