@@ -15,8 +15,10 @@
 // callback with the row's slot among the ROWS rows a lane holds, the row, and 1, 2 or 4
 // consecutive dims).
 //
-// Masking: element (row r, position p) counts iff p <= lim[r], lim[r] the row's last visible
-// position (causal, and the piece's end), -1 for rows past the sequence's queries.
+// Masking: element (row r, position p) counts iff lim[r] - span < p <= lim[r], lim[r] the
+// row's last visible position (causal, and the piece's end), -1 for rows past the sequence's
+// queries; span (a member, set once) the window, or 2^31 for none: one unsigned compare,
+// rf_pf_sees.
 #pragma once
 #include "compat.h"
 #include "pf_tile.h"
@@ -42,6 +44,8 @@ RF_DEVICE float rf_pf_safe(float m) { return m == -RF_INF ? 0.f : m; }
 // NVIDIA mma path's lazy rescale): weights up to 2^8, which 16-bit P and float32 sums hold.
 #define RF_PF_SLACK 8.f
 RF_DEVICE float rf_pf_weight(float s, float m) { return s == -RF_INF ? 0.f : rf_exp2(s - m); }
+// Whether a row whose last visible position is `lim` sees position `p` within `span`.
+RF_DEVICE bool rf_pf_sees(int lim, int p, unsigned span) { return (unsigned)(lim - p) < span; }
 
 #if defined(RF_HAVE_MMA)
 // ---- NVIDIA tensor cores --------------------------------------------------------------------
@@ -64,6 +68,7 @@ struct rf_pf_mma {
   unsigned qa[Q_REGS ? KSTEPS : 1][4];
   float acc[MT][DT][4], m_run[MT][2], l_part[MT][2];
   int lim[MT][2];
+  unsigned span;  // the window (tokens), 2^31 for none
   unsigned q_plane;  // shared-window address of the Q rows
 
   RF_DEVICE void load_q(const char* q, const int* lim_s) {
@@ -141,7 +146,7 @@ struct rf_pf_mma {
 #pragma unroll
           for (int e = 0; e < 4; ++e) {
             const int p = t0 + w.tok0 + 8 * j + 2 * (lane % 4) + e % 2;
-            s[mt][j][e] = p <= lim[mt][e / 2] ? s[mt][j][e] : -RF_INF;
+            s[mt][j][e] = rf_pf_sees(lim[mt][e / 2], p, span) ? s[mt][j][e] : -RF_INF;
           }
     }
     // The running max moves only when a row's tile max passes it by more than RF_PF_SLACK
@@ -287,6 +292,7 @@ struct rf_pf_matrix {
   rf_u64 qf[WMMA ? 1 : KSTEPS];  // MFMA: the lane's Q^T fragment per k-step
   float acc[DT][R], m_run, l_part;
   int lim;
+  unsigned span;  // the window (tokens), 2^31 for none
   const char* q_plane;
 
   RF_DEVICE int row() const { return w.lane % 16; }
@@ -358,7 +364,7 @@ struct rf_pf_matrix {
 #pragma unroll
       for (int i = 0; i < R; ++i) {
         const int p = t0 + base + token(i);
-        s[i] = !masked || p <= lim ? s[i] * qscale : -RF_INF;
+        s[i] = !masked || rf_pf_sees(lim, p, span) ? s[i] * qscale : -RF_INF;
         if (CAP && CAPS && cap > 0.f && s[i] != -RF_INF) s[i] = rf_softcap(s[i], cap);
         mx = rf_fmax(mx, s[i]);
       }
@@ -454,6 +460,7 @@ struct rf_pf_core {
   rf_pf_warp w;
   float acc[DPL], m_run, l_part;
   int lim;
+  unsigned span;  // the window (tokens), 2^31 for none
   const char* q_plane;
 
   RF_DEVICE int row() const { return w.lane % 16; }
@@ -485,7 +492,7 @@ struct rf_pf_core {
         dot += qv.x * k.x + qv.y * k.y + qv.z * k.z + qv.w * k.w;
       }
       const int p = t0 + tok;
-      s[i] = !masked || p <= lim ? dot * qscale : -RF_INF;
+      s[i] = !masked || rf_pf_sees(lim, p, span) ? dot * qscale : -RF_INF;
       if (CAP && cap > 0.f && s[i] != -RF_INF) s[i] = rf_softcap(s[i], cap);  // (uniform)
     }
     float mx = -RF_INF;

@@ -4,7 +4,8 @@
 //
 // Layout: q/out [total_q, num_q_heads, head_dim]; sequence s owns query rows q_starts[s] ..
 // q_starts[s + 1] - 1 (its q_len newest tokens, in order) and has seq_lens[s] tokens in the
-// cache (the new ones written already); query i of s sees positions 0 .. kv_len - q_len + i.
+// cache (the new ones written already); query i of s sees positions 0 .. kv_len - q_len + i,
+// or with a sliding window of W > 0 tokens its last W of them (kv_len - q_len + i - W + 1 ..).
 // The cache, tables and GQA mapping are the decode kernel's (paged_attention.cu).
 //
 // Work. The query rows of one sequence and kv head are packed head-minor: packed row r is
@@ -13,7 +14,9 @@
 // host: s, row0, x | k << 16, n) is packed rows [row0, row0 + BM) of sequence s and kv head
 // x, over piece k of n of their KV range: the range ends where the tile's last row stops
 // seeing (positions past it are never read: tiles wholly above the causal diagonal are
-// skipped), and is cut into n runs of whole KV tiles. One CTA an item, the host ordering the
+// skipped; with a window it starts at the tile holding the first position the tile's first
+// row sees, and positions before that are zero-filled, never read: their blocks may have been
+// freed), and is cut into n runs of whole KV tiles. One CTA an item, the host ordering the
 // items longest first. A piece of a split item (n > 1) leaves its rows' unnormalised
 // output, max and sum in record (item * BM + row) of `partials` (D + 4 floats: output, max,
 // sum, two unused), and rf_prefill_combine merges the pieces (pieces come first in `items`,
@@ -38,10 +41,11 @@ struct rf_pf_item {
   int q_begin, q_len, kv_len, rows;  // rows: q_len * ratio packed rows of (s, x)
   int offset;                        // position of query token 0: kv_len - q_len
   int lo, end;                       // the piece's positions [lo, end), whole tiles from lo
+  int window, from;                  // the window (0: none); the first position row 0 sees
 
   template <int BM, int BN>
   RF_DEVICE void read(const int* items, int item, const int* q_starts, const int* seq_lens,
-                      int ratio) {
+                      int ratio, int window_) {
     const int* e = items + 4 * (rf_i64)item;
     s = e[0];
     row0 = e[1];
@@ -55,17 +59,30 @@ struct rf_pf_item {
     offset = kv_len - q_len;
     const int last = (row0 + BM < rows ? row0 + BM : rows) - 1;
     const int hi = offset + last / ratio + 1;  // the last row's positions end here
-    const int tiles = (hi + BN - 1) / BN, per = (tiles + n - 1) / n;
-    const int lo_tile = k * per < tiles ? k * per : tiles;
+    window = window_;
+    from = window > 0 ? offset + row0 / ratio - window + 1 : 0;
+    if (from < 0) from = 0;
+    const int first_tile = from / BN;
+    const int tiles = (hi + BN - 1) / BN - first_tile, per = (tiles + n - 1) / n;
+    const int lo_tile = first_tile + (k * per < tiles ? k * per : tiles);
     lo = lo_tile * BN;
     end = (lo_tile + per) * BN < hi ? (lo_tile + per) * BN : hi;
     if (end < lo) end = lo;
   }
-  // Row r's last visible position in the piece (-1 past the sequence's rows).
+  // Row r's last visible position in the piece (-1 past the sequence's rows); with a window,
+  // its last position itself (the math counts positions lim - W < p <= lim: the piece's
+  // tiles end at its end or past every row's position, so the end needs no clip there).
   RF_DEVICE int limit(int r, int ratio) const {
     if (row0 + r >= rows) return -1;
     const int causal = offset + (row0 + r) / ratio;
-    return causal < end - 1 ? causal : end - 1;
+    return causal < end - 1 || window > 0 ? causal : end - 1;
+  }
+  // The first position every row of the tile sees (INT_MIN without a window): a KV tile
+  // that starts there or later needs no mask below.
+  template <int BM>
+  RF_DEVICE int seen_by_all(int ratio) const {
+    const int last = (row0 + BM < rows ? row0 + BM : rows) - 1;
+    return window > 0 ? offset + last / ratio - window + 1 : -0x7fffffff - 1;
   }
   // Row r's element offset in q and out.
   RF_DEVICE rf_i64 at(int r, int ratio, int num_q_heads, int D) const {
@@ -83,7 +100,7 @@ RF_DEVICE void prefill(typename E::storage* __restrict__ out, float* __restrict_
                        const int* __restrict__ q_starts, const int* __restrict__ items,
                        float scale, int num_q_heads, int num_kv_heads, int max_blocks,
                        int block_shift, float out_scale, float softcap,
-                       const float* __restrict__ sinks) {
+                       const float* __restrict__ sinks, int window) {
   typedef rf_pf_shape<E, C, D, WM> Shape;
   typedef typename rf_pf_math<E, D, Shape>::type Math;
   typedef typename Shape::QRows QRows;
@@ -115,7 +132,7 @@ RF_DEVICE void prefill(typename E::storage* __restrict__ out, float* __restrict_
   if (items[4 * (rf_i64)item + 3] == 0) return;  // padding (a graph's fixed grid)
   const int block_size = 1 << block_shift;
   rf_pf_item it{};
-  it.template read<BM, BN>(items, item, q_starts, seq_lens, ratio);
+  it.template read<BM, BN>(items, item, q_starts, seq_lens, ratio, window);
   const int* table = block_tables + (rf_i64)it.s * max_blocks;
 
   // the queries (zero rows past the sequence's), each row's limit
@@ -150,8 +167,8 @@ RF_DEVICE void prefill(typename E::storage* __restrict__ out, float* __restrict_
 #pragma unroll
     for (int i = 0; i < PASSES; ++i) {
       const int row = copy_r + PASS_ROWS * i, p = t * BN + row;
-      const bool here = p < it.end;
-      const int at = here ? p : it.lo;  // (past the end: a position the table holds)
+      const bool here = p < it.end && p >= it.from;
+      const int at = here ? p : it.end - 1;  // (else: a position the table holds)
       // the row's index among the cache's rows: unsigned, as a cache of 2^32 rows of 64 or
       // more bytes (256 GiB) fits no GPU
       const unsigned cache_row =
@@ -170,7 +187,7 @@ RF_DEVICE void prefill(typename E::storage* __restrict__ out, float* __restrict_
 #pragma unroll 1  // synchronous copies: unrolled, their registers sat beside the accumulators
     for (int i = tid; i < BN * CC; i += RF_PF_THREADS) {
       const int row = i / CC, j = i % CC, p = t * BN + row;
-      if (p < it.end) {
+      if (p < it.end && p >= it.from) {
         const rf_i64 cache_row =
             ((rf_i64)table[p >> block_shift] * num_kv_heads + it.x) * block_size +
             (p & (block_size - 1));
@@ -219,10 +236,12 @@ RF_DEVICE void prefill(typename E::storage* __restrict__ out, float* __restrict_
                       WM == 4 ? 0 : Shape::NTOK_W * warp};
   if constexpr (sizeof(typename Math::Shared) > 1) math.sh = &math_s;
   math.reset();
+  math.span = window > 0 ? (unsigned)window : 0x80000000u;  // positions lim - span < p <= lim
   const float qscale = scale * RF_PF_LOG2E;
   const float cap = CAP ? softcap * RF_PF_LOG2E : 0.f;  // the cap in the scores' log2 units
   const int first_tile = it.lo / BN, tiles = (it.end - it.lo + BN - 1) / BN;
   const int full_lim = it.limit(0, ratio);  // row 0 sees least: a tile up to it needs no mask
+  const int all_from = it.template seen_by_all<BM>(ratio);  // (nor one from here, windowed)
   rf_copy_commit();  // the queries: group 0
 #pragma unroll
   for (int i = 0; i + 1 < STAGES; ++i) {  // tiles 0 .. STAGES - 2 in flight (empty groups past
@@ -246,7 +265,8 @@ RF_DEVICE void prefill(typename E::storage* __restrict__ out, float* __restrict_
     }
     const char* v_plane = k_plane + (Shape::CODE_STAGE ? Shape::WIDE_PLANE : Shape::PLANE);
     const int t0 = (first_tile + t) * BN;
-    math.template tile<CAP>(k_plane, v_plane, t0, t0 + BN - 1 > full_lim, qscale, cap);
+    math.template tile<CAP>(k_plane, v_plane, t0, t0 + BN - 1 > full_lim || t0 < all_from,
+                            qscale, cap);
     rf_sync();  // every warp is done with stage st (and `wide`) before they are refilled
   }
 
@@ -384,10 +404,11 @@ RF_DEVICE void prefill_combine(typename E::storage* __restrict__ out,
       E::storage* out, float* partials, const E::storage* q, const C::storage* k_cache,        \
       const C::storage* v_cache, const int* block_tables, const int* seq_lens,                 \
       const int* q_starts, const int* items, float scale, int num_q_heads, int num_kv_heads,  \
-      int max_blocks, int block_shift, float out_scale, float softcap, const float* sinks) {   \
+      int max_blocks, int block_shift, float out_scale, float softcap, const float* sinks,     \
+      int window) {                                                                            \
     prefill<E, C, D, WM, CAP>(out, partials, q, k_cache, v_cache, block_tables, seq_lens,     \
                               q_starts, items, scale, num_q_heads, num_kv_heads, max_blocks,  \
-                              block_shift, out_scale, softcap, sinks);                         \
+                              block_shift, out_scale, softcap, sinks, window);                 \
   }
 #define RF_PF_KERNEL(NAME, E, C, D, WM)                                                        \
   RF_PF_ONE(NAME, , false, E, C, D, WM) RF_PF_ONE(NAME, _cap, true, E, C, D, WM)

@@ -39,10 +39,10 @@ def libraries():
 
 
 def emulate(emulator, wave, q, k, v, tables, lens, q_lens, k_scale=1.0, v_scale=1.0, slots=6,
-            seed=0, padding=0, softcap=0.0, sinks=None):
+            seed=0, padding=0, softcap=0.0, sinks=None, window=0):
     """One launch (and its combine) as the hip backend plans it on a device of ``slots``
     resident workgroups, its grids grown by ``padding`` no-op items and combines (as a
-    budget graph's are), with a logit cap and sinks where given; returns (output as
+    budget graph's are), with a logit cap, sinks and a window where given; returns (output as
     float64, the plan)."""
     dtype, head_dim = q.dtype, q.shape[2]
     num_kv_heads = k.shape[1]
@@ -63,7 +63,7 @@ def emulate(emulator, wave, q, k, v, tables, lens, q_lens, k_scale=1.0, v_scale=
         len(items), threads, p(out), p(partials), p(q), p(k), p(v), p(tables), p(lens),
         p(work.q_starts), p(items), np.float32(scale), i32(q.shape[1]), i32(num_kv_heads),
         i32(tables.shape[1]), i32(k.shape[2].bit_length() - 1), np.float32(out_scale),
-        np.float32(softcap), 0 if sinks is None else p(sinks))
+        np.float32(softcap), 0 if sinks is None else p(sinks), i32(window))
     if len(combines):
         emulator.kernel(combine, seed).launch(
             len(combines), threads, p(out), p(partials), p(items), p(combines),
@@ -164,3 +164,31 @@ def test_softcap_and_sinks_match_the_reference(libraries, rng, wave, case):
     assert relative_error(got, expect) < tolerance(dtype)
     plain = reference.paged_attention_multi(q, k, v, tables, lens, q_lens, scale, np.float64)
     assert relative_error(got, plain) > 3 * tolerance(dtype)  # the variants matter here
+
+
+@pytest.mark.parametrize("wave", WAVES, ids=lambda w: f"wave{w}")
+@pytest.mark.parametrize("window", [5, 40])
+@pytest.mark.parametrize("case", range(len(VARIANT_CASES)),
+                         ids=[f"{c[0].name}-d{c[1]}-r{c[2]}-bs{c[3]}-kv{max(c[5])}"
+                              for c in VARIANT_CASES])
+def test_a_window_masks_and_never_reads_what_lies_before_it(libraries, rng, wave, window,
+                                                            case):
+    """Each row sees its last ``window`` positions: the blocks wholly before the first row's
+    window hold NaN (a cache frees them), so reading one, or a weight on one, fails; with
+    sinks, and the cap where the instance has one."""
+    dtype, head_dim, ratio, block_size, q_lens, kv_lens = VARIANT_CASES[case]
+    q, k, v, tables, lens, q_lens, *_ = random_inputs(rng, dtype, head_dim, block_size, ratio,
+                                                      q_lens, kv_lens)
+    for s in range(len(lens)):
+        gone = max(0, int(lens[s]) - int(q_lens[s]) - window + 1) // block_size
+        for block in tables[s, :gone].tolist():
+            k[block] = np.nan
+            v[block] = np.nan
+    sinks = rng.uniform(-1, 2, q.shape[1]).astype(np.float32)
+    cap = None if wave == 32 and head_dim == 256 and dtype != F32 else 2.5
+    got, _ = emulate(libraries[wave], wave, q, k, v, tables, lens, q_lens, softcap=cap or 0.0,
+                     sinks=sinks, window=window)
+    scale = 1.0 / math.sqrt(head_dim)
+    expect = reference.paged_attention_multi(q, k, v, tables, lens, q_lens, scale, np.float64,
+                                             logit_softcap=cap, sinks=sinks, window=window)
+    assert relative_error(got, expect) < tolerance(dtype)

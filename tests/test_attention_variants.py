@@ -140,11 +140,6 @@ def test_a_bad_window_is_refused_before_anything_is_queued(backend, window, erro
         _call(backend, window=window)
 
 
-def test_a_window_with_query_lens_is_refused_for_now(backend):
-    with pytest.raises(NotImplementedError, match="the multi-token kernel has no window yet"):
-        _call(backend, window=8, query_lens=np.array([1], np.int32))
-
-
 def test_bad_sinks_are_refused_before_anything_is_queued(backend):
     for sinks, error, words in (
             (np.zeros(4, np.float32), TypeError, "sinks must be a DeviceArray, got"),
@@ -191,28 +186,36 @@ def test_sinks_on_another_device_are_refused(rng):
 @pytest.mark.parametrize("dtype, head_dim, ratio", [
     (np.float16, 128, 4), (ml_dtypes.bfloat16, 256, 8), (np.float32, 64, 2)],
     ids=lambda p: getattr(p, "__name__", str(p)))
-def test_the_multi_token_op_takes_them_too(backend, rng, dtype, head_dim, ratio):
+@pytest.mark.parametrize("window", [None, 40, 150], ids=["all", "window-40", "window-150"])
+def test_the_multi_token_op_takes_them_too(backend, rng, dtype, head_dim, ratio, window):
     """Decodes first (the decode kernel), then prefill rows past a cached prefix, a chunk and
-    a long range cut into pieces (the multi-token kernel and its combine)."""
+    a long range cut into pieces (the multi-token kernel and its combine); with a window,
+    the blocks wholly before each sequence's first row's window hold NaN, never read."""
     from test_multi_token import random_inputs
 
     q, k, v, tables, lens, q_lens, *_ = random_inputs(
         rng, dtype, head_dim, 16, ratio, [1, 1, 37, 5, 4], [9, 200, 37, 300, 2000])
+    for s in range(len(lens)) if window else ():
+        gone = max(0, int(lens[s]) - int(q_lens[s]) - window + 1) // 16
+        k[tables[s, :gone]] = np.nan
+        v[tables[s, :gone]] = np.nan
     sinks = rng.uniform(3, 7, q.shape[1]).astype(np.float32)
     arrays = [DeviceArray.from_numpy(a, DEVICE, backend) for a in (q, k, v, sinks)]
     out = DeviceArray.empty(q.shape, q.dtype, DEVICE, backend)
     out.buffer.fill(POISON)
     ops.paged_attention(out, arrays[0], arrays[1], arrays[2], tables, lens, query_lens=q_lens,
-                        logit_softcap=2.0, sinks=arrays[3])
+                        logit_softcap=2.0, sinks=arrays[3], window=window)
     got = out.to_numpy().astype(np.float64)
     for array in (out, *arrays):
         array.buffer.root.close()
     scale = 1.0 / math.sqrt(head_dim)
     want = reference.paged_attention_multi(q, k, v, tables, lens, q_lens, scale, np.float64,
-                                           logit_softcap=2.0, sinks=sinks)
-    plain = reference.paged_attention_multi(q, k, v, tables, lens, q_lens, scale, np.float64)
+                                           logit_softcap=2.0, sinks=sinks, window=window)
     assert relative_error(got, want) < TOLERANCE[np.dtype(dtype)]
-    assert relative_error(got, plain) > 5 * TOLERANCE[np.dtype(dtype)]
+    if window is None:  # (with one, the NaN before it shows any read of it)
+        plain = reference.paged_attention_multi(q, k, v, tables, lens, q_lens, scale,
+                                                np.float64)
+        assert relative_error(got, plain) > 5 * TOLERANCE[np.dtype(dtype)]
 
 
 def test_a_capped_call_at_head_dim_256_takes_groups_of_at_most_four():

@@ -60,10 +60,10 @@ def check(cache, meta, layers, results, scale=None):
             want = reference.paged_attention(
                 q, k, v, meta.block_tables, meta.seq_lens, scale, np.float64,
                 logit_softcap=c.logit_softcap, sinks=sinks, window=c.windows[layer])
-        else:  # (no window bites: the plan refuses a step where one would)
+        else:
             want = reference.paged_attention_multi(
                 q, k, v, meta.block_tables, meta.seq_lens, q_lens, scale, np.float64,
-                logit_softcap=c.logit_softcap, sinks=sinks)
+                logit_softcap=c.logit_softcap, sinks=sinks, window=c.windows[layer])
         error = relative_error(got.astype(np.float64), want)
         assert error < TOLERANCE[np.dtype(c.dtype)], (layer, error)
 
@@ -110,24 +110,24 @@ def test_a_window_none_of_the_step_outgrows_runs_the_whole_sequences(backend):
         check(cache, meta, range(2), results)
 
 
-def test_steps_of_many_query_tokens_run_where_no_window_bites(backend):
+@pytest.mark.parametrize("dtype", [np.float32, ml_dtypes.bfloat16], ids=["float32", "bf16"])
+def test_steps_of_many_query_tokens_attend_within_each_layers_window(backend, dtype):
+    """Decodes (short, and past a window) mixed with a chunk and drafted tokens, in a cache
+    of a narrow window, a wide one and a global layer: the decodes' splits and the
+    multi-token launches of each window that bites, and of none."""
     rng = np.random.default_rng(3)
-    config = CacheConfig(2, 2, 64, 8, 40, np.float32, num_q_heads=4, windows=[48, None],
+    config = CacheConfig(3, 2, 64, 8, 60, dtype, num_q_heads=4, windows=[20, 48, None],
                          logit_softcap=CAP)
     with KvCache(config, backend=backend) as cache:
-        cache.add_sequence("decode", 12)
-        cache.add_sequence("chunk", 40)
-        sinks = {0: random_sinks(rng, 4, backend)}
-        meta, results = step(cache, rng, ["decode", "chunk"], range(2), sinks, q_lens=[1, 24])
-        check(cache, meta, range(2), results)
-        cache.add_sequence("longer", 60)
-        before = cache.stats()
-        with pytest.raises(NotImplementedError, match="window of 48"):
-            cache.batch(["decode", "longer"], query_lens=[1, 16])
-        assert cache.stats() == before
-        # the plan before the refusal is still current
-        meta2, results = step(cache, rng, ["decode", "longer"], range(2), sinks)
-        check(cache, meta2, range(2), results)
+        for seq_id, n in (("short", 12), ("long", 90), ("chunk", 40), ("draft", 70)):
+            cache.add_sequence(seq_id, n)
+        sinks = {0: random_sinks(rng, 4, backend), 2: random_sinks(rng, 4, backend)}
+        ids = ["short", "long", "chunk", "draft"]
+        meta, results = step(cache, rng, ids, range(3), sinks, q_lens=[1, 1, 24, 4])
+        check(cache, meta, range(3), results)
+        # no window bites: the plain launches serve every layer
+        meta, results = step(cache, rng, ["short", "chunk"], range(3), sinks, q_lens=[1, 8])
+        check(cache, meta, range(3), results)
         close_all(sinks)
 
 

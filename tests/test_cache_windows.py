@@ -3,7 +3,8 @@ have windows frees a sequence's blocks wholly before the widest one as it grows
 (``KvCache.batch``), the null block in their table entries, counted in ``stats()``; the
 attention never reads them (the null block is poisoned with NaN); forks share what is
 left, prefix caching still finds the freed prompt blocks while they stay cached; swapping
-and exporting such a sequence are refused by name, nothing changed."""
+and exporting such a sequence are refused by name, nothing changed; a step of many query
+tokens frees what its first row no longer sees."""
 
 from __future__ import annotations
 
@@ -126,10 +127,15 @@ def test_swapping_or_exporting_a_sequence_with_freed_blocks_is_refused(backend):
         cache.check_invariants()
 
 
-def test_a_refused_step_of_many_tokens_frees_nothing(backend):
+def test_a_step_of_many_tokens_frees_what_its_first_row_no_longer_sees(backend):
+    rng = np.random.default_rng(9)
     with windowed(backend) as cache:
-        cache.add_sequence("a", 40)
-        before = cache.stats()
-        with pytest.raises(NotImplementedError, match="window of 12"):
-            cache.batch(["a"], query_lens=[4])
-        assert cache.stats() == before
+        poison_null_block(cache)
+        cache.add_sequence("a", 60)
+        cache.add_sequence("b", 9)
+        meta, results = step(cache, rng, ["b", "a"], range(2), q_lens=[1, 16])
+        check(cache, meta, range(2), results)
+        # a's first query row is token 44: it sees from 25 on, so blocks 0..2 are gone
+        assert cache.stats()["window_dropped_blocks"] == 3
+        assert (meta.block_tables[1, :3] == 0).all() and (meta.block_tables[1, 3:8] != 0).all()
+        cache.check_invariants()

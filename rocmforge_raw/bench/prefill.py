@@ -104,7 +104,7 @@ class PrefillLaunch:
             len(work.items), found.threads, out_at, self.partials.ptr, q_at, k, v, tables_d,
             lens_d, starts, items, f32(planning.default_scale(q.shape[2], None)),
             i32(q.shape[1]), i32(k.shape[1]), i32(tables.shape[1]),
-            i32(k.shape[2].bit_length() - 1), f32(1.0), f32(0.0), 0,
+            i32(k.shape[2].bit_length() - 1), f32(1.0), f32(0.0), 0, i32(0),
             shared_bytes=found.shape.shared_bytes)
         self.combine = None
         if combines:

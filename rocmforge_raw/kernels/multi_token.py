@@ -69,9 +69,10 @@ def paged_attention_multi(out: DeviceArray, query: DeviceArray, k_cache: DeviceA
                           scales: tuple[float, float, float, float],
                           num_partitions: int | None, stream: Stream | None,
                           workspace: Workspace | None,
-                          variants: tuple[float, DeviceArray | None] = (0.0, None)) -> None:
+                          variants: tuple[float, DeviceArray | None, int] = (0.0, None, 0)
+                          ) -> None:
     """The op (module docstring) over arrays ``ops.paged_attention`` checked; ``scales`` is
-    (kernel scale, out scale, k_scale, v_scale), ``variants`` (logit cap, sinks) as
+    (kernel scale, out scale, k_scale, v_scale), ``variants`` (logit cap, sinks, window) as
     ``planning.check_variants`` gives them."""
     if num_partitions is not None:
         raise ValueError(f"num_partitions={num_partitions} applies to decode launches only; "
@@ -96,7 +97,7 @@ def paged_attention_multi(out: DeviceArray, query: DeviceArray, k_cache: DeviceA
     check_disjoint(out, "out", query=query, k_cache=k_cache, v_cache=v_cache,
                    **({} if variants[1] is None else {"sinks": variants[1]}))
     kernel_scale, out_scale, k_scale, v_scale = scales
-    softcap, sinks = variants
+    softcap, sinks, window = variants
     sinks_at = 0 if sinks is None else sinks.ptr
     if (softcap and k_cache.shape[3] == 256 and query.dtype.itemsize == 2
             and query.backend.name == "hip" and int(q_lens.max(initial=1)) > 1
@@ -111,7 +112,7 @@ def paged_attention_multi(out: DeviceArray, query: DeviceArray, k_cache: DeviceA
         result = reference.paged_attention_multi(
             host_view(query), host_view(k_cache), host_view(v_cache), tables, lens, q_lens,
             scale, k_scale=k_scale, v_scale=v_scale, logit_softcap=softcap or None,
-            sinks=None if sinks is None else host_view(sinks))
+            sinks=None if sinks is None else host_view(sinks), window=window or None)
         host_view(out)[...] = result.astype(out.dtype)
         return
     decodes = leading_decodes(q_lens)
@@ -120,7 +121,7 @@ def paged_attention_multi(out: DeviceArray, query: DeviceArray, k_cache: DeviceA
                       rows(block_tables, 0, decodes) if tables is None else tables[:decodes],
                       None if tables is None else tables[:decodes], lens[:decodes],
                       lens[:decodes], kernel_scale, out_scale, None, stream, workspace,
-                      softcap, sinks_at)
+                      softcap, sinks_at, window)
     if decodes == num_seqs:
         return
     rest = num_seqs - decodes
@@ -129,17 +130,19 @@ def paged_attention_multi(out: DeviceArray, query: DeviceArray, k_cache: DeviceA
                    rows(block_tables, decodes, rest) if tables is None else None,
                    None if tables is None else tables[decodes:], lens[decodes:],
                    q_lens[decodes:], kernel_scale, out_scale, stream, workspace, softcap,
-                   sinks_at)
+                   sinks_at, window)
 
 
 def launch_prefill(out: DeviceArray, query: DeviceArray, k_cache: DeviceArray,
                    v_cache: DeviceArray, d_tables: DeviceArray | None, tables: Any,
                    lens: np.ndarray, q_lens: np.ndarray, kernel_scale: float,
                    out_scale: float, stream: Stream | None,
-                   workspace: Workspace | None, softcap: float = 0.0, sinks: int = 0) -> None:
+                   workspace: Workspace | None, softcap: float = 0.0, sinks: int = 0,
+                   window: int = 0) -> None:
     """Queue the multi-token kernel (and its combine, where items were cut into pieces):
     block tables on the device (``d_tables``) or their checked host copy (``tables``);
-    ``softcap`` (0: none) and ``sinks`` (an address, 0: none) as ``launch_decode``'s."""
+    ``softcap`` (0: none), ``sinks`` (an address, 0: none) and ``window`` (tokens, 0: none)
+    as ``launch_decode``'s."""
     backend, device = query.backend, query.device
     _, num_q_heads, head_dim = query.shape
     _, num_kv_heads, block_size, _ = k_cache.shape
@@ -162,7 +165,7 @@ def launch_prefill(out: DeviceArray, query: DeviceArray, k_cache: DeviceArray,
             len(work.items), found.threads, out, partials.ptr, query, k_cache, v_cache,
             table_ptr, lens_ptr, starts_ptr, items_ptr, f32(kernel_scale), i32(num_q_heads),
             i32(num_kv_heads), i32(width), i32(block_size.bit_length() - 1), f32(out_scale),
-            f32(softcap), sinks, shared_bytes=shape.shared_bytes, stream=stream)
+            f32(softcap), sinks, i32(window), shared_bytes=shape.shared_bytes, stream=stream)
         if len(work.combines):
             found.combine.launch(len(work.combines), found.threads, out, partials.ptr,
                                  items_ptr, combines_ptr, starts_ptr, i32(num_q_heads),

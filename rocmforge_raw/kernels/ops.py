@@ -75,7 +75,7 @@ def paged_attention(out: DeviceArray, query: DeviceArray, k_cache: DeviceArray,
                     window: int | None = None) -> None:
     """``out[s, h] = softmax(scale * q[s, h] . K[s]) V[s]`` over the first ``seq_lens[s]``
     tokens of sequence ``s``'s blocks (with a ``window``, its last ``window``: Mistral's
-    sliding window, the blocks before it never read; decode calls only, for now);
+    sliding window, the blocks before it never read);
     ``logit_softcap`` makes each score ``cap * tanh(s / cap)`` first (Gemma 2), and
     ``sinks`` (float32 ``[num_q_heads]``, on the query's device) adds ``exp(sinks[h] - m)``
     to head h's softmax denominator only (gpt-oss's attention sinks), with or without
@@ -105,13 +105,10 @@ def paged_attention(out: DeviceArray, query: DeviceArray, k_cache: DeviceArray,
     kernel_scale, out_scale = kernel_scales(k_cache.dtype, scale, k_scale, v_scale)
     softcap, sinks, window = check_variants(query, logit_softcap, sinks, window)
     if query_lens is not None:
-        if window:
-            raise NotImplementedError("window takes one query token a sequence: the "
-                                      "multi-token kernel has no window yet")
         multi_token.paged_attention_multi(
             out, query, k_cache, v_cache, block_tables, seq_lens, query_lens, scale,
             (kernel_scale, out_scale, k_scale, v_scale), num_partitions, stream, workspace,
-            (softcap, sinks))
+            (softcap, sinks, window))
         return
     on_host = query.backend.name == "host"
     tables = metadata(block_tables, "block_tables", np.int32, 2, None, query, "query")

@@ -87,7 +87,7 @@ class DecodePlans:
         if found is not None and n and meta.query_lens is not None:
             assert meta._staging is not None  # planned on the device
             tables_at, lens_at, slots_at = meta._addresses
-            fields["_attention"] = plan_multi(
+            fields["_attention"], fields["_windowed"] = plan_multi(
                 self, meta._staging, num_q_heads, meta.seq_lens, meta.query_lens,
                 meta.block_tables.shape[1], [slots_at, lens_at, tables_at], meta.stream)
         elif found is not None and n:
@@ -134,16 +134,6 @@ class DecodePlans:
                 [*addresses[:3], *work_addresses(staging, work, stream)], stream, window)
                 for window, work in windowed}
         return fields
-
-    def check_multi_windows(self, lens: np.ndarray) -> None:
-        """A step of many query tokens per sequence runs only where no window bites (the
-        multi-token kernel has none yet): every sequence within the narrowest window."""
-        narrowest, longest = self.window_values[0], int(lens.max())
-        if longest > narrowest:
-            raise NotImplementedError(
-                f"batch(query_lens=...) over a sequence of {longest} tokens in a cache with a "
-                f"window of {narrowest}: the multi-token kernel has no sliding window yet "
-                "(steps whose sequences all fit every window run; decode steps take windows)")
 
     def _attention_launch(self, staging: Staging, found: AttentionKernel, num_q_heads: int,
                           n: int, split: tuple[int, int, int, bool, bool], width: int,

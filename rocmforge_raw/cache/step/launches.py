@@ -51,9 +51,7 @@ class StepLaunches(TierOps):
 
         In a cache whose every layer has a window (``CacheConfig.windows``), the blocks of
         ``seq_ids`` that left the widest window before this step's first query are freed
-        here (``stats()['window_dropped_blocks']``); a step of many query tokens over a
-        sequence longer than a window is refused (``NotImplementedError``: the multi-token
-        kernel has no window yet) before anything changes."""
+        here (``stats()['window_dropped_blocks']``)."""
         ids = checks.id_list(seq_ids, "seq_ids")
         stream = self._stream(stream)
         rows_of = self._rows
@@ -62,8 +60,6 @@ class StepLaunches(TierOps):
             raise ValueError(f"batch lists sequence {repeated(ids)!r} twice")
         q_lens = None if query_lens is None else self._query_lens(query_lens, rows)
         c = self.config
-        if q_lens is not None and self._steps.window_values and (q_lens != 1).any():
-            self._steps.check_multi_windows(self._rows.lens[rows])
         if self._order is not None:
             self._order.used(stream)
         now = self._now()

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from ...common import checks
-from ...kernels.planning import SCALE_ARG, SINKS_ARG, plan_work
+from ...kernels.planning import SCALE_ARG, SINKS_ARG, plan_work, split_workspace, window_work
 from ...kernels.planning.prefill import (
     PrefillKernel,
     PrefillWork,
@@ -102,55 +102,72 @@ class MultiLaunch:
 
 def plan_multi(planner: Any, staging: Staging, num_q_heads: int, lens: np.ndarray,
                query_lens: np.ndarray, width: int, addresses: list[int],
-               stream: Stream | None) -> MultiLaunch:
+               stream: Stream | None) -> tuple[MultiLaunch, dict[int, MultiLaunch]]:
     """Plan and prepare a multi-token step's attention: ``addresses`` are the step's
     uploaded slots, lengths and tables; the work arrays are appended to ``staging``'s
-    upload. ``planner`` is the cache's ``StepPlanner``."""
+    upload. ``planner`` is the cache's ``StepPlanner``. Returns the launches over every
+    token and, in a cache with windows, those of each window a sequence outgrows (window
+    -> launches): the multi-token items are the same (the kernel finds each item's window
+    itself), the leading decodes' split is the window's (``window_work``). Every launch
+    shares the slot's workspace, sized for the largest of them before any is prepared."""
     c = planner.config
     _, lens_at, tables_at = addresses
     num_seqs = len(lens)
     decodes = leading_decodes(query_lens)
-    rest_q, rest_lens = query_lens[decodes:], lens[decodes:]
-    ratio = num_q_heads // c.num_kv_heads
-    act = planner.act
-    found_pf, plan = None, None
-    if decodes < num_seqs:  # the multi-token part first: its pieces' records sized first
-        found_pf, plan = prefill_launch(planner.backend, planner.device, act, c.head_dim,
-                                        c.dtype, rest_q, rest_lens, c.num_kv_heads, ratio,
-                                        bool(planner.softcap))
-        staging.workspace.get(plan.partial_bytes(found_pf.shape.bm, c.head_dim), 0,
-                              planner.slab, stream)
-    decode = None
-    if decodes:
-        found = planner._kernel(num_q_heads)
-        work = plan_work(c.num_kv_heads * found.groups, found.slots, decodes, lens[:decodes],
-                         sms=found.sms, rule=found.rule)
-        arrays = staging.put(work.arrays, stream, append=True) if work.arrays else [0, 0]
-        decode = planner._attention_launch(
-            staging, found, num_q_heads, decodes,
-            (work.num_ctas, work.per_cta, work.total, work.whole, work.lean), width,
-            [addresses[0], lens_at, tables_at, *arrays], stream)
-    if found_pf is None or plan is None:  # decodes only
-        assert decode is not None
-        return MultiLaunch(decode, None, None, 0)
-    starts_at, items_at, *combines_at = staging.put(plan.arrays, stream, append=True)
-    partials = staging.workspace.get(plan.partial_bytes(found_pf.shape.bm, c.head_dim), 0,
-                                     planner.slab, stream)[0].ptr
-    prefill, combine = prefill_launches(
-        found_pf, plan, partials, tables_at + 4 * decodes * width, lens_at + 4 * decodes,
-        starts_at, items_at, combines_at[0] if combines_at else 0, planner.default_scale,
-        num_q_heads, c.num_kv_heads, width, c.block_size, stream, staging.launches,
-        planner.softcap)
-    offset = decodes * num_q_heads * c.head_dim * act.itemsize
-    return MultiLaunch(decode, prefill, combine, offset)
+    longest = int(lens.max())
+    windows = [0, *(w for w in planner.window_values if longest > w)]
+    found_pf, plan, partial_bytes = None, None, 0
+    if decodes < num_seqs:
+        found_pf, plan = prefill_launch(planner.backend, planner.device, planner.act,
+                                        c.head_dim, c.dtype, query_lens[decodes:],
+                                        lens[decodes:], c.num_kv_heads,
+                                        num_q_heads // c.num_kv_heads, bool(planner.softcap))
+        partial_bytes = plan.partial_bytes(found_pf.shape.bm, c.head_dim)
+    found = planner._kernel(num_q_heads) if decodes else None
+    works = {}
+    if found is not None:
+        head = lens[:decodes]
+        works = {w: plan_work(c.num_kv_heads * found.groups, found.slots, decodes,
+                              window_work(head, w) if w else head, sms=found.sms,
+                              rule=found.rule) for w in windows}
+    sizes = [split_workspace(work.num_ctas, found.group, c.head_dim,
+                             decodes * c.num_kv_heads * found.groups, work.whole)
+             for work in works.values()] if found is not None else []
+    partials = staging.workspace.get(max([partial_bytes, *(size[0] for size in sizes)]),
+                                     max([0, *(size[1] for size in sizes)]), planner.slab,
+                                     stream)[0].ptr
+    prefill_at = None
+    if found_pf is not None and plan is not None:
+        starts_at, items_at, *combines_at = staging.put(plan.arrays, stream, append=True)
+        prefill_at = (starts_at, items_at, combines_at[0] if combines_at else 0)
+    launches = {}
+    for window in windows:
+        decode = None
+        if found is not None:
+            work = works[window]
+            arrays = staging.put(work.arrays, stream, append=True) if work.arrays else [0, 0]
+            decode = planner._attention_launch(
+                staging, found, num_q_heads, decodes,
+                (work.num_ctas, work.per_cta, work.total, work.whole, work.lean), width,
+                [addresses[0], lens_at, tables_at, *arrays], stream, window)
+        if found_pf is None or plan is None or prefill_at is None:  # decodes only
+            launches[window] = MultiLaunch(decode, None, None, 0)
+            continue
+        prefill, combine = prefill_launches(
+            found_pf, plan, partials, tables_at + 4 * decodes * width, lens_at + 4 * decodes,
+            *prefill_at, planner.default_scale, num_q_heads, c.num_kv_heads, width,
+            c.block_size, stream, staging.launches, planner.softcap, window)
+        offset = decodes * num_q_heads * c.head_dim * planner.act.itemsize
+        launches[window] = MultiLaunch(decode, prefill, combine, offset)
+    return launches.pop(0), launches
 
 
 def prefill_launches(found: PrefillKernel, work: PrefillWork, partials: int, tables_at: int,
                      lens_at: int, starts_at: int, items_at: int, combines_at: int,
                      scale: float, num_q_heads: int, num_kv_heads: int, width: int,
                      block_size: int, stream: Stream | None,
-                     launches: dict[Any, Any] | None = None, softcap: float = 0.0
-                     ) -> tuple[Launch, Launch | None]:
+                     launches: dict[Any, Any] | None = None, softcap: float = 0.0,
+                     window: int = 0) -> tuple[Launch, Launch | None]:
     """The multi-token launch of ``work`` and its combine (None without pieces), every
     argument packed but the per-layer pointers: the tables and lengths of its sequences
     (at ``tables_at``/``lens_at``, ``width`` blocks a row), their query starts, items and
@@ -159,16 +176,17 @@ def prefill_launches(found: PrefillKernel, work: PrefillWork, partials: int, tab
     this step's grids and every argument that may differ (``STEP_PREFILL_ARGS``,
     ``STEP_COMBINE_ARGS``, the scales): the bytes they pass are those a fresh ``prepare``
     packs, at a tenth of its host time. ``softcap``: the logit cap (0: none; the instance
-    ``found`` must be a capped one for a cap); the sinks start at none."""
+    ``found`` must be a capped one for a cap), ``window`` the sliding window (tokens, 0:
+    none; launches are kept per window); the sinks start at none."""
     i32, f32 = np.int32, np.float32
     shape = found.shape
-    key = (found.kernel, num_q_heads, num_kv_heads, block_size, stream)
+    key = (found.kernel, num_q_heads, num_kv_heads, block_size, stream, window)
     prefill = None if launches is None else launches.get(("prefill", key))
     if prefill is None:
         prefill = found.kernel.prepare(
             len(work.items), found.threads, 0, partials, 0, 0, 0, tables_at, lens_at,
             starts_at, items_at, f32(scale), i32(num_q_heads), i32(num_kv_heads), i32(width),
-            i32(block_size.bit_length() - 1), f32(1.0), f32(softcap), 0,
+            i32(block_size.bit_length() - 1), f32(1.0), f32(softcap), 0, i32(window),
             shared_bytes=shape.shared_bytes, stream=stream, patch=PREFILL_PATCH)
         if launches is not None:
             launches[("prefill", key)] = prefill

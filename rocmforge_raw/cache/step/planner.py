@@ -113,9 +113,9 @@ class StepPlanner(DecodePlans):
                                   _write=self._write_launch(staging, rows, addresses[0],
                                                             stream))
                     if num_q_heads is not None:
-                        fields["_attention"] = plan_multi(self, staging, num_q_heads, lens,
-                                                          query_lens, tables.shape[1],
-                                                          addresses, stream)
+                        fields["_attention"], fields["_windowed"] = plan_multi(
+                            self, staging, num_q_heads, lens, query_lens, tables.shape[1],
+                            addresses, stream)
                 elif found is None:  # attention is planned by its first call
                     # slots and lengths first: their addresses stay put while tables widen
                     addresses = staging.put([slots, lens, tables], stream)
@@ -271,8 +271,7 @@ class StepPlanner(DecodePlans):
             ops.paged_attention(out, query, k, v, meta.block_tables, meta.seq_lens,
                                 meta._scale, check=False, k_scale=k_scale, v_scale=v_scale,
                                 query_lens=meta.query_lens, logit_softcap=self.softcap or None,
-                                sinks=sinks, window=None if meta.query_lens is not None
-                                else window)
+                                sinks=sinks, window=window)
 
 
     def _check_folded(self, scale: float) -> None:
