@@ -4,10 +4,11 @@ The README's decode comparison, reproducible from the repository.
 
 Rows are the bench's shapes (``rocmforge_raw.bench``): by default S1-S6 and EXTRA_ROWS, the
 sweep rows the comparison adds; ``--shapes`` picks any bench or sweep names, ``--sweep`` adds
-every sweep row. Caches of the shape's 16-bit type, or with ``--fp8`` e4m3fn codes (the
-bench's fp8 rows) read with the per-tensor scales FP8_SCALES by every kernel. Inputs are the
-bench's, from ``bench.shape_rng``: random values, pages in random order (an fp8 row the very
-lengths and pages of its 16-bit row).
+every sweep row, ``--window`` the sliding-window rows W1 and W2 (each query attends to its
+last 4096 of 32768 tokens; bytes the window's). Caches of the shape's 16-bit type, or with
+``--fp8`` e4m3fn codes (the bench's fp8 rows) read with the per-tensor scales FP8_SCALES by
+every kernel. Inputs are the bench's (``bench.row_inputs``): random values, pages in random
+order (an fp8 row the very lengths and pages of its 16-bit row).
 
 K/V/q live in DeviceArrays; FlashInfer reads them through torch.from_dlpack (zero copy, HND;
 an fp8 cache as its bytes viewed as torch.float8_e4m3fn). Every kernel is timed as the bench
@@ -23,10 +24,17 @@ kernel so the host's enqueue stays out; warm-up, then the median of ``--iters`` 
 - xqa: ``flashinfer.decode.xqa_batch_decode_with_kv_cache`` (TensorRT-LLM's XQA, SM90 and
   later; fp8 caches in fp8 math), scales folded into bmm1/bmm2; skipped, with the reason,
   where this FlashInfer or GPU has none.
+FlashInfer's side is tools/flashinfer_decode.py, imported from beside this file. A window
+row plans the wrapper and calls XQA with ``window_left = window - 1``: FlashInfer counts the
+keys left of the query, ours the query's own too. One key of 4096 more or fewer moves a bf16
+output by about 1.4 % (the NumPy reference, 4 x 8192 tokens), inside the tolerance, so each
+FlashInfer output of a window row must also lie nearer ours at the window than ours one token
+shorter or longer (``*_window``: the window, in tokens, it lies nearest).
 
 On the GPU machine, from the project root, with FlashInfer's wheels in .whl/
 (../shared/device/flashinfer.sh) and the cubins in place:
     source tools/device_setup.sh && python3 tools/decode_side_by_side.py [--fp8] [--json]
+(``--shapes W1,W2`` or ``--window``: the window rows).
 The first run JIT-compiles FlashInfer's kernels (minutes; ~/.cache/flashinfer keeps them
 while the machine is held: ``--shapes`` compiles a few rows at a time). Exit status 1 when an
 output disagrees with ours.
@@ -37,18 +45,24 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import math
 import subprocess
 import sys
 from collections.abc import Callable
 from typing import Any
 
-import ml_dtypes
-import numpy as np
+# FlashInfer's side, beside this file (run as tools/decode_side_by_side.py)
+from flashinfer_decode import (
+    DEVICE,
+    find_xqa,
+    relative_diff,
+    run_wrapper,
+    run_xqa,
+    time_us,
+    torch_view,
+)
 
 import rocmforge_raw
 from rocmforge_raw import bench, ops
-from rocmforge_raw.array import DeviceArray
 from rocmforge_raw.runtime import get_backend
 
 #: The sweep rows the comparison adds to S1-S6: head_dim 64 at 8 x 16384, where both
@@ -62,15 +76,14 @@ FP8_SCALES = (0.75, 1.5)
 TOLERANCE = {"f16": 1e-2, "bf16": 2e-2}
 XQA_FP8_TOLERANCE = 0.06
 WORKSPACE_BYTES = 256 << 20
-DEVICE = 0
-ACTIVATIONS = {suffix: dtype for dtype, suffix in ops.DTYPES.items()}  # "bf16" -> bfloat16
 LEGEND = """\
 ours: bench.AttentionLaunch (a decode step's launch per layer); wrapper: FlashInfer's
 BatchDecodeWithPagedKVCacheWrapper, its faster kernel (cc: CUDA cores, tc: tensor cores);
 xqa: FlashInfer's XQA decode. us: median device time. ours/x > 1: ours is slower. % copy: the
 row's bytes (K and V once per kv-head group, plus q and out) a second, over the device copy
-bandwidth measured in this run. check: every output within tolerance of ours (relative
-Frobenius norm: f16 1e-2, bf16 2e-2, XQA over fp8 0.06)."""
+bandwidth measured in this run (W rows: the window's K and V). check: every output within
+tolerance of ours (relative Frobenius norm: f16 1e-2, bf16 2e-2, XQA over fp8 0.06); on a W
+row also nearer ours at its window than at one token more or fewer."""
 COLUMNS = (("shape", 22), ("ours us", 9), ("wrapper us", 13), ("xqa us", 9),
            ("ours/wrapper", 12), ("ours/xqa", 9), ("ours % copy", 11), ("wrapper %", 9),
            ("xqa %", 7), ("check", 8))
@@ -80,10 +93,12 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
     """The options and the rows they select; argument errors exit with status 2."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], epilog=LEGEND,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--shapes", help="comma-separated bench names (S1, S1-fp8, sweep rows "
-                        "such as d64-r8-b16-8x16384); default: S1-S6 and "
+    parser.add_argument("--shapes", help="comma-separated bench names (S1, S1-fp8, W1, sweep "
+                        "rows such as d64-r8-b16-8x16384); default: S1-S6 and "
                         + ", ".join(EXTRA_ROWS))
     parser.add_argument("--sweep", action="store_true", help="add every sweep row")
+    parser.add_argument("--window", action="store_true", help="add the sliding-window rows "
+                        "(" + ", ".join(s.name for s in bench.WINDOW_SHAPES) + ")")
     parser.add_argument("--fp8", action="store_true",
                         help=f"e4m3fn caches, k_scale {FP8_SCALES[0]:g} and v_scale "
                         f"{FP8_SCALES[1]:g}")
@@ -95,27 +110,32 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
     if args.iters < 1:
         parser.error(f"--iters must be at least 1, got {args.iters}")
     try:
-        return args, select_shapes(args.shapes, args.sweep, args.fp8)
+        return args, select_shapes(args.shapes, args.sweep, args.fp8, args.window)
     except ValueError as exc:
         parser.error(str(exc))
         raise  # parser.error exits
 
 
-def select_shapes(names: str | None, sweep: bool = False, fp8: bool = False
-                  ) -> list[bench.Shape]:
+def select_shapes(names: str | None, sweep: bool = False, fp8: bool = False,
+                  window: bool = False) -> list[bench.Shape]:
     """The rows to run, each once, in order: ``names`` (comma-separated bench names; None:
-    S1-S6 and EXTRA_ROWS), then every sweep row if ``sweep``; with ``fp8`` each row's fp8
-    row. Raises ValueError naming the names that are no bench shape."""
+    S1-S6 and EXTRA_ROWS), then every sweep row if ``sweep``, then the window rows if
+    ``window``; with ``fp8`` each row's fp8 row. Raises ValueError naming the names that are
+    no bench shape."""
     sweep_rows = bench.sweep_shapes()
-    known = {s.name: s for s in (*bench.SHAPES, *bench.FP8_SHAPES, *sweep_rows)}
+    known = {s.name: s for s in (*bench.SHAPES, *bench.FP8_SHAPES, *bench.WINDOW_SHAPES,
+                                 *sweep_rows)}
     wanted = ([s.name for s in bench.SHAPES] + list(EXTRA_ROWS) if names is None
               else [name.strip() for name in names.split(",") if name.strip()])
     unknown = [name for name in wanted if name not in known]
     if unknown:
-        raise ValueError(f"unknown shape(s) {', '.join(unknown)}: S1-S6, their -fp8 rows and "
-                         "the sweep's rows are known (tools/profile_attention.py --list)")
+        raise ValueError(f"unknown shape(s) {', '.join(unknown)}: S1-S6, their -fp8 rows, "
+                         f"{', '.join(s.name for s in bench.WINDOW_SHAPES)} and the sweep's "
+                         "rows are known (tools/profile_attention.py --list)")
     if sweep:
         wanted += [s.name for s in sweep_rows]
+    if window:
+        wanted += [s.name for s in bench.WINDOW_SHAPES]
     if not wanted:
         raise ValueError("no shapes selected")
     shapes = [known[name] for name in wanted]
@@ -133,16 +153,6 @@ def as_fp8(shape: bench.Shape) -> bench.Shape:
     return own[0] if own else dataclasses.replace(shape, name=name, cache="float8_e4m3fn")
 
 
-def work_bytes(shape: bench.Shape, lens: np.ndarray) -> int:
-    """The bytes of a row as ``bench.bench_attention`` counts them: K and V read once per
-    kv-head group (of at most ops.GROUP_SIZES[-1] heads), plus q and out."""
-    act = np.dtype(ACTIVATIONS[shape.dtype])
-    cache = np.dtype(getattr(ml_dtypes, shape.cache)) if shape.cache else act
-    groups = math.ceil(shape.q_heads // shape.kv_heads / ops.GROUP_SIZES[-1])
-    kv = int(lens.sum()) * shape.kv_heads * shape.head_dim * cache.itemsize * 2 * groups
-    return kv + 2 * shape.batch * shape.q_heads * shape.head_dim * act.itemsize
-
-
 def tolerance(shape: bench.Shape, key: str) -> float:
     """The largest relative difference from ours allowed for the output ``key`` names."""
     if shape.cache and key.startswith("xqa"):
@@ -151,10 +161,13 @@ def tolerance(shape: bench.Shape, key: str) -> float:
 
 
 def check(shape: bench.Shape, row: dict[str, Any]) -> list[str]:
-    """The outputs of ``row`` (its ``*_diff`` values) farther from ours than allowed."""
-    return [f"{key} {row[key]:.3g} > {tolerance(shape, key):g}" for key in sorted(row)
-            if key.endswith("_diff") and row[key] is not None
-            and not row[key] <= tolerance(shape, key)]  # NaN fails too
+    """The outputs of ``row`` (its ``*_diff`` values) farther from ours than allowed, and
+    those nearer ours at another window than the row's (its ``*_window`` values, tokens)."""
+    far = [f"{key} {row[key]:.3g} > {tolerance(shape, key):g}" for key in sorted(row)
+           if key.endswith("_diff") and row[key] is not None
+           and not row[key] <= tolerance(shape, key)]  # NaN fails too
+    return far + [f"{key} {row[key]} != {shape.window}" for key in sorted(row)
+                  if key.endswith("_window") and row[key] != shape.window]
 
 
 def _cell(value: Any, spec: str) -> str:
@@ -196,18 +209,6 @@ def load_gpu_stack() -> tuple[Any, Any]:
     return torch, flashinfer
 
 
-def find_xqa(torch: Any, flashinfer: Any) -> tuple[Callable[..., Any] | None, str | None]:
-    """FlashInfer's XQA decode, or None and why it cannot run here."""
-    try:
-        from flashinfer.decode import xqa_batch_decode_with_kv_cache
-    except ImportError:
-        return None, f"FlashInfer {flashinfer.__version__} has no XQA decode"
-    major, minor = torch.cuda.get_device_capability(DEVICE)
-    if major not in (9, 10, 12):
-        return None, f"XQA runs on SM90, SM100 and SM120; this GPU is sm_{major}{minor}"
-    return xqa_batch_decode_with_kv_cache, None
-
-
 def driver_version() -> str:
     try:
         return subprocess.run(["nvidia-smi", "--query-gpu=driver_version",
@@ -217,142 +218,58 @@ def driver_version() -> str:
         return f"unknown ({type(exc).__name__})"
 
 
-def relative_diff(got: Any, want: Any) -> float:
-    """|got - want| / |want| (Frobenius norms, float64) of two torch tensors; inf on NaN."""
-    got, want = got.double(), want.double()
-    if not bool(got.isfinite().all()):
-        return math.inf
-    return float((got - want).norm() / want.norm().clamp_min(1e-30))
+def run_ours(inputs: bench.AttentionInputs, window: int, scales: tuple[float, float],
+             tout: Any, iters: int) -> tuple[Any, dict[int, Any], dict[str, Any]]:
+    """The op's output at ``scales`` (what FlashInfer's are checked against) and, given a
+    ``window`` (tokens), its outputs at a window one token shorter and one longer (keyed by
+    window); the prepared launch's time and its difference from the op's output at unit
+    scales."""
+    q, out, k, v, tables, lens = (inputs.q, inputs.out, inputs.k, inputs.v, inputs.tables,
+                                  inputs.lens)
 
-
-def time_us(fn: Callable[[], Any], iters: int) -> float:
-    """``fn``'s median device time in microseconds, as the bench times ours."""
-    return 1e3 * bench.time_ms(get_backend("cuda"), DEVICE, fn, iters).ms
-
-
-def run_ours(q: DeviceArray, out: DeviceArray, k: DeviceArray, v: DeviceArray,
-             tables: np.ndarray, lens: np.ndarray, scales: tuple[float, float], tout: Any,
-             iters: int) -> tuple[Any, dict[str, Any]]:
-    """The op's output at ``scales`` (what FlashInfer's are checked against), and the
-    prepared launch's time and its difference from the op's output at unit scales."""
-    def op(k_scale: float, v_scale: float) -> Any:
-        ops.paged_attention(out, q, k, v, tables, lens, k_scale=k_scale, v_scale=v_scale)
+    def op(k_scale: float, v_scale: float, keys: int = window) -> Any:
+        ops.paged_attention(out, q, k, v, tables, lens, k_scale=k_scale, v_scale=v_scale,
+                            window=keys or None)
         q.backend.synchronize(DEVICE)
         return tout.double()  # a copy
 
     want = op(*scales)
+    edges = {w: op(*scales, w) for w in (window - 1, window + 1) if w > 0} if window else {}
     unit = want if scales == (1.0, 1.0) else op(1.0, 1.0)
-    launch = bench.AttentionLaunch(out, q, k, v, tables, lens)
+    launch = bench.AttentionLaunch(out, q, k, v, tables, lens, None, window)
     try:
         launch()
         q.backend.synchronize(DEVICE)
         diff = relative_diff(tout, unit)
-        return want, {"ours_us": time_us(launch, iters), "launch_diff": diff}
+        return want, edges, {"ours_us": time_us(launch, iters), "launch_diff": diff}
     finally:
         launch.close()
-
-
-def run_wrapper(flashinfer: Any, workspace: Any, shape: bench.Shape, tq: Any,
-                kv: tuple[Any, Any], tables: np.ndarray, lens: np.ndarray,
-                scales: tuple[float, float], want: Any, iters: int) -> dict[str, Any]:
-    """FlashInfer's decode wrapper, CUDA-core (cc) and tensor-core (tc) kernels: each one's
-    time and difference from ours (or its error), and the faster one's."""
-    import torch
-
-    need = -(-lens // shape.block_size)
-    indptr = torch.tensor(np.concatenate([[0], np.cumsum(need)]).astype(np.int32)).cuda()
-    indices = torch.tensor(np.concatenate([tables[i, : need[i]] for i in range(len(lens))]))
-    last = torch.tensor(((lens - 1) % shape.block_size + 1).astype(np.int32)).cuda()
-    k_scale, v_scale = scales
-    row: dict[str, Any] = {"wrapper_us": None, "wrapper_kernel": None}
-    for tag, tensor_cores in (("cc", False), ("tc", True)):
-        try:
-            wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-                workspace, "HND", use_tensor_cores=tensor_cores)
-            wrapper.plan(indptr, indices.cuda(), last, shape.q_heads, shape.kv_heads,
-                         shape.head_dim, shape.block_size, q_data_type=tq.dtype,
-                         kv_data_type=kv[0].dtype)
-            theirs = torch.empty_like(tq)
-            wrapper.run(tq, kv, k_scale=k_scale, v_scale=None if v_scale == 1.0 else v_scale,
-                        out=theirs)
-            torch.cuda.synchronize()
-            row[f"wrapper_{tag}_diff"] = relative_diff(theirs, want)
-            row[f"wrapper_{tag}_us"] = time_us(
-                lambda w=wrapper, o=theirs: w.run(tq, kv, k_scale=k_scale, out=o), iters)
-        except Exception as exc:  # a shape or type this FlashInfer does not take
-            row[f"wrapper_{tag}_error"] = repr(exc)[:300]
-            continue
-        if row["wrapper_us"] is None or row[f"wrapper_{tag}_us"] < row["wrapper_us"]:
-            row.update(wrapper_us=row[f"wrapper_{tag}_us"], wrapper_kernel=tag)
-    return row
-
-
-def run_xqa(xqa: Callable[..., Any], workspace: Any, shape: bench.Shape, tq: Any,
-            kv: tuple[Any, Any], tables: np.ndarray, lens: np.ndarray,
-            scales: tuple[float, float], want: Any, iters: int) -> dict[str, Any]:
-    """FlashInfer's XQA decode: its time and difference from ours, or its error."""
-    import torch
-
-    k_scale, v_scale = scales
-    try:
-        block_tables = torch.from_numpy(tables).cuda()
-        seq_lens = torch.from_numpy(lens.astype(np.uint32)).cuda()
-        theirs = torch.empty_like(tq)
-
-        def run() -> None:
-            xqa(tq, kv, workspace, block_tables, seq_lens, tables.shape[1] * shape.block_size,
-                bmm1_scale=k_scale / math.sqrt(shape.head_dim), bmm2_scale=v_scale,
-                out=theirs, kv_layout="HND")
-
-        run()
-        torch.cuda.synchronize()
-        diff = relative_diff(theirs, want)
-        return {"xqa_us": time_us(run, iters), "xqa_diff": diff}
-    except Exception as exc:  # a shape or GPU XQA does not take
-        return {"xqa_us": None, "xqa_error": repr(exc)[:300]}
-
-
-def torch_view(array: DeviceArray) -> Any:
-    """``array`` as a torch tensor over the same memory (fp8 through its bytes)."""
-    import torch
-
-    if array.dtype.itemsize != 1:
-        return torch.from_dlpack(array)
-    codes = torch.from_dlpack(DeviceArray(array.buffer, np.uint8, array.shape))
-    return codes.view(getattr(torch, array.dtype.name))
 
 
 def run_row(shape: bench.Shape, flashinfer: Any, xqa: Callable[..., Any] | None,
             workspaces: tuple[Any, Any], copy_gbs: float, iters: int) -> dict[str, Any]:
     """One shape's row: the inputs made as the bench makes them, each kernel run on them."""
     backend = get_backend("cuda")
-    rng = bench.shape_rng(shape)
-    act = np.dtype(ACTIVATIONS[shape.dtype])
-    cache = np.dtype(getattr(ml_dtypes, shape.cache)) if shape.cache else act
-    tables, lens, num_blocks = bench.attention_inputs(shape, rng)
-    pages = (num_blocks, shape.kv_heads, shape.block_size, shape.head_dim)
-    k, v = (DeviceArray.empty(pages, cache, DEVICE, backend) for _ in range(2))
-    q = DeviceArray.empty((shape.batch, shape.q_heads, shape.head_dim), act, DEVICE, backend)
-    out = DeviceArray.empty(q.shape, act, DEVICE, backend)
-    for array, dtype in ((k, cache), (v, cache), (q, act)):  # the bench's order of draws
-        bench.fill_random(array.buffer, rng, dtype)
+    inputs = bench.row_inputs(shape, backend, DEVICE)
+    tables, lens = inputs.tables, inputs.lens
     scales = FP8_SCALES if shape.cache else (1.0, 1.0)
     row: dict[str, Any] = {**dataclasses.asdict(shape), "k_scale": scales[0],
-                           "v_scale": scales[1], "tokens": int(lens.sum()),
-                           "bytes": work_bytes(shape, lens)}
+                           "v_scale": scales[1], "tokens": int(bench.attended(shape, lens).sum()),
+                           "bytes": bench.attention_bytes(shape, lens)}
     try:
-        tq, tout, kv = torch_view(q), torch_view(out), (torch_view(k), torch_view(v))
-        want, ours = run_ours(q, out, k, v, tables, lens, scales, tout, iters)
+        tq, tout = torch_view(inputs.q), torch_view(inputs.out)
+        kv = (torch_view(inputs.k), torch_view(inputs.v))
+        want, edges, ours = run_ours(inputs, shape.window, scales, tout, iters)
         row.update(ours)
         row.update(run_wrapper(flashinfer, workspaces[0], shape, tq, kv, tables, lens, scales,
-                               want, iters))
+                               want, edges, iters))
         row.update({"xqa_us": None} if xqa is None else
-                   run_xqa(xqa, workspaces[1], shape, tq, kv, tables, lens, scales, want, iters))
-        del tq, tout, kv, want
+                   run_xqa(xqa, workspaces[1], shape, tq, kv, tables, lens, scales, want, edges,
+                           iters))
+        del tq, tout, kv, want, edges
     finally:
         backend.synchronize(DEVICE)
-        for array in (k, v, q, out):
-            array.buffer.root.close()
+        inputs.close()
     for name in ("ours", "wrapper", "xqa"):
         us = row[f"{name}_us"]
         row[f"{name}_pct_copy"] = None if us is None else row["bytes"] / us / 1e3 / copy_gbs * 100

@@ -10,10 +10,15 @@ names below are the ones device scripts and tools import from ``rocmforge_raw.be
 from .attention import (
     FP8_SHAPES,
     SHAPES,
+    WINDOW_SHAPES,
+    AttentionInputs,
     AttentionLaunch,
     Shape,
+    attended,
+    attention_bytes,
     attention_inputs,
     bench_attention,
+    row_inputs,
     shape_rng,
     sweep_shapes,
 )
@@ -28,6 +33,8 @@ from .timing import (
     time_ms,
 )
 
-__all__ = ["CACHE_TARGET_US", "FP8_SHAPES", "SHAPES", "AttentionLaunch", "Shape", "Timing",
+__all__ = ["CACHE_TARGET_US", "FP8_SHAPES", "SHAPES", "WINDOW_SHAPES", "AttentionInputs",
+           "AttentionLaunch", "Shape", "Timing", "attended", "attention_bytes",
            "attention_inputs", "bench_alloc", "bench_attention", "bench_cache", "copy_bandwidth",
-           "fill_random", "medians_us", "read_bandwidth", "shape_rng", "sweep_shapes", "time_ms"]
+           "fill_random", "medians_us", "read_bandwidth", "row_inputs", "shape_rng",
+           "sweep_shapes", "time_ms"]

@@ -29,7 +29,8 @@ def _attention(backend: Backend, device: int, iters: int, sweep: bool,
         copy = result["copy_gb_per_s"] = timing.copy_bandwidth(backend, device)
         read = result["read_gb_per_s"] = timing.read_bandwidth(backend, device)
     rows = result["attention"] = attention.bench_attention(
-        backend, device, copy, iters, attention.SHAPES + attention.FP8_SHAPES, read_gbs=read)
+        backend, device, copy, iters,
+        attention.SHAPES + attention.FP8_SHAPES + attention.WINDOW_SHAPES, read_gbs=read)
     lines = [f"copy bandwidth: {copy:.0f} GB/s (read + write, 1 GiB device copy); "
              f"read bandwidth: {read:.0f} GB/s (1 GiB read-only)", *attention_table(rows)]
     if sweep:

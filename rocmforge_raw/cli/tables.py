@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from ..bench.attention import FP8_TIME_TARGET, SHAPES
+from ..bench.attention import FP8_TIME_TARGET, SHAPES, WINDOW_SHAPES, WINDOW_TARGET
 from ..bench.step import VARIANTS
 
 Legend = list[tuple[tuple[str, ...], str]]
@@ -71,32 +71,43 @@ def _shapes() -> str:
                      f"{s.q_heads}/{s.kv_heads} heads, {s.dtype}" for s in SHAPES)
 
 
+def _window_shapes() -> str:
+    """The sliding-window rows (W1, W2) in a few words each."""
+    return "; ".join(f"{s.name} {s.batch} x {s.context}, window {s.window}, {s.q_heads}/"
+                     f"{s.kv_heads} heads, {s.dtype}" for s in WINDOW_SHAPES)
+
+
 def attention_legend(iters: int) -> Legend:
     fp8 = ", ".join(name.removesuffix("-fp8") for name in FP8_TIME_TARGET)
     targets = sorted(set(FP8_TIME_TARGET.values()))
     return [
         (("shape",), f"{_shapes()} (head_dim 128, block 16, pages in random order); -fp8: the "
-                     "same over an e4m3fn cache; sweep rows: d<head_dim>-r<GQA ratio>-b<block>-"
+                     f"same over an e4m3fn cache; {_window_shapes()} (each query attends to "
+                     "its last <window> tokens); sweep rows: d<head_dim>-r<GQA ratio>-b<block>-"
                      "<sequences>x<tokens> (U: lengths uniform up to it)"),
         (("ms",), f"device time of one attention launch between two events, median of {iters} "
                   f"runs after 5 warm-up ones (each queued behind a hold kernel, so the events "
                   f"time device work only)"),
-        (("GB/s",), "bytes read and written (K and V once per kv-head group, q and out) over ms"),
+        (("GB/s",), "bytes read and written (K and V once per kv-head group, q and out; a W "
+                    "row's K and V of its window only) over ms"),
         (("% copy", "% read"), "GB/s over the copy and the read bandwidth measured above"),
-        (("target",), "the % read a 16-bit row should reach; an fp8 row shows x<t>t instead, "
+        (("target",), "the % read a 16-bit row should reach; a W row shows <t>%c, the % copy "
+                      f"it should reach ({WINDOW_TARGET} %); an fp8 row shows x<t>t instead, "
                       f"its time over its 16-bit row's (target x{targets[-1]:.2f} on {fp8})"),
         (("host us",), "the host's time to enqueue the launch, median"),
     ]
 
 
 def attention_table(rows: list[dict[str, Any]]) -> list[str]:
-    """One line per attention row: time, bandwidth, % of copy and of read (with targets; an
-    fp8 row gives its time over its 16-bit shape's instead)."""
+    """One line per attention row: time, bandwidth, % of copy and of read (with targets: of
+    read, of copy for a sliding-window row; an fp8 row gives its time over its 16-bit shape's
+    instead)."""
     width = max(len(r["name"]) for r in rows)
     lines = [f"{'shape':{width}} {'ms':>8} {'GB/s':>8} {'% copy':>7} {'% read':>7} "
              f"{'target':>7} {'host us':>8}"]
     for r in rows:
         target = (f"{r['read_target_pct']:6}%" if r["read_target_pct"] is not None else
+                  f"{r['target_pct']}%c" if r.get("window") and r.get("target_pct") else
                   f"x{r['time_vs_16bit']:.2f}t" if r.get("time_vs_16bit") else "      -")
         lines.append(f"{r['name']:{width}} {r['ms']:8.3f} {r['gb_per_s']:8.0f} "
                      f"{r['pct_of_copy']:6.1f}% {r['pct_of_read']:6.1f}% {target:>7} "
