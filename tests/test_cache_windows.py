@@ -139,3 +139,20 @@ def test_a_step_of_many_tokens_frees_what_its_first_row_no_longer_sees(backend):
         assert cache.stats()["window_dropped_blocks"] == 3
         assert (meta.block_tables[1, :3] == 0).all() and (meta.block_tables[1, 3:8] != 0).all()
         cache.check_invariants()
+
+
+def test_query_rows_reaching_back_into_freed_blocks_are_refused(backend):
+    """Rows older than an earlier step's first query would need keys already freed: the
+    step is refused by name before anything changes, and the usual steps go on."""
+    rng = np.random.default_rng(10)
+    with windowed(backend) as cache:
+        cache.add_sequence("a", 60)
+        step(cache, rng, ["a"], range(2))  # a decode: frees the blocks before token 40
+        before = cache.stats()
+        with pytest.raises(ValueError, match=r"query_lens\[0\] = 20 reaches back to token 21"):
+            cache.batch(["a"], query_lens=[20])
+        assert cache.stats() == before
+        cache.extend(["a"], [4])  # four new tokens: their rows see from token 41 on
+        meta, results = step(cache, rng, ["a"], range(2), q_lens=[4])
+        check(cache, meta, range(2), results)
+        cache.check_invariants()

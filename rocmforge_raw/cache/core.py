@@ -297,10 +297,19 @@ class CacheCore:
         read again, as lengths only grow. The null block takes their table entries; blocks
         shared with others (forks, prefixes) lose a holder; freed prefix blocks stay
         cached, as a finished sequence's."""
-        rows_of = self._rows
+        rows_of, block_size = self._rows, self.config.block_size
         asked = 1 if query_lens is None else query_lens
-        given = rows_of.drop_before(rows, rows_of.lens[rows] - asked - window + 1,
-                                    self.config.block_size)
+        first = rows_of.lens[rows] - asked - window + 1
+        dropped = rows_of.dropped[rows]
+        lost = np.flatnonzero((dropped > 0) & (first < dropped * block_size))
+        if lost.size:  # query rows older than an earlier step's: their keys are gone
+            i = int(lost[0])
+            raise ValueError(
+                f"query_lens[{i}] = {int(np.broadcast_to(asked, rows.shape)[i])} reaches back "
+                f"to token {int(first[i])} of a sequence whose blocks before token "
+                f"{int(rows_of.dropped[rows[i]]) * block_size} left every window (freed): a "
+                "step's query rows start no earlier than the last's")
+        given = rows_of.drop_before(rows, first, block_size)
         if given.size:
             self.pool.free(given)
             self.num_window_dropped += int(given.size)
