@@ -86,20 +86,32 @@ def test_a_mixed_step_matches_the_reference(backend, rng, dtype):
         cache.check_invariants()
 
 
-def test_query_rows_in_shared_blocks_are_not_written(backend, rng):
-    """A prefix hit's shared blocks already hold its K/V: a step over them writes nothing
-    there (slot -1), so the sequence sharing them keeps its values."""
-    config = CacheConfig(1, 1, 64, 16, 40, np.float32, num_q_heads=2)
+def test_a_prompt_and_a_hit_on_its_fresh_blocks_in_one_step_write_them_once(backend, rng):
+    """A prompt's fresh blocks that a second prompt hits before any step wrote them (two
+    requests sharing a system prompt, admitted together): the step's first sequence whose
+    rows reach a shared block writes it (the other's slots there are -1), and the K/V in
+    the slab are the ones given for it, which both sequences then attend over."""
+    config = CacheConfig(1, 1, 64, 8, 40, np.float32, num_q_heads=2)
     with KvCache(config, backend=backend) as cache:
-        prompt = np.arange(48)
+        prompt = np.arange(24)
         cache.add_sequence("a", tokens=prompt)
-        meta, _ = run_step(cache, rng, ["a"], [48], layers=(0,))
-        before = slab_planes(cache, 0)
-        cache.add_sequence("b", tokens=prompt)  # all 3 blocks found
-        meta, _ = run_step(cache, rng, ["b"], [10], layers=(0,))
-        assert (meta.slot_mapping == -1).all()
-        after = slab_planes(cache, 0)
-        np.testing.assert_array_equal(before[0], after[0])
+        cache.add_sequence("b", tokens=np.concatenate([prompt, 100 + np.arange(8)]))
+        assert cache.stats()["prefix_hits"] == 3
+        meta = cache.batch(["a", "b"], query_lens=[24, 8])
+        assert (meta.slot_mapping >= 0).all()  # a writes the shared blocks, b its own
+        kv = rng.standard_normal((32, 1, 64), np.float32)
+        key = DeviceArray.from_numpy(kv, backend=backend)
+        cache.write(0, key, key, meta)
+        k, _ = slab_planes(cache, 0)
+        rows = k.reshape(-1, 64)[meta.slot_mapping]
+        np.testing.assert_array_equal(rows, kv[:, 0])
+        key.buffer.close()
+        # both in one step over the same shared block: its first sequence writes it
+        cache.add_sequence("c", tokens=prompt)
+        meta = cache.batch(["b", "c"], query_lens=[32, 24])
+        slots = meta.slot_mapping
+        assert (slots[:32] >= 0).all() and (slots[32:] == -1).all()
+        cache.check_invariants()
 
 
 def test_one_row_each_is_the_decode_plan(backend, rng):

@@ -211,12 +211,15 @@ def pop_blocks(int32_t[::1] free, Py_ssize_t top, Py_ssize_t count, int32_t[::1]
 def query_slots(const int32_t[:, :] tables, const int32_t[:] lens, const int32_t[:] query_lens,
                 const int32_t[:] ref_cnt, int64_t block_size):
     """The slots of each sequence's last ``query_lens`` tokens (int64, sequence by sequence;
-    -1 in a block whose ref count is over 1): ``multi.query_slots``, a block's run of tokens
-    at a time (no division a token). Every length, table column and block id is checked
-    first or where read (ValueError, IndexError)."""
+    -1 in a block shared with another sequence (ref count over 1) that an earlier sequence
+    of this step writes already: the first sequence whose rows reach a shared block writes
+    it, as a prefix hit in the same step as the prompt it hit needs): ``multi.query_slots``,
+    a block's run of tokens at a time (no division a token). Every length, table column and
+    block id is checked first or where read (ValueError, IndexError)."""
     cdef Py_ssize_t s, j, k = 0, n = lens.shape[0], width = tables.shape[1]
     cdef Py_ssize_t blocks = ref_cnt.shape[0]
     cdef int64_t total = 0, pos, end, col, off, run, block, base
+    cdef dict writer = {}  # shared block -> the first sequence of the step that writes it
     if tables.shape[0] != n or query_lens.shape[0] != n:
         raise ValueError(f"{tables.shape[0]} tables, {n} lengths and {query_lens.shape[0]} "
                          "query lengths must pair up")
@@ -238,7 +241,9 @@ def query_slots(const int32_t[:, :] tables, const int32_t[:] lens, const int32_t
             if not 0 <= block < blocks:
                 raise IndexError(f"block {block} outside [0, {blocks})")
             run = min(block_size - off, end - pos)
-            base = -1 if ref_cnt[block] > 1 else block * block_size + off
+            base = block * block_size + off
+            if ref_cnt[block] > 1 and writer.setdefault(block, s) != s:
+                base = -1
             for j in range(run):
                 out[k + j] = base if base < 0 else base + j
             k += run

@@ -44,7 +44,9 @@ def query_slots(tables: np.ndarray, lens: np.ndarray, query_lens: np.ndarray,
                 ref_cnt: np.ndarray, block_size: int) -> np.ndarray:
     """The slots of each sequence's last ``query_lens`` tokens (int64, sequence by sequence):
     where a step writes their K/V; -1 for a token in a block another sequence shares (a
-    prefix hit, a fork: the block holds its K/V already). One loop in C (``_rows``)."""
+    prefix hit, a fork) that an earlier sequence of the step writes already (the first one
+    whose rows reach the block writes it: a prompt and a hit on its fresh blocks in one
+    step). One loop in C (``_rows``)."""
     found: np.ndarray = _query_slots(_int32("tables", tables), _int32("lens", lens),
                                      _int32("query_lens", query_lens),
                                      _int32("ref_cnt", ref_cnt), block_size)
