@@ -180,6 +180,9 @@ def test_a_config_says_its_windows():
     assert config.windows == (8, None, 4096) and config.widest_window is None
     assert CacheConfig(3, 2, 64, 16, 8, np.float32, windows=[8, 16, 4]).widest_window == 16
     assert CacheConfig(3, 2, 64, 16, 8, np.float32, windows=np.int64(32)).windows == (32,) * 3
+    assert CacheConfig(3, 2, 64, 16, 8, np.float32, windows=np.array(8)).windows == (8,) * 3
+    assert CacheConfig(3, 2, 64, 16, 8, np.float32, windows=np.array([8, 4, 2])).windows == (
+        8, 4, 2)
     assert CacheConfig(3, 2, 64, 16, 8, np.float32).windows == (None,) * 3
 
 

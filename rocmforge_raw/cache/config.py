@@ -124,6 +124,8 @@ class CacheConfig:
     def _windows(self) -> tuple[int | None, ...]:
         """``windows`` checked, one entry a layer (None: the layer sees every token)."""
         given = self.windows
+        if isinstance(given, np.ndarray) and given.ndim == 0:
+            given = given.item()  # (one window, as a NumPy scalar holds it)
         if given is None or isinstance(given, (int, np.integer)):
             window = None if given is None else check_window(given, "windows")
             return (window,) * self.num_layers

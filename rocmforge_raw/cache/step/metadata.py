@@ -23,10 +23,11 @@ class BatchMetadata:
     sequence's last reserved slot; -1: none). A step of many query tokens per sequence
     (``batch(seq_ids, query_lens=...)``) has ``query_lens`` int32 ``[n]`` and one slot per
     query token (``[sum(query_lens)]``, each sequence's last ``query_lens`` tokens; -1: a
-    token in a shared block an earlier sequence of the step writes). On a GPU the same arrays already live on
-    the device, uploaded on ``stream``. Usable with ``KvCache.write``/``attention`` while
-    current: until the cache changes (add, append, fork, finish, remove, preemption) or
-    plans another batch. Read-only: only the planner sets its private fields.
+    token in a shared block an earlier sequence of the step writes). On a GPU the same
+    arrays already live on the device, uploaded on ``stream``. Usable with
+    ``KvCache.write``/``attention`` while current: until the cache changes (add, append,
+    fork, finish, remove, preemption) or plans another batch. Read-only: only the planner
+    sets its private fields.
     """
 
     seq_ids: tuple[Hashable, ...]
