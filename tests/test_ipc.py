@@ -295,7 +295,42 @@ def test_the_last_importer_waits_for_the_device_before_it_unmaps_and_lets_go():
     mapping.backend, mapping.handle, mapping.refs = Recording(), handle, 1
     mapping.fd, mapping.ptr = os.open(os.devnull, os.O_RDONLY), 4096
     mapping.exporter = procs.Exit(*procs.identity())  # (closed with the mapping)
+    mapping.device = 0  # mapped on the importer's device, not the exporter's (1)
     ipc._imports[("cuda", b"k")] = mapping
-    mapping.release(4096, 256, 1)
-    assert calls == [("restoring", 1), ("synchronize", 1), ("ipc_close", 1), ("restored", 1)]
+    mapping.release(4096, 256, 0)
+    assert calls == [("restoring", 0), ("synchronize", 0), ("ipc_close", 0), ("restored", 0)]
     assert ("cuda", b"k") not in ipc._imports
+
+
+@pytest.mark.parametrize("by_driver", [False, True], ids=["span-kernel", "driver-batch"])
+def test_a_mapping_made_on_the_importers_device_is_read_there(two_devices, monkeypatch,
+                                                               by_driver):
+    """An importer maps another device's export on its own device (GPUs: peer access, which
+    the open enables): the buffer is that device's, ``ipc.remote_device`` names the
+    exporter's, and spans of it arrive whole in memory of the importer's device, short ones
+    through the span kernel over the link, long ones (here: every span, by a lowered bar)
+    as one batched driver copy (or one runtime copy a span where there is none)."""
+    from rocmforge_raw.kernels import ops
+
+    backend = two_devices
+    if by_driver:
+        monkeypatch.setattr(ops, "LINK_SPAN_BYTES", 16)
+    with spawned(export_and_wait, backend.name, 1) as worker:
+        handle = worker.receive()
+        mapped = rf.HipBuffer.from_ipc(handle, device=0)
+        try:
+            assert (mapped.device, handle.device, ipc.remote_device(mapped.ptr)) == (0, 1, 1)
+            with rf.HipBuffer.from_ipc(handle, device=1) as again:
+                assert again.device == 0  # (it shares the mapping)
+            with rf.HipBuffer(4096, 0, backend) as dst:
+                dst.fill(0)
+                spans = np.array([[0, 2048, 1024], [1024, 0, 16], [3072, 1040, 1008]])
+                ops.copy_spans(dst, mapped, spans)
+                got = dst.to_numpy(np.int32)
+            want = np.zeros(1024, np.int32)
+            for src_at, dst_at, nbytes in spans // 4:
+                want[dst_at:dst_at + nbytes] = np.arange(src_at, src_at + nbytes)
+            np.testing.assert_array_equal(got, want)
+        finally:
+            mapped.close()
+            worker.kill()

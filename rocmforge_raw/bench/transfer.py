@@ -170,7 +170,7 @@ def _copy_source(desc: Any, link: Any, cache: KvCache, sender_device: int,
     another (a peer copy, as the row's devices say; ``held`` frees it)."""
     ipc = desc.endpoints.get("ipc")
     if ipc is not None:
-        mapped: HipBuffer = link.mapping(ipc)
+        mapped: HipBuffer = link.mapping(ipc, cache.slab.device)  # (where the read maps it)
         return mapped
     slab = cache.slab.buffer
     if sender_device == slab.device:

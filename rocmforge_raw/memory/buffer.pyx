@@ -257,13 +257,16 @@ cdef class HipBuffer:
         return ipc.export_handle(self)
 
     @classmethod
-    def from_ipc(cls, handle: IpcHandle) -> HipBuffer:
+    def from_ipc(cls, handle: IpcHandle, device: int | None = None) -> HipBuffer:
         """Map another process's memory named by ``handle``: a root buffer whose ``close()``
-        (or garbage collection) unmaps it and never frees it. ``IpcError`` for a handle of
-        another host or of this process, or whose memory was freed or whose exporter exited."""
-        backend, addr, allocator = ipc.import_handle(handle)
+        (or garbage collection) unmaps it and never frees it. ``device``: where this
+        process maps it the first time (None: the exporter's device; another that reaches it
+        by peer access lets its kernels read it directly); later imports share that mapping,
+        and the buffer's ``device`` says where it is. ``IpcError`` for a handle of another
+        host or of this process, or whose memory was freed or whose exporter exited."""
+        backend, addr, allocator, mapped_on = ipc.import_handle(handle, device)
         cdef HipBuffer buf = cls.__new__(cls)
-        buf.backend, buf.device, buf.nbytes, buf.addr = backend, handle.device, handle.nbytes, addr
+        buf.backend, buf.device, buf.nbytes, buf.addr = backend, mapped_on, handle.nbytes, addr
         try:
             buf.ref = _registry.add(buf, buf.nbytes, buf.device, allocator, addr)
         except BaseException:

@@ -105,13 +105,15 @@ class _Export:
 class _Mapping:
     """The importer's side: one mapping of another process's allocation, shared by every
     buffer this process imported it as, the shared lock on its lease and the watch on its
-    exporter's exit (``exporter``, a ``procs.Exit``, which it closes)."""
+    exporter's exit (``exporter``, a ``procs.Exit``, which it closes). It is made on
+    ``device``: the exporter's, or another of this process that reaches it (peer access,
+    which the open enables), whose kernels then address the memory directly."""
 
     def __init__(self, backend: Backend, handle: IpcHandle, fd: int,
-                 exporter: procs.Exit) -> None:
+                 exporter: procs.Exit, device: int) -> None:
         self.backend, self.handle, self.fd, self.refs = backend, handle, fd, 0
-        self.exporter = exporter
-        self.ptr = backend.ipc_open(handle.key, handle.nbytes, handle.device)
+        self.exporter, self.device = exporter, device
+        self.ptr = backend.ipc_open(handle.key, handle.nbytes, device)
 
     def release(self, ptr: int, nbytes: int, device: int) -> None:
         """One importing buffer fewer; the last waits for the device's queued work (which
@@ -122,7 +124,7 @@ class _Mapping:
             if self.refs:
                 return
             del _imports[(self.handle.backend, self.handle.key)]
-            backend, device = self.backend, self.handle.device
+            backend, device = self.backend, self.device
 
             def unmap() -> None:
                 backend.synchronize(device)
@@ -202,10 +204,22 @@ def pending() -> dict[str, int]:
 
 def mapped(ptr: int) -> bool:
     """Whether address ``ptr`` lies in memory this process mapped from another process's
-    export (``HipBuffer.from_ipc``). Such a mapping belongs to its exporter's device here:
-    another device's kernels do not reach it through peer access (only copies do)."""
+    export (``HipBuffer.from_ipc``). Such a mapping belongs to the device it was made on
+    here: another device's kernels do not reach it through peer access (only copies do)."""
     with _lock:
         return any(m.ptr <= ptr < m.ptr + m.handle.nbytes for m in _imports.values())
+
+
+def remote_device(ptr: int) -> int | None:
+    """The exporter's device of the mapping holding ``ptr`` where it was made on another
+    device of this process (its bytes cross the link between the two), else None."""
+    if not _imports:  # (the common case, without the lock)
+        return None
+    with _lock:
+        for m in _imports.values():
+            if m.ptr <= ptr < m.ptr + m.handle.nbytes:
+                return m.handle.device if m.device != m.handle.device else None
+    return None
 
 
 def check_exporter(handle: IpcHandle) -> None:
@@ -244,10 +258,13 @@ def export_handle(buffer: Any) -> IpcHandle:
     return handle
 
 
-def import_handle(handle: Any) -> tuple[Backend, int, HookAllocator]:
+def import_handle(handle: Any, device: int | None = None
+                  ) -> tuple[Backend, int, HookAllocator, int]:
     """Map ``handle`` for ``HipBuffer.from_ipc``: (backend, address, allocator whose free
-    unmaps). Raises ``TypeError`` for anything but an ``IpcHandle``, ``IpcError`` for a
-    handle of another host, of this process, of memory freed, of an exporter gone, or altered."""
+    unmaps, the device the mapping is on). The first import of a handle makes its mapping
+    on ``device`` (None: the exporter's); later ones share it, wherever it is. Raises
+    ``TypeError`` for anything but an ``IpcHandle``, ``IpcError`` for a handle of another
+    host, of this process, of memory freed, of an exporter gone, or altered."""
     if not isinstance(handle, IpcHandle):
         raise TypeError(f"handle must be an IpcHandle (from HipBuffer.ipc_handle()), got "
                         f"{checks.show(handle)}")
@@ -262,10 +279,11 @@ def import_handle(handle: Any) -> tuple[Backend, int, HookAllocator]:
         raise IpcError("the handle was exported by this process: use the buffer itself")
     backend = get_backend(handle.backend)
     backend.resolve_device(handle.device)  # a device of this host
+    device = handle.device if device is None else backend.resolve_device(device)
     with _lock:
         mapping = _imports.get((handle.backend, handle.key))
         if mapping is None:
-            mapping = _map(backend, handle)
+            mapping = _map(backend, handle, device)
             _imports[(handle.backend, handle.key)] = mapping
         elif mapping.handle != handle:  # a buffer of other bytes would overrun the mapping
             raise IpcError(f"the handle does not match the one its memory is mapped with here "
@@ -276,10 +294,10 @@ def import_handle(handle: Any) -> tuple[Backend, int, HookAllocator]:
             _check_alive(handle, mapping.exporter)
         mapping.refs += 1
     collect()
-    return backend, mapping.ptr, HookAllocator(backend, None, mapping.release)
+    return backend, mapping.ptr, HookAllocator(backend, None, mapping.release), mapping.device
 
 
-def _map(backend: Backend, handle: IpcHandle) -> _Mapping:
+def _map(backend: Backend, handle: IpcHandle, device: int) -> _Mapping:
     """Take a shared lock on the handle's lease, check it is live, then map."""
     owner = f"process {handle.pid}"
     name = os.path.basename(handle.lease)
@@ -307,7 +325,7 @@ def _map(backend: Backend, handle: IpcHandle) -> _Mapping:
         exporter = procs.Exit(handle.pid, handle.pid_start)
         try:
             _check_alive(handle, exporter)
-            return _Mapping(backend, handle, fd, exporter)
+            return _Mapping(backend, handle, fd, exporter, device)
         except BaseException:
             exporter.close()
             raise

@@ -56,7 +56,7 @@ class IpcTransport(Transport):
         self._check_open()
         timeout = read_timeout(timeout)
         handle = self._handle(endpoint)
-        src = self.mapping(handle)
+        src = self.mapping(handle, dst.device)
         if src.backend is not dst.backend:
             raise ValueError(f"the sender's slab is {src.backend.name} memory, the receiver's "
                              f"{dst.backend.name}: IPC copies within one backend")
@@ -70,15 +70,17 @@ class IpcTransport(Transport):
             raise TypeError(f"an ipc endpoint is an IpcHandle, got {checks.show(endpoint)}")
         return endpoint
 
-    def mapping(self, handle: IpcHandle) -> HipBuffer:
-        """The buffer ``handle`` names, mapped here once (until ``close()``). Mappings whose
-        exporter exited or closed its slab are dropped first (``IpcError`` if this is one)."""
+    def mapping(self, handle: IpcHandle, device: int | None = None) -> HipBuffer:
+        """The buffer ``handle`` names, mapped here once (until ``close()``), on ``device``
+        the first time (None: the exporter's; a receiver maps it on its own, so the span
+        kernel reads it over the link). Mappings whose exporter exited or closed its slab
+        are dropped first (``IpcError`` if this is one)."""
         self._check_open()
         self._let_go_of_gone(handle.key)
         if handle.key in self._mapped:
             self._check_source(handle)
         else:
-            self._mapped[handle.key] = HipBuffer.from_ipc(handle)
+            self._mapped[handle.key] = HipBuffer.from_ipc(handle, device)
             self._handles[handle.key] = handle
         return self._mapped[handle.key]
 
