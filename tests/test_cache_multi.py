@@ -106,11 +106,19 @@ def test_a_prompt_and_a_hit_on_its_fresh_blocks_in_one_step_write_them_once(back
         rows = k.reshape(-1, 64)[meta.slot_mapping]
         np.testing.assert_array_equal(rows, kv[:, 0])
         key.buffer.close()
-        # both in one step over the same shared block: its first sequence writes it
+        # both in one step over the same shared blocks: their first sequence writes them
         cache.add_sequence("c", tokens=prompt)
         meta = cache.batch(["b", "c"], query_lens=[32, 24])
         slots = meta.slot_mapping
         assert (slots[:32] >= 0).all() and (slots[32:] == -1).all()
+        # a full hit recomputing its last token, listed first (decodes first): it writes
+        # that position, the prompt the rest of the block
+        cache.add_sequence("d", tokens=prompt)
+        cache.add_sequence("e", tokens=prompt)
+        meta = cache.batch(["e", "d"], query_lens=[1, 24])
+        slots = meta.slot_mapping
+        assert slots[0] >= 0 and (slots[1:24] >= 0).all() and slots[24] == -1
+        assert slots[0] == slots[23] + 1  # e's position 23 beside d's 22: one block
         cache.check_invariants()
 
 

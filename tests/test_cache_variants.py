@@ -192,3 +192,20 @@ def test_a_step_graph_of_a_cache_with_variants_is_refused(backend, given):
     with KvCache(config, backend=backend) as cache, pytest.raises(NotImplementedError,
                                                                    match="step graph"):
         cache.step_graph()
+
+
+def test_a_capped_step_of_many_tokens_the_kernel_cannot_cap_is_refused(backend):
+    """gfx11's 16-bit head_dim 256 multi-token instance has no room for the cap: a cache
+    there refuses capped steps of many query tokens by name before anything changes (no
+    such GPU here: the planner's flag stands for it), and keeps taking decode steps."""
+    config = CacheConfig(1, 2, 256, 16, 16, ml_dtypes.bfloat16, num_q_heads=4,
+                         logit_softcap=CAP)
+    with KvCache(config, backend=backend) as cache:
+        assert cache._steps.multi_capless is False  # (no wave32 GPU here)
+        cache._steps.multi_capless = True
+        cache.add_sequence("a", 40)
+        before = cache.stats()
+        with pytest.raises(NotImplementedError, match="head_dim 256 on a wave32 GPU"):
+            cache.batch(["a"], query_lens=[8])
+        assert cache.stats() == before
+        cache.batch(["a"])

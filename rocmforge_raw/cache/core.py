@@ -290,16 +290,14 @@ class CacheCore:
         rows.touch(np.array([row]), now)
         self._changed()
 
-    def _leave_windows(self, rows: np.ndarray, query_lens: np.ndarray | None, window: int
-                       ) -> None:
-        """Free the blocks of ``rows`` that lie wholly before what this step's first query
-        of each sees through the widest ``window`` (every layer has one): they are never
-        read again, as lengths only grow. The null block takes their table entries; blocks
-        shared with others (forks, prefixes) lose a holder; freed prefix blocks stay
-        cached, as a finished sequence's."""
+    def _window_firsts(self, rows: np.ndarray, query_lens: np.ndarray | None, window: int
+                       ) -> np.ndarray:
+        """The first token this step's first query of each of ``rows`` sees through the
+        widest ``window`` (every layer has one): what ``_leave_windows`` keeps from. Raises,
+        changing nothing, where a query row reaches back into blocks an earlier step freed."""
         rows_of, block_size = self._rows, self.config.block_size
         asked = 1 if query_lens is None else query_lens
-        first = rows_of.lens[rows] - asked - window + 1
+        first: np.ndarray = rows_of.lens[rows] - asked - window + 1
         dropped = rows_of.dropped[rows]
         lost = np.flatnonzero((dropped > 0) & (first < dropped * block_size))
         if lost.size:  # query rows older than an earlier step's: their keys are gone
@@ -307,13 +305,23 @@ class CacheCore:
             raise ValueError(
                 f"query_lens[{i}] = {int(np.broadcast_to(asked, rows.shape)[i])} reaches back "
                 f"to token {int(first[i])} of a sequence whose blocks before token "
-                f"{int(rows_of.dropped[rows[i]]) * block_size} left every window (freed): a "
-                "step's query rows start no earlier than the last's")
-        given = rows_of.drop_before(rows, first, block_size)
-        if given.size:
-            self.pool.free(given)
-            self.num_window_dropped += int(given.size)
-            self._changed()
+                f"{int(dropped[i]) * block_size} left every window (freed): a step's query "
+                "rows start no earlier than the last's")
+        return first
+
+    def _leave_windows(self, rows: np.ndarray, first: np.ndarray) -> bool:
+        """Free the blocks of ``rows`` wholly before token ``first`` of each
+        (``_window_firsts``): they are never read again, as lengths only grow. The null
+        block takes their table entries; blocks shared with others (forks, prefixes) lose a
+        holder; freed prefix blocks stay cached, as a finished sequence's. Whether any
+        was freed (the cache changed)."""
+        given = self._rows.drop_before(rows, first, self.config.block_size)
+        if not given.size:
+            return False
+        self.pool.free(given)
+        self.num_window_dropped += int(given.size)
+        self._changed()
+        return True
 
     def _release(self, seq_id: Hashable) -> int:
         self._chains.stop(self._rows.index[seq_id])

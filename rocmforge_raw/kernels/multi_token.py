@@ -99,12 +99,9 @@ def paged_attention_multi(out: DeviceArray, query: DeviceArray, k_cache: DeviceA
     kernel_scale, out_scale, k_scale, v_scale = scales
     softcap, sinks, window = variants
     sinks_at = 0 if sinks is None else sinks.ptr
-    if (softcap and k_cache.shape[3] == 256 and query.dtype.itemsize == 2
-            and query.backend.name == "hip" and int(q_lens.max(initial=1)) > 1
-            and query.backend.cached_properties(query.device).warp_size == 32):
-        raise NotImplementedError(
-            "logit_softcap with query_lens at head_dim 256 on a wave32 GPU (gfx11): its "
-            "multi-token kernel has no register room for the cap (decode calls take it)")
+    if (softcap and int(q_lens.max(initial=1)) > 1
+            and cap_unsupported(query.backend, query.device, query.dtype, k_cache.shape[3])):
+        raise NotImplementedError(CAP_UNSUPPORTED)
     if num_seqs == 0:
         return
     if query.backend.name == "host":
@@ -131,6 +128,19 @@ def paged_attention_multi(out: DeviceArray, query: DeviceArray, k_cache: DeviceA
                    None if tables is None else tables[decodes:], lens[decodes:],
                    q_lens[decodes:], kernel_scale, out_scale, stream, workspace, softcap,
                    sinks_at, window)
+
+
+CAP_UNSUPPORTED = ("logit_softcap with query_lens at head_dim 256 on a wave32 GPU (gfx11): "
+                   "its multi-token kernel has no register room for the cap (decode calls "
+                   "take it)")
+
+
+def cap_unsupported(backend: Any, device: int, dtype: np.dtype, head_dim: int) -> bool:
+    """Whether a capped multi-token launch of ``dtype`` activations at ``head_dim`` would
+    run without its cap here: 16-bit at head_dim 256 on a wave32 GPU (gfx11), whose WMMA
+    instance has no register room for it (``pf_math.h``'s CAPS): such calls are refused."""
+    return (head_dim == 256 and np.dtype(dtype).itemsize == 2 and backend.name == "hip"
+            and backend.cached_properties(device).warp_size == 32)
 
 
 def launch_prefill(out: DeviceArray, query: DeviceArray, k_cache: DeviceArray,

@@ -262,7 +262,9 @@ cdef class HipBuffer:
         (or garbage collection) unmaps it and never frees it. ``device``: where this
         process maps it the first time (None: the exporter's device; another that reaches it
         by peer access lets its kernels read it directly); later imports share that mapping,
-        and the buffer's ``device`` says where it is. ``IpcError`` for a handle of another
+        and the buffer's ``device`` says where it is. The last importer's unmap waits for
+        that device only: wait for copies another device queued from it before letting go
+        (the transports wait for every read). ``IpcError`` for a handle of another
         host or of this process, or whose memory was freed or whose exporter exited."""
         backend, addr, allocator, mapped_on = ipc.import_handle(handle, device)
         cdef HipBuffer buf = cls.__new__(cls)

@@ -18,6 +18,7 @@ import numpy as np
 
 from ...common import checks
 from ...kernels import ops
+from ...kernels.multi_token import CAP_UNSUPPORTED
 from ...memory.array import DeviceArray
 from ...memory.stream import Stream, stream_handle
 from ..core import operation, repeated
@@ -51,7 +52,7 @@ class StepLaunches(TierOps):
 
         In a cache whose every layer has a window (``CacheConfig.windows``), the blocks of
         ``seq_ids`` that left the widest window before this step's first query are freed
-        here (``stats()['window_dropped_blocks']``)."""
+        once the step is planned (``stats()['window_dropped_blocks']``)."""
         ids = checks.id_list(seq_ids, "seq_ids")
         stream = self._stream(stream)
         rows_of = self._rows
@@ -60,11 +61,13 @@ class StepLaunches(TierOps):
             raise ValueError(f"batch lists sequence {repeated(ids)!r} twice")
         q_lens = None if query_lens is None else self._query_lens(query_lens, rows)
         c = self.config
+        if q_lens is not None and self._steps.multi_capless and (q_lens != 1).any():
+            raise NotImplementedError(CAP_UNSUPPORTED)
+        firsts = None if c.widest_window is None else self._window_firsts(
+            rows, q_lens, c.widest_window)
         if self._order is not None:
             self._order.used(stream)
         now = self._now()
-        if c.widest_window is not None:
-            self._leave_windows(rows, q_lens, c.widest_window)
         tables, lens, slots = rows_of.gather(rows, c.num_blocks, c.block_size)
         if q_lens is not None and (q_lens != 1).any():
             slots = query_slots(tables, lens, q_lens, self.pool.ref_cnt, c.block_size)
@@ -74,6 +77,10 @@ class StepLaunches(TierOps):
             q_lens = None  # one row each: the decode plan
         meta = self._steps.plan(self, self._epoch, rows_of.last_ids(), tables, lens, slots,
                                 stream, q_lens)
+        # only now, the plan made: a plan that fails leaves every block where it was (this
+        # step's snapshot still names the freed ones; its kernels never read them)
+        if firsts is not None and self._leave_windows(rows, firsts):
+            meta._set(_epoch=self._epoch)
         rows_of.touch(rows, now)
         return meta
 

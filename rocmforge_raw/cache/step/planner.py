@@ -25,6 +25,7 @@ import numpy as np
 
 from ...common import checks
 from ...kernels import ops
+from ...kernels.multi_token import cap_unsupported
 from ...kernels.planning import (
     OUT_SCALE_ARG,
     SCALE_ARG,
@@ -80,6 +81,9 @@ class StepPlanner(DecodePlans):
         self.window_values = sorted({w for w in c.windows if w is not None})
         self.softcap = c.logit_softcap or 0.0
         self.sinks_seen = False  # set by the first call with sinks: calls set them from then
+        # a cap the multi-token kernel cannot apply here (gfx11, 16-bit, head_dim 256)
+        self.multi_capless = bool(self.softcap) and cap_unsupported(
+            self.backend, self.device, self.act, c.head_dim)
         base = slab.ptr
         self._slab_span = (base, base + c.total_bytes)
         self._planes = [(base + 2 * layer * self.plane_bytes,
