@@ -17,8 +17,8 @@
 //
 // Masking: element (row r, position p) counts iff lim[r] - span < p <= lim[r], lim[r] the
 // row's last visible position (causal, and the piece's end), -1 for rows past the sequence's
-// queries; span (a member, set once) the window, or 2^31 for none: one unsigned compare,
-// rf_pf_sees.
+// queries; span (tile's argument, from the kernel's) the window, or 2^31 for none: one
+// unsigned compare, rf_pf_sees.
 #pragma once
 #include "compat.h"
 #include "pf_tile.h"
@@ -68,7 +68,6 @@ struct rf_pf_mma {
   unsigned qa[Q_REGS ? KSTEPS : 1][4];
   float acc[MT][DT][4], m_run[MT][2], l_part[MT][2];
   int lim[MT][2];
-  unsigned span;  // the window (tokens), 2^31 for none
   unsigned q_plane;  // shared-window address of the Q rows
 
   RF_DEVICE void load_q(const char* q, const int* lim_s) {
@@ -97,7 +96,7 @@ struct rf_pf_mma {
   }
   template <bool CAP>  // whether `cap` (> 0: the logit cap) is applied
   RF_DEVICE void tile(const char* k_plane, const char* v_plane, int t0, bool masked,
-                      float qscale, float cap) {
+                      float qscale, float cap, unsigned span) {
     const int lane = w.lane;
     const unsigned k_at = rf_smem_u32(k_plane), v_at = rf_smem_u32(v_plane);
     float s[MT][NT][4];
@@ -292,7 +291,6 @@ struct rf_pf_matrix {
   rf_u64 qf[WMMA ? 1 : KSTEPS];  // MFMA: the lane's Q^T fragment per k-step
   float acc[DT][R], m_run, l_part;
   int lim;
-  unsigned span;  // the window (tokens), 2^31 for none
   const char* q_plane;
 
   RF_DEVICE int row() const { return w.lane % 16; }
@@ -331,7 +329,7 @@ struct rf_pf_matrix {
   // and its P V (a running max per m-tile keeps one m-tile's scores in registers).
   template <bool CAP>  // whether `cap` (> 0: the logit cap) is applied
   RF_DEVICE void tile(const char* k_plane, const char* v_plane, int t0, bool masked,
-                      float qscale, float cap) {
+                      float qscale, float cap, unsigned span) {
     const int lane = w.lane;
 #pragma unroll 1  // one m-tile's code: unrolled, the m-tiles' loads were all hoisted (spills)
     for (int mt = 0; mt < MT; ++mt) {
@@ -460,7 +458,6 @@ struct rf_pf_core {
   rf_pf_warp w;
   float acc[DPL], m_run, l_part;
   int lim;
-  unsigned span;  // the window (tokens), 2^31 for none
   const char* q_plane;
 
   RF_DEVICE int row() const { return w.lane % 16; }
@@ -478,7 +475,7 @@ struct rf_pf_core {
   }
   template <bool CAP>  // whether `cap` (> 0: the logit cap) is applied
   RF_DEVICE void tile(const char* k_plane, const char* v_plane, int t0, bool masked,
-                      float qscale, float cap) {
+                      float qscale, float cap, unsigned span) {
     typedef typename Shape::SRows KRows;
     typedef typename Shape::QRows QRows;
     float s[TPL];
@@ -486,6 +483,7 @@ struct rf_pf_core {
     for (int i = 0; i < TPL; ++i) {
       const int tok = w.tok0 + slice() + J * i;
       float dot = 0.f;
+#pragma unroll 8  // (whole, the window's compare tipped clang into 256 VGPRs at d128)
       for (int c = 0; c < D / 4; ++c) {
         const rf_float4 k = rf_lds_read<rf_float4>(KRows::chunk(k_plane, tok, c));
         const rf_float4 qv = rf_lds_read<rf_float4>(QRows::chunk(q_plane, w.row0 + row(), c));

@@ -236,7 +236,6 @@ RF_DEVICE void prefill(typename E::storage* __restrict__ out, float* __restrict_
                       WM == 4 ? 0 : Shape::NTOK_W * warp};
   if constexpr (sizeof(typename Math::Shared) > 1) math.sh = &math_s;
   math.reset();
-  math.span = window > 0 ? (unsigned)window : 0x80000000u;  // positions lim - span < p <= lim
   const float qscale = scale * RF_PF_LOG2E;
   const float cap = CAP ? softcap * RF_PF_LOG2E : 0.f;  // the cap in the scores' log2 units
   const int first_tile = it.lo / BN, tiles = (it.end - it.lo + BN - 1) / BN;
@@ -266,7 +265,7 @@ RF_DEVICE void prefill(typename E::storage* __restrict__ out, float* __restrict_
     const char* v_plane = k_plane + (Shape::CODE_STAGE ? Shape::WIDE_PLANE : Shape::PLANE);
     const int t0 = (first_tile + t) * BN;
     math.template tile<CAP>(k_plane, v_plane, t0, t0 + BN - 1 > full_lim || t0 < all_from,
-                            qscale, cap);
+                            qscale, cap, window > 0 ? (unsigned)window : 0x80000000u);
     rf_sync();  // every warp is done with stage st (and `wide`) before they are refilled
   }
 

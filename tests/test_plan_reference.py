@@ -71,12 +71,17 @@ def reference_plan(q_lens, kv_lens, kv_heads, ratio, bm, bn, slots, max_pieces):
 
 
 def reference_slots(tables, lens, q_lens, ref_cnt, block_size):
-    """Each sequence's last q_len tokens' slots, -1 in a block another sequence holds."""
-    slots = []
+    """Each sequence's last q_len tokens' slots; -1 for a position of a block another
+    sequence holds that an earlier sequence of the step writes already."""
+    slots, written = [], set()
     for s, (n, q) in enumerate(zip(lens, q_lens)):
         for pos in range(n - q, n):
             block = int(tables[s, pos // block_size])
-            slots.append(-1 if ref_cnt[block] > 1 else block * block_size + pos % block_size)
+            slot = block * block_size + pos % block_size
+            shared = ref_cnt[block] > 1
+            slots.append(-1 if shared and slot in written else slot)
+            if shared:
+                written.add(slot)
     return slots
 
 

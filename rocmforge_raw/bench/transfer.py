@@ -46,6 +46,7 @@ import numpy as np
 from ..cache import CacheConfig, KvCache
 from ..cache.transfer.transport import ReadTime
 from ..common import workers
+from ..memory import ipc
 from ..memory.buffer import HipBuffer
 from ..runtime import Backend
 from . import ceilings
@@ -215,10 +216,12 @@ def _measure(transport: str, scattered: bool, cache: KvCache, link: Any, desc: A
     host = [p.host_s for p in parts[1:] if isinstance(p, ReadTime)]  # IPC, peer
     fixed = [whole_s - p.wait_s for whole_s, p in zip(imports[1:], parts[1:])
              if isinstance(p, ReadTime)]
-    backend, peer = dst.backend, source.device != dst.device
+    remote = ipc.remote_device(source.ptr)  # (the sender's slab mapped on our device)
+    sender = source.device if remote is None else remote
+    backend, peer = dst.backend, sender != dst.device
     return {"transport": transport, "layout": "scattered" if scattered else "consecutive",
-            "sender_device": source.device, "receiver_device": dst.device,
-            "peer_access": backend.peer_access(dst.device, source.device) if peer else None,
+            "sender_device": sender, "receiver_device": dst.device,
+            "peer_access": backend.peer_access(dst.device, sender) if peer else None,
             "bytes": nbytes, "blocks": done.blocks_moved, "spans": _spans(desc, cache.config),
             "transfer_gb_per_s": nbytes / transfer / 1e9,
             "import_gb_per_s": nbytes / whole / 1e9, "copy_gb_per_s": nbytes / copy_s / 1e9,

@@ -214,15 +214,15 @@ def query_slots(const int32_t[:, :] tables, const int32_t[:] lens, const int32_t
     -1 for a position of a block shared with another sequence (ref count over 1) that an
     earlier sequence of this step writes already: each position of a shared block is
     written by the first sequence whose rows reach it, as a prefix hit in the same step as
-    the prompt it hit needs; a sequence's rows in a block are a suffix of what the block
-    holds, so ``lowest[block]``, the first position written so far, says which):
+    the prompt it hit needs; ``written[block]`` holds a bit a position so far):
     ``multi.query_slots``, a block's run of tokens at a time (no division a token). Every
     length, table column and block id is checked first or where read (ValueError,
     IndexError)."""
     cdef Py_ssize_t s, j, k = 0, n = lens.shape[0], width = tables.shape[1]
     cdef Py_ssize_t blocks = ref_cnt.shape[0]
-    cdef int64_t total = 0, pos, end, col, off, run, block, base, own
-    cdef dict lowest = {}  # shared block -> the first of its positions written this step
+    cdef int64_t total = 0, pos, end, col, off, run, block, base
+    cdef dict written = {}  # shared block -> a bit for each position written this step
+    cdef object seen
     if tables.shape[0] != n or query_lens.shape[0] != n:
         raise ValueError(f"{tables.shape[0]} tables, {n} lengths and {query_lens.shape[0]} "
                          "query lengths must pair up")
@@ -245,13 +245,14 @@ def query_slots(const int32_t[:, :] tables, const int32_t[:] lens, const int32_t
                 raise IndexError(f"block {block} outside [0, {blocks})")
             run = min(block_size - off, end - pos)
             base = block * block_size + off
-            own = run  # the run's positions this sequence writes: those below `lowest`
-            if ref_cnt[block] > 1:
-                own = max(0, min(run, <int64_t>lowest.get(block, off + run) - off))
-                if own:
-                    lowest[block] = off
-            for j in range(run):
-                out[k + j] = base + j if j < own else -1
+            if ref_cnt[block] > 1:  # (rare: a prefix hit or a fork in the step)
+                seen = written.get(block, 0)
+                for j in range(run):
+                    out[k + j] = -1 if (seen >> (off + j)) & 1 else base + j
+                written[block] = seen | (((1 << <object>run) - 1) << <object>off)  # (Python ints)
+            else:
+                for j in range(run):
+                    out[k + j] = base + j
             k += run
             pos += run
             col += 1
